@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Installs dependencies, builds, and runs the main demo on 4 local ranks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install-deps.sh
+bash scripts/build.sh
+exec ./build/tessera-run -n 4 ./build/examples/redistribute_tour
