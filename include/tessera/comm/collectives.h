@@ -1,0 +1,68 @@
+#pragma once
+// Blocking collectives over one c10d process group, including the uneven ("-v") variants
+// Gloo lacks, composed without extra bytes on the wire. Each documents what it moves per
+// rank (n = group size, B = bytes of the local input); each reports to comm::record.
+//
+// Every caller passes sizes that all members agree on (they come from replicated specs), so
+// members take the same branches (e.g. skip an all-empty collective) without talking.
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "tessera/comm/accounting.h"
+#include "tessera/compat.h"
+#include "tessera/placement/placement.h"
+
+namespace tessera::comm {
+
+using Group = compat::BackendPtr;
+
+// Concatenation along `dim` of every member's `x`; member i's x has size sizes[i] along dim.
+// Sends (n-1)*B; receives the other members' bytes. Even sizes use the backend's all-gather,
+// uneven ones one all-to-all-v (never padding).
+at::Tensor all_gather(const Group& pg, const at::Tensor& x, int64_t dim,
+                      const std::vector<int64_t>& sizes);
+
+// op over every member's x (same shape everywhere). Accounted as the bandwidth-optimal
+// ring: 2*(n-1)*B/n sent and received. Avg = sum / n.
+at::Tensor all_reduce(const Group& pg, const at::Tensor& x, PartialOp op);
+
+// Member i gets piece i (sizes[i] along `dim`) of op over every member's x.
+// Sends B - own piece; receives (n-1) * own piece. One all-to-all-v + a local reduction.
+at::Tensor reduce_scatter(const Group& pg, const at::Tensor& x, int64_t dim,
+                          const std::vector<int64_t>& sizes, PartialOp op);
+
+struct Range {
+  int64_t offset;
+  int64_t length;
+};
+// Member j receives x.narrow(split_dim, send[j]); the blocks received from member i have
+// shape recv_shapes[i]; the result concatenates them along cat_dim in member order.
+// Sends/receives exactly the blocks of other members (own block is a local copy).
+at::Tensor all_to_all(const Group& pg, const at::Tensor& x, int64_t split_dim,
+                      const std::vector<Range>& send, int64_t cat_dim,
+                      const std::vector<std::vector<int64_t>>& recv_shapes);
+
+// The general all-to-all-v: member j receives send[j] (any shapes, one dtype); returns the
+// blocks received from each member, shaped by recv_shapes. Sends/receives the blocks of
+// other members exactly. Every member must call it, even with nothing to send or receive.
+std::vector<at::Tensor> all_to_all_blocks(const Group& pg, const std::vector<at::Tensor>& send,
+                                          const std::vector<std::vector<int64_t>>& recv_shapes,
+                                          const at::TensorOptions& options,
+                                          CollectiveKind kind = CollectiveKind::AllToAll);
+
+// Root's x to every member (others pass a tensor of the right shape/dtype).
+at::Tensor broadcast(const Group& pg, const at::Tensor& x, int root);
+
+// Small metadata exchanges (accounted as Metadata): every member's vector, equal lengths.
+std::vector<std::vector<int64_t>> all_gather_ints(const Group& pg, const std::vector<int64_t>& v);
+
+// Errors, not hangs: every member calls this at the same point. If any member's `ok` is
+// false, every member throws the same c10::Error, carrying the failing members' messages.
+void check_everywhere(const Group& pg, bool ok, const std::string& message);
+
+int group_rank(const Group& pg);
+int group_size(const Group& pg);
+
+}  // namespace tessera::comm

@@ -1,0 +1,82 @@
+#pragma once
+// DeviceMesh: an N-D grid of ranks with named dims; one process group per mesh dim.
+// A cheap handle (shared implementation), like at::Tensor. Mirrors torch.distributed's
+// DeviceMesh / init_device_mesh.
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <c10/core/DeviceType.h>
+
+#include "tessera/compat.h"
+
+namespace tessera {
+
+class World;
+
+class DeviceMesh {
+ public:
+  DeviceMesh() = default;
+
+  // A mesh over the given global ranks (row-major over `shape`). Collective: every rank of the
+  // world calls it, in the same order; ranks outside the mesh get a handle with no coordinate.
+  DeviceMesh(std::string device_type, std::vector<int64_t> shape, std::vector<int> ranks,
+             std::vector<std::string> dim_names = {});
+
+  bool defined() const { return impl_ != nullptr; }
+  const std::string& device_type() const;
+  c10::DeviceType device_kind() const;
+  int64_t ndim() const;
+  int64_t size() const;              // number of ranks in the mesh
+  int64_t size(int64_t mesh_dim) const;
+  const std::vector<int64_t>& shape() const;
+  const std::vector<int>& ranks() const;  // global ranks, row-major
+  const std::vector<std::string>& dim_names() const;
+  int64_t dim_index(const std::string& name) const;  // throws naming the known dims
+
+  // This rank's coordinate (empty when this rank is not in the mesh).
+  const std::vector<int64_t>& coordinate() const;
+  bool contains_this_rank() const { return !coordinate().empty(); }
+  int64_t local_rank(int64_t mesh_dim) const { return coordinate().at(mesh_dim); }
+
+  // The ranks along `mesh_dim` that share this rank's other coordinates, and their group.
+  compat::BackendPtr group(int64_t mesh_dim) const;
+  std::vector<int> group_ranks(int64_t mesh_dim) const;
+  // One group over all ranks of the mesh (scatter, shape agreement).
+  compat::BackendPtr mesh_group() const;
+
+  // Submesh over named dims, e.g. mesh["tp"] or mesh[{"dp", "tp"}]; reuses the parent's
+  // groups (no new communicators) and is cached, so repeated slicing returns the same mesh.
+  DeviceMesh operator[](const std::string& name) const;
+  DeviceMesh operator[](const std::vector<std::string>& names) const;
+
+  // Global rank at a mesh coordinate.
+  int rank_at(const std::vector<int64_t>& coord) const;
+
+  // Identity: two handles are the same mesh iff they share an implementation.
+  bool operator==(const DeviceMesh& o) const { return impl_ == o.impl_; }
+  bool operator!=(const DeviceMesh& o) const { return impl_ != o.impl_; }
+  const void* id() const { return impl_.get(); }
+
+  std::string str() const;  // DeviceMesh(cpu, shape=[2, 2], ranks=[0,1,2,3], dims=(dp, tp))
+
+  // For caches owned by this mesh (redistribute plans): a handle that does not keep the mesh
+  // alive (no ownership cycle), and a slot plus mutex that die with the mesh.
+  DeviceMesh unowned() const;
+  std::shared_ptr<void>& cache_slot() const;
+  std::mutex& cache_mutex() const;
+
+  struct Impl;
+
+ private:
+  explicit DeviceMesh(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  const Impl& impl() const;
+  std::shared_ptr<Impl> impl_;
+};
+
+// torch.distributed.device_mesh.init_device_mesh: a mesh over all ranks of the current world.
+DeviceMesh init_device_mesh(const std::string& device_type, const std::vector<int64_t>& shape,
+                            const std::vector<std::string>& dim_names = {});
+
+}  // namespace tessera

@@ -1,0 +1,55 @@
+#pragma once
+// A sharding rule decides, for one op call, which layout each distributed input must have and
+// what layout the outputs get. Rules are pure functions of specs and non-tensor arguments:
+// they never touch data or communicate (the fallback does both).
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+#include "tessera/placement/spec.h"
+
+namespace tessera::ops {
+
+struct OpCall {
+  const c10::OperatorHandle& op;
+  const torch::jit::Stack& args;          // the op's arguments, distributed tensors still wrapped
+  std::vector<const DTensorSpec*> specs;  // per argument: its spec, or nullptr if not distributed
+  int first_dtensor = -1;                 // index of the first distributed argument
+
+  const DTensorSpec& first() const { return *specs.at(first_dtensor); }
+  const std::string& name() const;
+  // "aten::add.Tensor(S(0) [8, 4], R [8, 4])": for error messages.
+  std::string describe() const;
+};
+
+struct OpPlan {
+  std::vector<SpecPtr> inputs;   // per argument: the spec it must be redistributed to, or null
+  // Per return: the spec of the result. Rules give the inputs' dtype; where the local result
+  // has another (comparisons, casts), the fallback substitutes it.
+  std::vector<SpecPtr> outputs;
+  // When set, runs instead of the op: receives a stack holding just the (redistributed)
+  // local arguments and leaves just the local results on it: for ops whose local form differs from the global
+  // one, e.g. mean over an unevenly sharded dim is a local sum divided by the global count.
+  std::function<void(torch::jit::Stack&)> local_kernel;
+};
+
+using Rule = OpPlan (*)(const OpCall&);
+
+// Registers `rule` for an op ("aten::add.Tensor"). One rule per op.
+void register_rule(const std::string& qualified_name, Rule rule);
+// The rule of an op, or nullptr. Memoised per operator after the first lookup.
+Rule find_rule(const c10::OperatorHandle& op);
+
+// Helpers shared by rule families.
+SpecPtr same_layout_with_shape(const DTensorSpec& like, std::vector<int64_t> sizes,
+                               c10::ScalarType dtype);
+SpecPtr replicated(const DTensorSpec& like);  // every mesh dim Replicate, same shape
+// Macro-free registration block for a rule family: `static const RuleRegistrar r{[] {...}};`
+struct RuleRegistrar {
+  explicit RuleRegistrar(void (*fn)()) { fn(); }
+};
+
+}  // namespace tessera::ops

@@ -1,0 +1,56 @@
+#pragma once
+// Placements: how one mesh dimension lays a tensor out. Mirrors torch.distributed.tensor's
+// Shard(dim) / Replicate() / Partial(reduce_op).
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tessera {
+
+// Partial(op): every rank holds a term; the global value is op over the terms.
+enum class PartialOp : uint8_t { Sum, Avg, Max, Min };
+const char* to_string(PartialOp op);
+
+class Placement {
+ public:
+  enum class Kind : uint8_t { Replicate, Shard, Partial };
+
+  static Placement shard(int64_t dim) { return Placement(Kind::Shard, dim, PartialOp::Sum); }
+  static Placement replicate() { return Placement(Kind::Replicate, 0, PartialOp::Sum); }
+  static Placement partial(PartialOp op = PartialOp::Sum) { return Placement(Kind::Partial, 0, op); }
+
+  Kind kind() const { return kind_; }
+  bool is_shard() const { return kind_ == Kind::Shard; }
+  bool is_shard(int64_t dim) const { return kind_ == Kind::Shard && dim_ == dim; }
+  bool is_replicate() const { return kind_ == Kind::Replicate; }
+  bool is_partial() const { return kind_ == Kind::Partial; }
+  int64_t dim() const { return dim_; }  // meaningful for Shard only
+  PartialOp reduce_op() const { return op_; }  // meaningful for Partial only
+
+  // Shard(-1) on a 3-d tensor becomes Shard(2); throws if the dim is out of range.
+  Placement normalized(int64_t ndim) const;
+  std::string str() const;  // "S(0)", "R", "P(sum)"
+
+  bool operator==(const Placement& o) const {
+    return kind_ == o.kind_ && (kind_ != Kind::Shard || dim_ == o.dim_) &&
+           (kind_ != Kind::Partial || op_ == o.op_);
+  }
+  bool operator!=(const Placement& o) const { return !(*this == o); }
+
+ private:
+  Placement(Kind k, int64_t dim, PartialOp op) : kind_(k), op_(op), dim_(dim) {}
+  Kind kind_;
+  PartialOp op_;
+  int64_t dim_;
+};
+
+using Placements = std::vector<Placement>;
+
+// Python-style spellings: tessera::Shard(0), tessera::Replicate(), tessera::Partial().
+inline Placement Shard(int64_t dim) { return Placement::shard(dim); }
+inline Placement Replicate() { return Placement::replicate(); }
+inline Placement Partial(PartialOp op = PartialOp::Sum) { return Placement::partial(op); }
+
+std::string to_string(const Placements& p);  // "(S(0), R)"
+
+}  // namespace tessera

@@ -1,0 +1,96 @@
+#pragma once
+// DTensorSpec: everything needed to know where each element of a distributed tensor lives.
+//
+// NOTE: [Shard tables]
+// Shards may have arbitrary sizes (ShardTensor's model), so the spec stores, for every
+// sharded tensor dim t, the size of every shard along t. If mesh dims m1 < m2 < ... all
+// Shard(t), they nest (m1 splits first, m2 splits each m1 piece, ...), and the table is
+// row-major over the coordinates (c[m1], c[m2], ...): entry k is the k-th piece along t.
+// A rank's offset along t is the sum of the entries before its own. torch.chunk's layout is
+// just the default table. A single mesh dim's "every rank's size" is a contiguous run of
+// entries of this table.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <c10/core/ScalarType.h>
+
+#include "tessera/mesh/device_mesh.h"
+#include "tessera/placement/placement.h"
+
+namespace tessera {
+
+using ShardTable = std::vector<int64_t>;
+
+class DTensorSpec {
+ public:
+  // `tables[t]` is the shard table of tensor dim t (empty when t is not sharded); pass no
+  // tables for the torch.chunk layout. Validates everything and throws naming the problem.
+  DTensorSpec(DeviceMesh mesh, Placements placements, std::vector<int64_t> global_sizes,
+              c10::ScalarType dtype, std::vector<ShardTable> tables = {});
+
+  const DeviceMesh& mesh() const { return mesh_; }
+  const Placements& placements() const { return placements_; }
+  const Placement& placement(int64_t mesh_dim) const { return placements_.at(mesh_dim); }
+  const std::vector<int64_t>& sizes() const { return sizes_; }
+  int64_t ndim() const { return static_cast<int64_t>(sizes_.size()); }
+  int64_t numel() const;
+  c10::ScalarType dtype() const { return dtype_; }
+
+  // Mesh dims that Shard(t), ascending (their nesting order).
+  std::vector<int64_t> mesh_dims_sharding(int64_t t) const;
+  const ShardTable& shard_table(int64_t t) const { return tables_.at(t); }
+  const std::vector<ShardTable>& shard_tables() const { return tables_; }
+
+  // Sizes along the tensor dim that `mesh_dim` shards, for the ranks of the mesh_dim group
+  // through `coord` (this rank's coordinate when omitted).
+  std::vector<int64_t> shard_sizes(int64_t mesh_dim, const std::vector<int64_t>& coord) const;
+  std::vector<int64_t> shard_sizes(int64_t mesh_dim) const;
+
+  // Local shard shape / global offsets at a coordinate (this rank's when omitted).
+  std::vector<int64_t> local_sizes(const std::vector<int64_t>& coord) const;
+  std::vector<int64_t> local_offsets(const std::vector<int64_t>& coord) const;
+  std::vector<int64_t> local_sizes() const { return local_sizes(mesh_.coordinate()); }
+  std::vector<int64_t> local_offsets() const { return local_offsets(mesh_.coordinate()); }
+
+  bool has_partial() const;
+  bool is_replicated() const;  // every mesh dim Replicate
+  bool is_sharded() const;
+  size_t hash() const { return hash_; }
+  bool operator==(const DTensorSpec& o) const;
+  bool operator!=(const DTensorSpec& o) const { return !(*this == o); }
+
+  // Same mesh/shape/dtype, new placements (chunk layout for newly sharded dims unless tables).
+  DTensorSpec with_placements(Placements placements, std::vector<ShardTable> tables = {}) const;
+
+  // Same layout with every Partial mesh dim turned into Replicate.
+  DTensorSpec partial_as_replicate() const;
+
+  std::string str() const;  // "[S(0), R] on mesh(2x2) global [8, 5] tables {0: [3, 5]}"
+
+ private:
+  DeviceMesh mesh_;
+  Placements placements_;
+  std::vector<int64_t> sizes_;
+  c10::ScalarType dtype_;
+  std::vector<ShardTable> tables_;
+  size_t hash_ = 0;
+};
+
+using SpecPtr = std::shared_ptr<const DTensorSpec>;
+
+// torch.chunk's split of n into `parts` (ceil-sized pieces, trailing pieces may be 0).
+std::vector<int64_t> chunk_sizes(int64_t n, int64_t parts);
+// The nested torch.chunk table of tensor dim t under `placements` (empty if unsharded).
+ShardTable chunk_table(const DeviceMesh& mesh, const Placements& placements, int64_t t,
+                       int64_t size);
+// Index of the table entry owned by `coord` and the sum of entries before it.
+int64_t table_index(const DeviceMesh& mesh, const std::vector<int64_t>& sharding_dims,
+                    const std::vector<int64_t>& coord);
+// Sum out trailing nesting levels so `keep_levels` remain (levels have sizes `level_sizes`).
+ShardTable marginalize(const ShardTable& table, const std::vector<int64_t>& level_sizes,
+                       size_t keep_levels);
+
+std::string shape_str(const std::vector<int64_t>& v);
+
+}  // namespace tessera

@@ -1,0 +1,15 @@
+#pragma once
+// Tessera: distributed tensors for LibTorch. One include for the whole public API.
+#include "tessera/compat.h"
+#include "tessera/runtime/world.h"
+#include "tessera/mesh/device_mesh.h"
+#include "tessera/placement/placement.h"
+#include "tessera/placement/spec.h"
+#include "tessera/comm/accounting.h"
+#include "tessera/comm/collectives.h"
+#include "tessera/redistribute/redistribute.h"
+#include "tessera/tensor/dtensor_impl.h"
+#include "tessera/tensor/api.h"
+#include "tessera/ops/rule.h"
+#include "tessera/tools/comm_debug_mode.h"
+#include "tessera/testing/run_ranks.h"

@@ -1,0 +1,263 @@
+#include "tessera/comm/collectives.h"
+
+#include <cstring>
+#include <numeric>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+namespace tessera::comm {
+
+namespace {
+
+int64_t nbytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+}
+
+c10d::ReduceOp to_c10d(PartialOp op) {
+  switch (op) {
+    case PartialOp::Sum:
+    case PartialOp::Avg: return c10d::ReduceOp::SUM;
+    case PartialOp::Max: return c10d::ReduceOp::MAX;
+    case PartialOp::Min: return c10d::ReduceOp::MIN;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+// Contiguous bytes of x, as a 1-D uint8 tensor (data movement is dtype-agnostic; this also
+// carries dtypes a backend does not reduce, such as bool).
+at::Tensor as_bytes(const at::Tensor& x) {
+  auto c = x.contiguous();
+  return c.view({-1}).view(at::kByte);
+}
+
+bool leading_dims_trivial(const std::vector<int64_t>& shape, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d)
+    if (shape[d] != 1) return false;
+  return true;
+}
+
+// The one all-to-all-v: member j gets send[j] (contiguous blocks of one dtype); returns the
+// received blocks, shaped by recv_shapes. `flat_in` may pass the already packed input.
+std::vector<at::Tensor> exchange(const Group& pg, const std::vector<at::Tensor>& send,
+                                 const std::vector<std::vector<int64_t>>& recv_shapes,
+                                 const at::TensorOptions& opts, at::Tensor flat_in,
+                                 CollectiveKind kind) {
+  const int n = pg->getSize();
+  const int me = pg->getRank();
+  const int64_t item = static_cast<int64_t>(c10::elementSize(c10::typeMetaToScalarType(opts.dtype())));
+  std::vector<int64_t> in_splits(n), out_splits(n);
+  int64_t sent = 0, recvd = 0, total_in = 0, total_out = 0;
+  for (int j = 0; j < n; ++j) {
+    in_splits[j] = send[j].numel() * item;
+    out_splits[j] = numel_of(recv_shapes[j]) * item;
+    total_in += in_splits[j];
+    total_out += out_splits[j];
+    if (j != me) {
+      sent += in_splits[j];
+      recvd += out_splits[j];
+    }
+  }
+  record({kind, sent, recvd, n});
+  if (!flat_in.defined()) {
+    std::vector<at::Tensor> parts;
+    for (auto& s : send) parts.push_back(as_bytes(s));
+    flat_in = parts.empty() ? at::empty({0}, opts.dtype(at::kByte)) : at::cat(parts);
+  }
+  auto flat_out = at::empty({total_out}, opts.dtype(at::kByte));
+  if (n == 1) {
+    flat_out.copy_(flat_in);
+  } else {
+    // The backend takes the split vectors by reference and may consume them: pass copies.
+    auto out_arg = out_splits;
+    auto in_arg = in_splits;
+    pg->alltoall_base(flat_out, flat_in, out_arg, in_arg)->wait();
+  }
+  std::vector<at::Tensor> out;
+  int64_t off = 0;
+  for (int i = 0; i < n; ++i) {
+    out.push_back(flat_out.narrow(0, off, out_splits[i]).view(c10::typeMetaToScalarType(opts.dtype()))
+                      .view(recv_shapes[i]));
+    off += out_splits[i];
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> all_to_all_blocks(const Group& pg, const std::vector<at::Tensor>& send,
+                                          const std::vector<std::vector<int64_t>>& recv_shapes,
+                                          const at::TensorOptions& options, CollectiveKind kind) {
+  return exchange(pg, send, recv_shapes, options, {}, kind);
+}
+
+int group_rank(const Group& pg) { return pg->getRank(); }
+int group_size(const Group& pg) { return pg->getSize(); }
+
+at::Tensor all_gather(const Group& pg, const at::Tensor& x, int64_t dim,
+                      const std::vector<int64_t>& sizes) {
+  const int n = pg->getSize();
+  const int me = pg->getRank();
+  TORCH_INTERNAL_ASSERT(static_cast<int>(sizes.size()) == n && sizes[me] == x.size(dim));
+  std::vector<int64_t> shape = x.sizes().vec();
+  const int64_t row = nbytes(x) / std::max<int64_t>(sizes[me], 1);
+  const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  shape[dim] = total;
+  if (n == 1) return x;
+  const bool even = std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == sizes[0]; });
+  if (total == 0 || numel_of(shape) == 0) {
+    record({CollectiveKind::AllGather, 0, 0, n});
+    return at::empty(shape, x.options());
+  }
+  if (even) {
+    int64_t recvd = 0;
+    for (int i = 0; i < n; ++i) recvd += i == me ? 0 : sizes[i] * row;
+    record({CollectiveKind::AllGather, (n - 1) * nbytes(x), recvd, n});
+    std::vector<at::Tensor> in{as_bytes(x)};
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int i = 0; i < n; ++i) out[0].push_back(at::empty_like(in[0]));
+    pg->allgather(out, in)->wait();
+    std::vector<at::Tensor> blocks;
+    auto block_shape = x.sizes().vec();
+    for (auto& b : out[0]) blocks.push_back(b.view(x.scalar_type()).view(block_shape));
+    return at::cat(blocks, dim);
+  }
+  // Uneven: one all-to-all-v where every member sends its whole shard to everyone.
+  std::vector<at::Tensor> send(n, x.contiguous());
+  std::vector<std::vector<int64_t>> recv_shapes(n, x.sizes().vec());
+  for (int i = 0; i < n; ++i) recv_shapes[i][dim] = sizes[i];
+  auto blocks = exchange(pg, send, recv_shapes, x.options(), {}, CollectiveKind::AllGather);
+  return at::cat(blocks, dim);
+}
+
+at::Tensor all_reduce(const Group& pg, const at::Tensor& x, PartialOp op) {
+  const int n = pg->getSize();
+  const int64_t b = nbytes(x);
+  const int64_t ring = 2 * (n - 1) * b / n;
+  record({CollectiveKind::AllReduce, ring, ring, n});
+  if (n == 1 || x.numel() == 0) return x;
+  std::vector<at::Tensor> buf{x.contiguous().clone()};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(op);
+  pg->allreduce(buf, opts)->wait();
+  if (op == PartialOp::Avg) {
+    if (at::isIntegralType(buf[0].scalar_type(), /*includeBool=*/true))
+      return buf[0].div(n, "floor");
+    return buf[0].div_(n);
+  }
+  return buf[0];
+}
+
+at::Tensor reduce_scatter(const Group& pg, const at::Tensor& x, int64_t dim,
+                          const std::vector<int64_t>& sizes, PartialOp op) {
+  const int n = pg->getSize();
+  const int me = pg->getRank();
+  TORCH_INTERNAL_ASSERT(static_cast<int>(sizes.size()) == n);
+  if (n == 1) return x;
+  std::vector<at::Tensor> send;
+  int64_t off = 0;
+  for (int j = 0; j < n; ++j) {
+    send.push_back(x.narrow(dim, off, sizes[j]));
+    off += sizes[j];
+  }
+  auto mine = x.sizes().vec();
+  mine[dim] = sizes[me];
+  std::vector<std::vector<int64_t>> recv_shapes(n, mine);
+  at::Tensor flat_in;
+  if (leading_dims_trivial(x.sizes().vec(), dim)) flat_in = as_bytes(x);
+  auto blocks = exchange(pg, send, recv_shapes, x.options(), flat_in,
+                         CollectiveKind::ReduceScatter);
+  auto stacked = at::stack(blocks);
+  switch (op) {
+    case PartialOp::Sum: return stacked.sum(0);
+    case PartialOp::Avg:
+      return at::isIntegralType(x.scalar_type(), true) ? stacked.sum(0).div(n, "floor")
+                                                         : stacked.sum(0).div_(n);
+    case PartialOp::Max: return std::get<0>(stacked.max(0));
+    case PartialOp::Min: return std::get<0>(stacked.min(0));
+  }
+  return stacked.sum(0);
+}
+
+at::Tensor all_to_all(const Group& pg, const at::Tensor& x, int64_t split_dim,
+                      const std::vector<Range>& send, int64_t cat_dim,
+                      const std::vector<std::vector<int64_t>>& recv_shapes) {
+  const int n = pg->getSize();
+  TORCH_INTERNAL_ASSERT(static_cast<int>(send.size()) == n &&
+                        static_cast<int>(recv_shapes.size()) == n);
+  std::vector<at::Tensor> blocks;
+  bool tiles = leading_dims_trivial(x.sizes().vec(), split_dim) && send[0].offset == 0;
+  int64_t next = 0;
+  for (int j = 0; j < n; ++j) {
+    blocks.push_back(x.narrow(split_dim, send[j].offset, send[j].length));
+    tiles = tiles && send[j].offset == next;
+    next = send[j].offset + send[j].length;
+  }
+  tiles = tiles && next == x.size(split_dim);
+  auto recvd = exchange(pg, blocks, recv_shapes, x.options(), tiles ? as_bytes(x) : at::Tensor(),
+                        CollectiveKind::AllToAll);
+  if (n == 1) return recvd[0];
+  return at::cat(recvd, cat_dim);
+}
+
+at::Tensor broadcast(const Group& pg, const at::Tensor& x, int root) {
+  const int n = pg->getSize();
+  const int64_t b = nbytes(x);
+  record({CollectiveKind::Broadcast, pg->getRank() == root ? (n - 1) * b : 0,
+          pg->getRank() == root ? 0 : b, n});
+  if (n == 1 || x.numel() == 0) return x;
+  std::vector<at::Tensor> buf{as_bytes(x).clone()};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  pg->broadcast(buf, opts)->wait();
+  return buf[0].view(x.scalar_type()).view(x.sizes());
+}
+
+std::vector<std::vector<int64_t>> all_gather_ints(const Group& pg, const std::vector<int64_t>& v) {
+  const int n = pg->getSize();
+  const int64_t b = static_cast<int64_t>(v.size() * sizeof(int64_t));
+  record({CollectiveKind::Metadata, (n - 1) * b, (n - 1) * b, n});
+  if (n == 1) return {v};
+  auto t = at::tensor(v.empty() ? std::vector<int64_t>{0} : v, at::kLong);
+  std::vector<at::Tensor> in{t};
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int i = 0; i < n; ++i) out[0].push_back(at::empty_like(t));
+  pg->allgather(out, in)->wait();
+  std::vector<std::vector<int64_t>> res;
+  for (auto& o : out[0]) {
+    auto p = o.data_ptr<int64_t>();
+    res.emplace_back(p, p + v.size());
+  }
+  return res;
+}
+
+void check_everywhere(const Group& pg, bool ok, const std::string& message) {
+  const std::string mine = ok ? std::string() : message;
+  auto flags = all_gather_ints(pg, {ok ? 1 : 0, static_cast<int64_t>(mine.size())});
+  bool all_ok = true;
+  std::vector<int64_t> lens;
+  for (auto& f : flags) {
+    all_ok = all_ok && f[0] == 1;
+    lens.push_back(f[1]);
+  }
+  if (all_ok) return;
+  // Ship every failing member's message to everyone, so all ranks raise the same error.
+  auto bytes = at::empty({static_cast<int64_t>(mine.size())}, at::kByte);
+  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  auto all = all_gather(pg, bytes, 0, lens);
+  std::string text;
+  int64_t off = 0;
+  for (size_t i = 0; i < lens.size(); ++i) {
+    if (lens[i] > 0 || flags[i][0] == 0) {
+      std::string m(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + off, lens[i]);
+      text += (text.empty() ? "" : "; ") + std::string("[group member ") + std::to_string(i) +
+              "] " + m;
+    }
+    off += lens[i];
+  }
+  TORCH_CHECK(false, text);
+}
+
+}  // namespace tessera::comm

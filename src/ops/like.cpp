@@ -1,0 +1,61 @@
+// Ops whose result has the input's layout: identity/alias ops, *_like factories, casts,
+// fills; and item(), which needs the whole (replicated) value.
+#include "tessera/ops/rule.h"
+
+namespace tessera::ops {
+
+namespace {
+
+OpPlan keep_layout(const OpCall& call) {
+  OpPlan plan;
+  plan.outputs.push_back(std::make_shared<DTensorSpec>(call.first()));
+  return plan;
+}
+
+// New values (ones, fill, random) are not partial terms: Partial dims become Replicate.
+OpPlan fresh_values(const OpCall& call) {
+  OpPlan plan;
+  plan.outputs.push_back(std::make_shared<DTensorSpec>(call.first().partial_as_replicate()));
+  return plan;
+}
+
+OpPlan needs_replicate(const OpCall& call) {
+  OpPlan plan;
+  plan.inputs.resize(call.args.size());
+  plan.inputs[call.first_dtensor] = replicated(call.first());
+  plan.outputs.push_back(replicated(call.first()));
+  return plan;
+}
+
+// copy_(self, src): src moves to self's layout. A partial self is made whole first (its
+// terms are about to be overwritten, but its shard shape must be a real layout).
+OpPlan copy_rule(const OpCall& call) {
+  OpPlan plan;
+  plan.inputs.resize(call.args.size());
+  auto self = std::make_shared<DTensorSpec>(call.specs[0]->partial_as_replicate());
+  const auto& src = *call.specs[1];
+  plan.inputs[0] = self;
+  plan.inputs[1] = std::make_shared<DTensorSpec>(self->mesh(), self->placements(), src.sizes(),
+                                                 src.dtype(), self->shard_tables());
+  plan.outputs.push_back(self);
+  return plan;
+}
+
+const RuleRegistrar registrar{[] {
+  for (const char* op : {"aten::detach", "aten::alias", "aten::clone", "aten::zeros_like",
+                         "aten::_to_copy", "aten::zero_", "aten::lift_fresh",
+                         "aten::detach_", "aten::_conj", "aten::conj_physical",
+                         "aten::resolve_conj", "aten::resolve_neg"})
+    register_rule(op, keep_layout);
+  for (const char* op : {"aten::ones_like", "aten::empty_like", "aten::full_like",
+                         "aten::fill_.Scalar", "aten::fill.Scalar", "aten::rand_like",
+                         "aten::randn_like"})
+    register_rule(op, fresh_values);
+  register_rule("aten::_local_scalar_dense", needs_replicate);
+  register_rule("aten::is_nonzero", needs_replicate);
+  register_rule("aten::copy_", copy_rule);
+}};
+
+}  // namespace
+
+}  // namespace tessera::ops

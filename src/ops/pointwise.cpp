@@ -1,0 +1,176 @@
+// Pointwise ops: operands are aligned to one reference layout (the first distributed
+// operand with the output's shape); broadcast dims are replicated.
+//
+// Partial rules, [out | operands] (one mesh dim shown):
+//   additive (add, sub):       P(sum) | P(sum), P(sum)   R operands become P (no comm)
+//   scaling  (mul, div, neg):  P(sum) | P(sum), R        only the reference may be partial
+//   anything else:             R      | R, R             P(x) + 1 would add 1 n times
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+
+#include "tessera/ops/rule.h"
+
+namespace tessera::ops {
+
+namespace {
+
+enum class PartialPolicy { Replicate, Additive, Scaling };
+
+std::vector<int64_t> broadcast_shape(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
+  const size_t n = std::max(a.size(), b.size());
+  std::vector<int64_t> out(n, 1);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t x = i < n - a.size() ? 1 : a[i - (n - a.size())];
+    const int64_t y = i < n - b.size() ? 1 : b[i - (n - b.size())];
+    TORCH_CHECK(x == y || x == 1 || y == 1, "tessera: shapes ", shape_str(a), " and ",
+                shape_str(b), " do not broadcast");
+    out[i] = x == 1 ? y : x;
+  }
+  return out;
+}
+
+// The operand's layout that lines up with the reference's: same shard dims where the operand
+// has the full extent, Replicate where it broadcasts.
+SpecPtr align_to(const DTensorSpec& ref, const DTensorSpec& operand, bool keep_partial) {
+  const int64_t shift = ref.ndim() - operand.ndim();
+  Placements p = ref.placements();
+  std::vector<ShardTable> tables(operand.ndim());
+  for (auto& x : p) {
+    if (x.is_partial() && !keep_partial) x = Replicate();
+    if (!x.is_shard()) continue;
+    const int64_t t_in = x.dim() - shift;
+    if (t_in < 0 || operand.sizes()[t_in] != ref.sizes()[x.dim()]) {
+      x = Replicate();
+      continue;
+    }
+    tables[t_in] = ref.shard_table(x.dim());
+    x = Shard(t_in);
+  }
+  return std::make_shared<DTensorSpec>(ref.mesh(), p, operand.sizes(), operand.dtype(), tables);
+}
+
+int out_argument(const c10::FunctionSchema& schema) {
+  for (size_t i = 0; i < schema.arguments().size(); ++i) {
+    const auto& a = schema.arguments()[i];
+    if (a.kwarg_only() && a.alias_info() && a.alias_info()->isWrite()) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+OpPlan pointwise(const OpCall& call, PartialPolicy policy) {
+  const auto& schema = call.op.schema();
+  const int out_idx = out_argument(schema);
+  const size_t n = call.args.size();
+  std::vector<int64_t> out_shape;
+  bool plain_operand = false;
+  for (size_t i = 0; i < n; ++i) {
+    if (static_cast<int>(i) == out_idx || !call.args[i].isTensor()) {
+      // A number operand ("other"), not a coefficient such as add's alpha.
+      plain_operand = plain_operand ||
+                      (call.args[i].isScalar() && schema.arguments()[i].name() == "other");
+      continue;
+    }
+    const auto& t = call.args[i].toTensor();
+    if (!t.defined()) continue;
+    if (!call.specs[i]) plain_operand = true;
+    out_shape = broadcast_shape(out_shape, call.specs[i] ? call.specs[i]->sizes() : t.sizes().vec());
+  }
+  const DTensorSpec* ref = nullptr;
+  int partial_operands = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (!call.specs[i] || static_cast<int>(i) == out_idx) continue;
+    if (call.specs[i]->has_partial()) ++partial_operands;
+    if (!ref && call.specs[i]->sizes() == out_shape) ref = call.specs[i];
+  }
+  const bool inplace = schema.arguments().size() > 0 && schema.arguments()[0].alias_info() &&
+                       schema.arguments()[0].alias_info()->isWrite();
+  TORCH_CHECK(!inplace || (call.specs[0] && call.specs[0] == ref), "tessera: ", call.describe(),
+              ": an in-place op needs `self` distributed with the broadcast result's shape ",
+              shape_str(out_shape));
+
+  OpPlan plan;
+  plan.inputs.resize(n);
+  if (!ref) {
+    // Every operand broadcasts: compute replicated.
+    for (size_t i = 0; i < n; ++i)
+      if (call.specs[i] && static_cast<int>(i) != out_idx) plan.inputs[i] = replicated(*call.specs[i]);
+    auto out = std::make_shared<DTensorSpec>(call.first().mesh(),
+                                             Placements(call.first().mesh().ndim(), Replicate()),
+                                             out_shape, call.first().dtype());
+    plan.outputs.push_back(out);
+    return plan;
+  }
+  bool keep_partial = false;
+  if (ref->has_partial()) {
+    if (policy == PartialPolicy::Additive) keep_partial = !plain_operand;
+    if (policy == PartialPolicy::Scaling) keep_partial = partial_operands == 1;
+  }
+  SpecPtr ref_target = keep_partial ? std::make_shared<DTensorSpec>(*ref)
+                                    : std::make_shared<DTensorSpec>(ref->partial_as_replicate());
+  for (size_t i = 0; i < n; ++i) {
+    if (!call.specs[i] || static_cast<int>(i) == out_idx) continue;
+    if (call.specs[i] == ref) {
+      plan.inputs[i] = ref_target;
+      continue;
+    }
+    const bool operand_partial = keep_partial && policy == PartialPolicy::Additive;
+    plan.inputs[i] = align_to(*ref_target, *call.specs[i], operand_partial);
+  }
+  plan.outputs.push_back(ref_target);
+  return plan;
+}
+
+OpPlan replicate_partials(const OpCall& call) { return pointwise(call, PartialPolicy::Replicate); }
+OpPlan additive(const OpCall& call) { return pointwise(call, PartialPolicy::Additive); }
+OpPlan scaling(const OpCall& call) { return pointwise(call, PartialPolicy::Scaling); }
+
+// Every overload family gets the functional, in-place and out= forms.
+void family(const std::string& base, const std::vector<std::string>& overloads, Rule rule) {
+  for (const auto& o : overloads) {
+    const std::string suffix = o.empty() ? "" : "." + o;
+    register_rule("aten::" + base + suffix, rule);
+    register_rule("aten::" + base + "_" + suffix, rule);
+  }
+  register_rule("aten::" + base + ".out", rule);
+}
+
+const RuleRegistrar registrar{[] {
+  family("add", {"Tensor", "Scalar"}, additive);
+  family("sub", {"Tensor", "Scalar"}, additive);
+  family("mul", {"Tensor", "Scalar"}, scaling);
+  family("div", {"Tensor", "Scalar", "Tensor_mode", "Scalar_mode"}, scaling);
+  family("neg", {""}, scaling);
+  for (const char* unary :
+       {"abs", "exp", "expm1", "log", "log1p", "log2", "sqrt", "rsqrt", "sin", "cos", "tan",
+        "tanh", "sigmoid", "relu", "reciprocal", "sign", "floor", "ceil", "round", "trunc",
+        "erf", "silu", "square", "logical_not", "bitwise_not", "exp2", "sgn"})
+    family(unary, {""}, replicate_partials);
+  for (const char* binary : {"pow", "maximum", "minimum", "fmod", "remainder", "atan2",
+                             "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
+                             "bitwise_and", "bitwise_or", "bitwise_xor", "hypot", "copysign",
+                             "fmax", "fmin", "xlogy"})
+    family(binary, {"Tensor", "Scalar", "Tensor_Scalar", "Tensor_Tensor"}, replicate_partials);
+  family("clamp", {"", "Tensor"}, replicate_partials);
+  family("clamp_min", {"", "Tensor"}, replicate_partials);
+  family("clamp_max", {"", "Tensor"}, replicate_partials);
+  family("lerp", {"Scalar", "Tensor"}, replicate_partials);
+  family("addcmul", {""}, replicate_partials);
+  family("addcdiv", {""}, replicate_partials);
+  family("where", {"self"}, replicate_partials);
+  family("gelu", {""}, replicate_partials);
+  family("leaky_relu", {""}, replicate_partials);
+  family("hardtanh", {""}, replicate_partials);
+  for (const char* bw : {"threshold_backward", "sigmoid_backward", "tanh_backward",
+                         "gelu_backward", "silu_backward", "leaky_relu_backward",
+                         "hardtanh_backward"})
+    register_rule(std::string("aten::") + bw, replicate_partials),
+        register_rule(std::string("aten::") + bw + ".grad_input", replicate_partials);
+  register_rule("aten::masked_fill.Scalar", replicate_partials);
+  register_rule("aten::masked_fill_.Scalar", replicate_partials);
+  register_rule("aten::masked_fill.Tensor", replicate_partials);
+  register_rule("aten::masked_fill_.Tensor", replicate_partials);
+}};
+
+}  // namespace
+
+}  // namespace tessera::ops

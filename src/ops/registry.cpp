@@ -1,0 +1,80 @@
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+
+#include <c10/util/Exception.h>
+
+#include "tessera/ops/rule.h"
+
+namespace tessera::ops {
+
+namespace {
+struct Registry {
+  std::shared_mutex mu;
+  std::unordered_map<std::string, Rule> by_name;
+  std::unordered_map<const void*, Rule> by_schema;  // memo: one lookup per operator
+};
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+std::string qualified(const c10::OperatorName& n) {
+  return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
+}
+}  // namespace
+
+void register_rule(const std::string& qualified_name, Rule rule) {
+  auto& r = registry();
+  std::unique_lock<std::shared_mutex> lock(r.mu);
+  auto [it, inserted] = r.by_name.emplace(qualified_name, rule);
+  TORCH_CHECK(inserted || it->second == rule, "tessera: a second sharding rule for ",
+              qualified_name, "; one rule per op");
+  r.by_schema.clear();
+}
+
+Rule find_rule(const c10::OperatorHandle& op) {
+  auto& r = registry();
+  const void* key = &op.schema();
+  {
+    std::shared_lock<std::shared_mutex> lock(r.mu);
+    auto it = r.by_schema.find(key);
+    if (it != r.by_schema.end()) return it->second;
+  }
+  std::unique_lock<std::shared_mutex> lock(r.mu);
+  auto it = r.by_name.find(qualified(op.operator_name()));
+  Rule rule = it == r.by_name.end() ? nullptr : it->second;
+  r.by_schema.emplace(key, rule);
+  return rule;
+}
+
+const std::string& OpCall::name() const { return op.schema().name(); }
+
+std::string OpCall::describe() const {
+  std::string s = qualified(op.operator_name()) + "(";
+  bool first = true;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (!args[i].isTensor()) continue;
+    s += first ? "" : ", ";
+    first = false;
+    if (specs[i]) {
+      s += to_string(specs[i]->placements()) + " " + shape_str(specs[i]->sizes());
+    } else {
+      const auto& t = args[i].toTensor();
+      s += t.defined() ? "plain " + shape_str(t.sizes().vec()) : "undefined";
+    }
+  }
+  return s + ")";
+}
+
+SpecPtr same_layout_with_shape(const DTensorSpec& like, std::vector<int64_t> sizes,
+                               c10::ScalarType dtype) {
+  return std::make_shared<DTensorSpec>(like.mesh(), like.placements(), std::move(sizes), dtype,
+                                       like.shard_tables());
+}
+
+SpecPtr replicated(const DTensorSpec& like) {
+  return std::make_shared<DTensorSpec>(like.mesh(), Placements(like.mesh().ndim(), Replicate()),
+                                       like.sizes(), like.dtype());
+}
+
+}  // namespace tessera::ops

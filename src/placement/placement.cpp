@@ -1,0 +1,40 @@
+#include "tessera/placement/placement.h"
+
+#include <c10/util/Exception.h>
+
+namespace tessera {
+
+const char* to_string(PartialOp op) {
+  switch (op) {
+    case PartialOp::Sum: return "sum";
+    case PartialOp::Avg: return "avg";
+    case PartialOp::Max: return "max";
+    case PartialOp::Min: return "min";
+  }
+  return "?";
+}
+
+Placement Placement::normalized(int64_t ndim) const {
+  if (!is_shard()) return *this;
+  TORCH_CHECK(dim_ >= -ndim && dim_ < std::max<int64_t>(ndim, 1) && ndim > 0,
+              "tessera: Shard(", dim_, ") is out of range for a tensor with ", ndim,
+              " dims; use a dim in [", -ndim, ", ", ndim - 1, "]");
+  return Placement::shard(dim_ < 0 ? dim_ + ndim : dim_);
+}
+
+std::string Placement::str() const {
+  switch (kind_) {
+    case Kind::Shard: return "S(" + std::to_string(dim_) + ")";
+    case Kind::Replicate: return "R";
+    case Kind::Partial: return std::string("P(") + to_string(op_) + ")";
+  }
+  return "?";
+}
+
+std::string to_string(const Placements& p) {
+  std::string s = "(";
+  for (size_t i = 0; i < p.size(); ++i) s += (i ? ", " : "") + p[i].str();
+  return s + ")";
+}
+
+}  // namespace tessera

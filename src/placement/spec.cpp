@@ -1,0 +1,217 @@
+#include "tessera/placement/spec.h"
+
+#include <functional>
+#include <numeric>
+
+#include <c10/util/Exception.h>
+#include <c10/util/hash.h>
+
+namespace tessera {
+
+std::string shape_str(const std::vector<int64_t>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+std::vector<int64_t> chunk_sizes(int64_t n, int64_t parts) {
+  const int64_t chunk = parts > 0 ? (n + parts - 1) / parts : 0;
+  std::vector<int64_t> out(parts);
+  int64_t left = n;
+  for (auto& s : out) {
+    s = std::min(chunk, left);
+    left -= s;
+  }
+  return out;
+}
+
+ShardTable chunk_table(const DeviceMesh& mesh, const Placements& placements, int64_t t,
+                       int64_t size) {
+  ShardTable table;
+  for (size_t m = 0; m < placements.size(); ++m) {
+    if (!placements[m].is_shard(t)) continue;
+    if (table.empty()) {
+      table = chunk_sizes(size, mesh.size(m));
+      continue;
+    }
+    ShardTable next;
+    for (auto piece : table)
+      for (auto s : chunk_sizes(piece, mesh.size(m))) next.push_back(s);
+    table = std::move(next);
+  }
+  return table;
+}
+
+int64_t table_index(const DeviceMesh& mesh, const std::vector<int64_t>& sharding_dims,
+                    const std::vector<int64_t>& coord) {
+  int64_t idx = 0;
+  for (auto m : sharding_dims) idx = idx * mesh.size(m) + coord.at(m);
+  return idx;
+}
+
+ShardTable marginalize(const ShardTable& table, const std::vector<int64_t>& level_sizes,
+                       size_t keep_levels) {
+  int64_t inner = 1;
+  for (size_t i = keep_levels; i < level_sizes.size(); ++i) inner *= level_sizes[i];
+  ShardTable out(table.size() / inner, 0);
+  for (size_t i = 0; i < table.size(); ++i) out[i / inner] += table[i];
+  return out;
+}
+
+DTensorSpec::DTensorSpec(DeviceMesh mesh, Placements placements,
+                         std::vector<int64_t> global_sizes, c10::ScalarType dtype,
+                         std::vector<ShardTable> tables)
+    : mesh_(std::move(mesh)), sizes_(std::move(global_sizes)), dtype_(dtype) {
+  TORCH_CHECK(mesh_.defined(), "tessera: a distributed tensor needs a defined DeviceMesh");
+  TORCH_CHECK(static_cast<int64_t>(placements.size()) == mesh_.ndim(), "tessera: placements ",
+              to_string(placements), " has ", placements.size(), " entries but ", mesh_.str(),
+              " has ", mesh_.ndim(), " dims; give one placement per mesh dim");
+  const int64_t nd = static_cast<int64_t>(sizes_.size());
+  for (auto& p : placements) {
+    TORCH_CHECK(!p.is_shard() || nd > 0, "tessera: ", p.str(),
+                " cannot shard a 0-dim tensor (global shape []); use Replicate()");
+    placements_.push_back(p.normalized(nd));
+  }
+  for (auto s : sizes_) TORCH_CHECK(s >= 0, "tessera: negative global size in ", shape_str(sizes_));
+  TORCH_CHECK(tables.empty() || static_cast<int64_t>(tables.size()) == nd,
+              "tessera: expected ", nd, " shard tables (one per tensor dim), got ", tables.size());
+  tables_.resize(nd);
+  for (int64_t t = 0; t < nd; ++t) {
+    auto dims = mesh_dims_sharding(t);
+    if (dims.empty()) {
+      TORCH_CHECK(tables.empty() || tables[t].empty(), "tessera: a shard table was given for ",
+                  "tensor dim ", t, ", which ", to_string(placements_), " does not shard");
+      continue;
+    }
+    if (tables.empty() || tables[t].empty()) {
+      tables_[t] = chunk_table(mesh_, placements_, t, sizes_[t]);
+      continue;
+    }
+    int64_t expected = 1;
+    for (auto m : dims) expected *= mesh_.size(m);
+    auto& tab = tables[t];
+    TORCH_CHECK(static_cast<int64_t>(tab.size()) == expected, "tessera: shard sizes for tensor dim ",
+                t, " have ", tab.size(), " entries but ", to_string(placements_), " on ",
+                mesh_.str(), " makes ", expected, " shards");
+    int64_t total = 0;
+    for (auto s : tab) {
+      TORCH_CHECK(s >= 0, "tessera: negative shard size in ", shape_str(tab));
+      total += s;
+    }
+    TORCH_CHECK(total == sizes_[t], "tessera: shard sizes ", shape_str(tab), " along tensor dim ",
+                t, " sum to ", total, " but the global size is ", sizes_[t], " (global shape ",
+                shape_str(sizes_), ", placements ", to_string(placements_), ")");
+    tables_[t] = std::move(tab);
+  }
+  size_t h = std::hash<const void*>()(mesh_.id());
+  for (auto& p : placements_)
+    h = c10::hash_combine(h, (static_cast<size_t>(p.kind()) << 16) ^
+                                 (static_cast<size_t>(p.dim()) << 4) ^
+                                 static_cast<size_t>(p.reduce_op()));
+  for (auto s : sizes_) h = c10::hash_combine(h, static_cast<size_t>(s));
+  for (auto& tab : tables_) {
+    h = c10::hash_combine(h, tab.size());
+    for (auto s : tab) h = c10::hash_combine(h, static_cast<size_t>(s));
+  }
+  hash_ = c10::hash_combine(h, static_cast<size_t>(dtype_));
+}
+
+int64_t DTensorSpec::numel() const {
+  return std::accumulate(sizes_.begin(), sizes_.end(), int64_t{1}, std::multiplies<>());
+}
+
+std::vector<int64_t> DTensorSpec::mesh_dims_sharding(int64_t t) const {
+  std::vector<int64_t> out;
+  for (size_t m = 0; m < placements_.size(); ++m)
+    if (placements_[m].is_shard(t)) out.push_back(static_cast<int64_t>(m));
+  return out;
+}
+
+std::vector<int64_t> DTensorSpec::shard_sizes(int64_t mesh_dim,
+                                              const std::vector<int64_t>& coord) const {
+  const auto& p = placements_.at(mesh_dim);
+  TORCH_CHECK(p.is_shard(), "tessera: mesh dim ", mesh_dim, " is ", p.str(), ", not a Shard");
+  auto dims = mesh_dims_sharding(p.dim());
+  std::vector<int64_t> c = coord;
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < mesh_.size(mesh_dim); ++i) {
+    c[mesh_dim] = i;
+    // Entries of a level: marginalize the deeper levels away first.
+    std::vector<int64_t> levels;
+    for (auto m : dims) levels.push_back(mesh_.size(m));
+    size_t level = std::find(dims.begin(), dims.end(), mesh_dim) - dims.begin();
+    auto marg = marginalize(tables_[p.dim()], levels, level + 1);
+    std::vector<int64_t> prefix(dims.begin(), dims.begin() + level + 1);
+    out.push_back(marg[table_index(mesh_, prefix, c)]);
+  }
+  return out;
+}
+
+std::vector<int64_t> DTensorSpec::shard_sizes(int64_t mesh_dim) const {
+  return shard_sizes(mesh_dim, mesh_.coordinate());
+}
+
+std::vector<int64_t> DTensorSpec::local_sizes(const std::vector<int64_t>& coord) const {
+  std::vector<int64_t> out = sizes_;
+  for (int64_t t = 0; t < ndim(); ++t) {
+    if (tables_[t].empty()) continue;
+    out[t] = tables_[t][table_index(mesh_, mesh_dims_sharding(t), coord)];
+  }
+  return out;
+}
+
+std::vector<int64_t> DTensorSpec::local_offsets(const std::vector<int64_t>& coord) const {
+  std::vector<int64_t> out(sizes_.size(), 0);
+  for (int64_t t = 0; t < ndim(); ++t) {
+    if (tables_[t].empty()) continue;
+    const int64_t idx = table_index(mesh_, mesh_dims_sharding(t), coord);
+    out[t] = std::accumulate(tables_[t].begin(), tables_[t].begin() + idx, int64_t{0});
+  }
+  return out;
+}
+
+bool DTensorSpec::has_partial() const {
+  for (auto& p : placements_) if (p.is_partial()) return true;
+  return false;
+}
+bool DTensorSpec::is_replicated() const {
+  for (auto& p : placements_) if (!p.is_replicate()) return false;
+  return true;
+}
+bool DTensorSpec::is_sharded() const {
+  for (auto& p : placements_) if (p.is_shard()) return true;
+  return false;
+}
+
+bool DTensorSpec::operator==(const DTensorSpec& o) const {
+  return hash_ == o.hash_ && mesh_ == o.mesh_ && dtype_ == o.dtype_ &&
+         placements_ == o.placements_ && sizes_ == o.sizes_ && tables_ == o.tables_;
+}
+
+DTensorSpec DTensorSpec::with_placements(Placements placements,
+                                         std::vector<ShardTable> tables) const {
+  return DTensorSpec(mesh_, std::move(placements), sizes_, dtype_, std::move(tables));
+}
+
+DTensorSpec DTensorSpec::partial_as_replicate() const {
+  Placements p = placements_;
+  for (auto& x : p)
+    if (x.is_partial()) x = Replicate();
+  return with_placements(std::move(p), tables_);
+}
+
+std::string DTensorSpec::str() const {
+  std::string s = to_string(placements_) + " on mesh" + shape_str(mesh_.shape()) + " global " +
+                  shape_str(sizes_);
+  std::string tabs;
+  for (int64_t t = 0; t < ndim(); ++t) {
+    if (tables_[t].empty()) continue;
+    // Only worth printing when it is not the default layout.
+    if (tables_[t] == chunk_table(mesh_, placements_, t, sizes_[t])) continue;
+    tabs += (tabs.empty() ? "" : ", ") + std::to_string(t) + ": " + shape_str(tables_[t]);
+  }
+  if (!tabs.empty()) s += " shards {" + tabs + "}";
+  return s;
+}
+
+}  // namespace tessera

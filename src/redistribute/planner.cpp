@@ -1,0 +1,201 @@
+// NOTE: [Redistribute planning]
+// A plan moves one mesh dim at a time, in three phases:
+//  1. Partial dims first, while the data is smallest: P -> S(u) as one reduce-scatter when
+//     the new shard can nest right away, else P -> R (all-reduce).
+//  2. Shard dims that are not "stable" (see below), innermost mesh dim first: S(t) -> S(u) as
+//     one all-to-all when u can take this mesh dim right away (u == t re-cuts boundaries),
+//     else S(t) -> R (all-gather). Never S -> R -> S when one all-to-all does it.
+//  3. Remaining differences, outermost first: R -> S(u) (local slice) and R -> P (internal).
+// A mesh dim d with S(t) is stable when source and target agree on it, on every mesh dim
+// nested outside it on t, and on the shard table up to d. Nesting (see NOTE: [Shard tables])
+// means only the innermost mesh dim of a tensor dim can be added or removed; the phases are
+// ordered so that each step obeys this.
+#include <mutex>
+#include <unordered_map>
+
+#include <c10/util/Exception.h>
+#include <c10/util/hash.h>
+
+#include "tessera/redistribute/redistribute.h"
+
+namespace tessera {
+
+namespace {
+
+bool g_debug = std::getenv("TESSERA_DEBUG_REDISTRIBUTE") != nullptr;
+
+std::vector<int64_t> level_sizes(const DTensorSpec& s, const std::vector<int64_t>& dims) {
+  std::vector<int64_t> out;
+  for (auto m : dims) out.push_back(s.mesh().size(m));
+  return out;
+}
+
+std::vector<int64_t> dims_before(const DTensorSpec& s, int64_t t, int64_t d) {
+  std::vector<int64_t> out;
+  for (auto m : s.mesh_dims_sharding(t))
+    if (m < d) out.push_back(m);
+  return out;
+}
+
+// Table of tensor dim t keeping the nesting levels up to and including mesh dim d.
+ShardTable prefix_table(const DTensorSpec& s, int64_t t, int64_t d) {
+  auto dims = s.mesh_dims_sharding(t);
+  size_t keep = 0;
+  while (keep < dims.size() && dims[keep] <= d) ++keep;
+  return marginalize(s.shard_table(t), level_sizes(s, dims), keep);
+}
+
+bool stable(const DTensorSpec& cur, const DTensorSpec& dst, int64_t d) {
+  const auto& a = cur.placement(d);
+  if (!a.is_shard() || a != dst.placement(d)) return false;
+  const int64_t t = a.dim();
+  return dims_before(cur, t, d) == dims_before(dst, t, d) &&
+         prefix_table(cur, t, d) == prefix_table(dst, t, d);
+}
+
+// Can mesh dim d start sharding tensor dim u now, as the target wants?
+bool can_append(const DTensorSpec& cur, int64_t d, int64_t u, const DTensorSpec& dst) {
+  std::vector<int64_t> cur_dims;
+  for (auto m : cur.mesh_dims_sharding(u))
+    if (m != d) cur_dims.push_back(m);
+  if (cur_dims != dims_before(dst, u, d)) return false;
+  for (auto m : cur_dims)
+    if (!stable(cur, dst, m)) return false;
+  return true;
+}
+
+SpecPtr make_spec(const DTensorSpec& like, Placements p, std::vector<ShardTable> tables) {
+  return std::make_shared<DTensorSpec>(like.mesh(), std::move(p), like.sizes(), like.dtype(),
+                                       std::move(tables));
+}
+
+// State after mesh dim d stops sharding whatever it shards (d must be innermost).
+SpecPtr without(const DTensorSpec& cur, int64_t d) {
+  Placements p = cur.placements();
+  auto tables = cur.shard_tables();
+  if (p[d].is_shard()) {
+    const int64_t t = p[d].dim();
+    auto dims = cur.mesh_dims_sharding(t);
+    TORCH_INTERNAL_ASSERT(dims.back() == d, "unsharding a mesh dim that is not innermost");
+    tables[t] = dims.size() == 1 ? ShardTable{}
+                                 : marginalize(tables[t], level_sizes(cur, dims), dims.size() - 1);
+  }
+  p[d] = Replicate();
+  return make_spec(cur, std::move(p), std::move(tables));
+}
+
+// State after mesh dim d takes placement `to` (Shard: nests innermost with dst's table).
+SpecPtr with(const DTensorSpec& cur, int64_t d, const Placement& to, const DTensorSpec& dst) {
+  Placements p = cur.placements();
+  auto tables = cur.shard_tables();
+  p[d] = to;
+  if (to.is_shard()) tables[to.dim()] = prefix_table(dst, to.dim(), d);
+  return make_spec(cur, std::move(p), std::move(tables));
+}
+
+std::shared_ptr<RedistributePlan> build_plan(const SpecPtr& from, const SpecPtr& to) {
+  auto plan = std::make_shared<RedistributePlan>();
+  SpecPtr cur = from;
+  const DTensorSpec& dst = *to;
+  const int64_t nd = from->mesh().ndim();
+  auto step = [&](StepKind k, int64_t d, SpecPtr next) {
+    plan->steps.push_back({k, d, cur, next});
+    cur = std::move(next);
+  };
+  // Phase 1: partial sums, while the data is smallest.
+  for (int64_t d = 0; d < nd; ++d) {
+    const auto& a = cur->placement(d);
+    const auto& b = dst.placement(d);
+    if (!a.is_partial() || a == b) continue;
+    if (b.is_shard() && can_append(*cur, d, b.dim(), dst))
+      step(StepKind::ReduceScatter, d, with(*cur, d, b, dst));
+    else
+      step(StepKind::AllReduce, d, with(*cur, d, Replicate(), dst));
+  }
+  // Phase 2: unstable shards, innermost first.
+  for (int64_t d = nd - 1; d >= 0; --d) {
+    const auto& a = cur->placement(d);
+    if (!a.is_shard() || stable(*cur, dst, d)) continue;
+    auto bare = without(*cur, d);
+    const auto& b = dst.placement(d);
+    if (b.is_shard() && can_append(*bare, d, b.dim(), dst))
+      step(StepKind::AllToAll, d, with(*bare, d, b, dst));
+    else
+      step(StepKind::AllGather, d, bare);
+  }
+  // Phase 3: what is left, outermost first.
+  for (int64_t d = 0; d < nd; ++d) {
+    const auto& a = cur->placement(d);
+    const auto& b = dst.placement(d);
+    if (a == b && (!a.is_shard() || stable(*cur, dst, d))) continue;
+    TORCH_INTERNAL_ASSERT(a.is_replicate(), "planner left ", a.str(), " on mesh dim ", d);
+    step(b.is_shard() ? StepKind::LocalSlice : StepKind::ToPartial, d, with(*cur, d, b, dst));
+  }
+  TORCH_INTERNAL_ASSERT(*cur == dst, "redistribute plan ends at ", cur->str(), " not ", dst.str());
+  return plan;
+}
+
+// Plans live in the mesh's cache slot (they die with the mesh) and refer to it unowned.
+struct PlanCache {
+  struct Entry {
+    SpecPtr from, to;
+    std::shared_ptr<const RedistributePlan> plan;
+  };
+  std::unordered_map<size_t, std::vector<Entry>> map;
+};
+
+SpecPtr unowned_copy(const DTensorSpec& s) {
+  return std::make_shared<DTensorSpec>(s.mesh().unowned(), s.placements(), s.sizes(), s.dtype(),
+                                       s.shard_tables());
+}
+
+}  // namespace
+
+const char* to_string(StepKind k) {
+  switch (k) {
+    case StepKind::AllGather: return "all_gather";
+    case StepKind::LocalSlice: return "local_slice";
+    case StepKind::AllReduce: return "all_reduce";
+    case StepKind::ReduceScatter: return "reduce_scatter";
+    case StepKind::AllToAll: return "all_to_all";
+    case StepKind::ToPartial: return "to_partial";
+  }
+  return "?";
+}
+
+std::string RedistributePlan::str() const {
+  if (steps.empty()) return "(no-op)";
+  std::string s;
+  for (auto& st : steps) {
+    s += (s.empty() ? "" : "; ") + std::string("mesh dim ") + std::to_string(st.mesh_dim) + ": " +
+         st.before->placement(st.mesh_dim).str() + "->" + st.after->placement(st.mesh_dim).str() +
+         " " + to_string(st.kind);
+  }
+  return s;
+}
+
+void set_redistribute_debug(bool on) { g_debug = on; }
+
+std::shared_ptr<const RedistributePlan> plan_redistribute(const SpecPtr& from, const SpecPtr& to) {
+  TORCH_CHECK(from->mesh() == to->mesh(), "tessera: redistribute from ", from->mesh().str(),
+              " to ", to->mesh().str(), ": moving between meshes is not supported yet");
+  TORCH_CHECK(from->sizes() == to->sizes(), "tessera: redistribute: global shapes differ (",
+              shape_str(from->sizes()), " vs ", shape_str(to->sizes()), ")");
+  const DeviceMesh& mesh = from->mesh();
+  const size_t key = c10::hash_combine(from->hash(), to->hash());
+  std::lock_guard<std::mutex> lock(mesh.cache_mutex());
+  auto& slot = mesh.cache_slot();
+  if (!slot) slot = std::make_shared<PlanCache>();
+  auto& bucket = static_cast<PlanCache*>(slot.get())->map[key];
+  for (auto& e : bucket)
+    if (*e.from == *from && *e.to == *to) return e.plan;
+  auto plan = build_plan(unowned_copy(*from), unowned_copy(*to));
+  if (g_debug) {
+    fprintf(stderr, "tessera: redistribute %s -> %s: %s\n", from->str().c_str(),
+            to->str().c_str(), plan->str().c_str());
+  }
+  bucket.push_back({unowned_copy(*from), unowned_copy(*to), plan});
+  return plan;
+}
+
+}  // namespace tessera

@@ -1,0 +1,455 @@
+// distribute_tensor / scatter_tensor / from_local / to_local / full_tensor / redistribute,
+// each with its backward as an autograd Node (NOTE: [Backward of layout changes]).
+#include "tessera/tensor/api.h"
+
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+#include "tessera/comm/collectives.h"
+#include "tessera/redistribute/redistribute.h"
+#include "tessera/tensor/dtensor_impl.h"
+
+namespace tessera {
+
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+ShardSizes ShardSizes::Given(int64_t dim, ShardTable sizes) {
+  TORCH_CHECK(dim >= 0, "tessera: ShardSizes::Given(dim, sizes) needs a non-negative dim");
+  std::vector<ShardTable> tables(dim + 1);
+  tables[dim] = std::move(sizes);
+  return Given(std::move(tables));
+}
+
+namespace {
+
+bool needs_grad(const at::Tensor& t) { return t.requires_grad() && at::GradMode::is_enabled(); }
+
+void connect(const std::shared_ptr<Node>& node, const at::Tensor& input, at::Tensor& out) {
+  node->set_next_edges(torch::autograd::collect_next_edges(input));
+  torch::autograd::set_history(out, node);
+}
+
+// Target tables: explicit ones win; tensor dims sharded by the same mesh dims keep theirs.
+std::vector<ShardTable> target_tables(const DTensorSpec* src, const DeviceMesh& mesh,
+                                      const Placements& p, const std::vector<int64_t>& sizes,
+                                      const ShardSizes& given) {
+  const int64_t nd = static_cast<int64_t>(sizes.size());
+  std::vector<ShardTable> tables(nd);
+  for (int64_t t = 0; t < nd; ++t) {
+    if (given.mode() == ShardSizes::Mode::Given && t < static_cast<int64_t>(given.tables().size()) &&
+        !given.tables()[t].empty()) {
+      tables[t] = given.tables()[t];
+      continue;
+    }
+    if (!src) continue;
+    std::vector<int64_t> dims;
+    for (size_t m = 0; m < p.size(); ++m)
+      if (p[m].normalized(nd).is_shard(t)) dims.push_back(static_cast<int64_t>(m));
+    if (!dims.empty() && dims == src->mesh_dims_sharding(t)) tables[t] = src->shard_table(t);
+  }
+  if (given.mode() == ShardSizes::Mode::Given)
+    TORCH_CHECK(static_cast<int64_t>(given.tables().size()) <= nd, "tessera: ShardSizes::Given has ",
+                given.tables().size(), " tables for a ", nd, "-dim tensor");
+  return tables;
+}
+
+// NOTE: [Backward of layout changes]
+// The gradient of a layout change is the reverse layout change, except that a Partial
+// source becomes Replicate: a gradient is never split into partial terms (dividing it would
+// be wrong, seed 001), and a replicated gradient is the correct gradient of each term.
+SpecPtr grad_spec_for(const DTensorSpec& s) {
+  return std::make_shared<DTensorSpec>(s.partial_as_replicate());
+}
+
+// Incoming gradients may be plain (e.g. autograd's zeros of the global shape).
+at::Tensor as_dtensor_grad(const at::Tensor& g, const DTensorSpec& like) {
+  if (is_dtensor(g)) return g;
+  Placements r(like.mesh().ndim(), Replicate());
+  return make_dtensor(g, std::make_shared<DTensorSpec>(like.mesh(), r, g.sizes().vec(),
+                                                       g.scalar_type()));
+}
+
+SpecPtr with_dtype(const SpecPtr& s, c10::ScalarType dt) {
+  if (s->dtype() == dt) return s;
+  return std::make_shared<DTensorSpec>(s->mesh(), s->placements(), s->sizes(), dt,
+                                       s->shard_tables());
+}
+
+at::Tensor redistribute_to(const at::Tensor& x, const SpecPtr& target);
+at::Tensor wrap_local(const at::Tensor& local, const SpecPtr& spec);
+
+struct RedistributeBackward : Node {
+  SpecPtr from;
+  variable_list apply(variable_list&& grads) override {
+    if (!grads[0].defined()) return {at::Tensor()};
+    auto g = as_dtensor_grad(grads[0], *from);
+    return {redistribute_to(g, with_dtype(grad_spec_for(*from), g.scalar_type()))};
+  }
+  std::string name() const override { return "tessera::RedistributeBackward"; }
+};
+
+struct ToLocalBackward : Node {
+  SpecPtr grad_spec;
+  variable_list apply(variable_list&& grads) override {
+    if (!grads[0].defined()) return {at::Tensor()};
+    return {wrap_local(grads[0], with_dtype(grad_spec, grads[0].scalar_type()))};
+  }
+  std::string name() const override { return "tessera::ToLocalBackward"; }
+};
+
+struct FromLocalBackward : Node {
+  SpecPtr spec;
+  variable_list apply(variable_list&& grads) override {
+    if (!grads[0].defined()) return {at::Tensor()};
+    auto g = as_dtensor_grad(grads[0], *spec);
+    return {to_local(redistribute_to(g, with_dtype(grad_spec_for(*spec), g.scalar_type())))};
+  }
+  std::string name() const override { return "tessera::FromLocalBackward"; }
+};
+
+// Only the source rank's data reached the output, so only it gets a gradient.
+struct ScatterBackward : Node {
+  SpecPtr spec;
+  bool is_src = false;
+  std::vector<int64_t> input_sizes;
+  at::TensorOptions input_options;
+  variable_list apply(variable_list&& grads) override {
+    if (!grads[0].defined()) return {at::Tensor()};
+    auto full = full_tensor(as_dtensor_grad(grads[0], *spec));
+    return {is_src ? full : at::zeros(input_sizes, input_options)};
+  }
+  std::string name() const override { return "tessera::ScatterBackward"; }
+};
+
+at::Tensor redistribute_to(const at::Tensor& x, const SpecPtr& target) {
+  auto* d = dtensor_impl(x, "redistribute's input");
+  TORCH_CHECK(d->spec().mesh() == target->mesh(), "tessera: redistribute: tensor is on ",
+              d->spec().mesh().str(), " but the target is on ", target->mesh().str());
+  if (d->spec() == *target && !needs_grad(x)) return x;
+  at::Tensor out = make_dtensor(redistribute_local(d->local(), d->spec_ptr(), target), target);
+  if (needs_grad(x)) {
+    auto node = std::shared_ptr<RedistributeBackward>(new RedistributeBackward(),
+                                                      torch::autograd::deleteNode);
+    node->from = d->spec_ptr();
+    connect(node, x, out);
+  }
+  return out;
+}
+
+at::Tensor wrap_local(const at::Tensor& local, const SpecPtr& spec) {
+  at::Tensor out = make_dtensor(local.detach(), spec);
+  if (needs_grad(local)) {
+    auto node =
+        std::shared_ptr<FromLocalBackward>(new FromLocalBackward(), torch::autograd::deleteNode);
+    node->spec = spec;
+    connect(node, local, out);
+  }
+  return out;
+}
+
+SpecPtr infer_spec(const at::Tensor& local, const DeviceMesh& mesh, const Placements& placements) {
+  auto pg = mesh.mesh_group();
+  auto heads = comm::all_gather_ints(pg, {local.dim(), static_cast<int64_t>(local.scalar_type())});
+  for (size_t r = 1; r < heads.size(); ++r) {
+    TORCH_CHECK(heads[r] == heads[0], "tessera: from_local(", to_string(placements),
+                "): mesh ranks ", mesh.ranks()[0], " and ", mesh.ranks()[r], " disagree on the ",
+                "local tensor's ", heads[r][0] != heads[0][0] ? "number of dims" : "dtype", " (",
+                heads[0][0], "-d ", c10::toString(static_cast<c10::ScalarType>(heads[0][1])),
+                " vs ", heads[r][0], "-d ",
+                c10::toString(static_cast<c10::ScalarType>(heads[r][1])), ")");
+  }
+  auto shapes = comm::all_gather_ints(pg, local.sizes().vec());
+  const int64_t nd = local.dim();
+  std::vector<int64_t> global(nd);
+  std::vector<ShardTable> tables(nd);
+  std::vector<int64_t> coord(mesh.ndim());
+  for (int64_t t = 0; t < nd; ++t) {
+    std::vector<int64_t> dims;
+    for (size_t m = 0; m < placements.size(); ++m)
+      if (placements[m].normalized(nd).is_shard(t)) dims.push_back(static_cast<int64_t>(m));
+    int64_t entries = 1;
+    for (auto m : dims) entries *= mesh.size(m);
+    std::vector<int64_t> table(entries, -1), owner(entries, -1);
+    for (size_t f = 0; f < shapes.size(); ++f) {
+      int64_t rem = static_cast<int64_t>(f);
+      for (int64_t m = mesh.ndim() - 1; m >= 0; --m) {
+        coord[m] = rem % mesh.size(m);
+        rem /= mesh.size(m);
+      }
+      const int64_t idx = table_index(mesh, dims, coord);
+      if (table[idx] < 0) {
+        table[idx] = shapes[f][t];
+        owner[idx] = static_cast<int64_t>(f);
+        continue;
+      }
+      TORCH_CHECK(table[idx] == shapes[f][t], "tessera: from_local(", to_string(placements),
+                  "): ranks ", mesh.ranks()[owner[idx]], " and ", mesh.ranks()[f],
+                  " hold the same ", dims.empty() ? "replicated extent" : "shard",
+                  " of tensor dim ", t, " but their local shapes ",
+                  shape_str(shapes[owner[idx]]), " and ", shape_str(shapes[f]), " differ there");
+    }
+    global[t] = dims.empty() ? table[0] : 0;
+    if (!dims.empty()) {
+      for (auto s : table) global[t] += s;
+      tables[t] = std::move(table);
+    }
+  }
+  return std::make_shared<DTensorSpec>(mesh, placements, global, local.scalar_type(), tables);
+}
+
+// The global shape implied by `local` under the chunk/given layout at this rank.
+SpecPtr declared_spec(const at::Tensor& local, const DeviceMesh& mesh,
+                      const Placements& placements, const ShardSizes& sizes) {
+  const int64_t nd = local.dim();
+  std::vector<int64_t> global = local.sizes().vec();
+  auto tables = target_tables(nullptr, mesh, placements, global, sizes);
+  for (int64_t t = 0; t < nd; ++t) {
+    int64_t shards = 1;
+    bool sharded = false;
+    for (size_t m = 0; m < placements.size(); ++m)
+      if (placements[m].normalized(nd).is_shard(t)) shards *= mesh.size(m), sharded = true;
+    if (!sharded) continue;
+    if (!tables[t].empty()) {
+      global[t] = 0;
+      for (auto s : tables[t]) global[t] += s;
+    } else {
+      // Chunk layout: the global size is not recoverable from one uneven shard in general;
+      // torch's rule is local * shards for even sharding.
+      global[t] = local.size(t) * shards;
+    }
+  }
+  return std::make_shared<DTensorSpec>(mesh, placements, global, local.scalar_type(), tables);
+}
+
+void check_local_shapes(const at::Tensor& local, const SpecPtr& spec) {
+  const auto& mesh = spec->mesh();
+  auto pg = mesh.mesh_group();
+  auto head = comm::all_gather_ints(pg, {local.dim(), static_cast<int64_t>(local.scalar_type())});
+  std::string problem;
+  std::vector<int64_t> coord(mesh.ndim());
+  bool same_rank = true;
+  for (auto& h : head) same_rank = same_rank && h == head[0];
+  if (!same_rank) {
+    problem = "ranks disagree on the local tensor's number of dims or dtype";
+  } else {
+    auto shapes = comm::all_gather_ints(pg, local.sizes().vec());
+    for (size_t f = 0; f < shapes.size() && problem.empty(); ++f) {
+      int64_t rem = static_cast<int64_t>(f);
+      for (int64_t m = mesh.ndim() - 1; m >= 0; --m) {
+        coord[m] = rem % mesh.size(m);
+        rem /= mesh.size(m);
+      }
+      auto expected = spec->local_sizes(coord);
+      if (shapes[f] != expected)
+        problem = "rank " + std::to_string(mesh.ranks()[f]) + " has local shape " +
+                  shape_str(shapes[f]) + " but " + spec->str() + " gives it " + shape_str(expected);
+    }
+  }
+  TORCH_CHECK(problem.empty(), "tessera: from_local(", to_string(spec->placements()),
+              ", run_check): ", problem, "; pass the true sizes with ShardSizes::Given or use ",
+              "ShardSizes::Infer()");
+}
+
+// Each rank's block of the global tensor, cut out by the spec.
+at::Tensor block_of(const at::Tensor& full, const DTensorSpec& s, const std::vector<int64_t>& coord) {
+  auto off = s.local_offsets(coord);
+  auto len = s.local_sizes(coord);
+  at::Tensor b = full;
+  for (int64_t t = 0; t < s.ndim(); ++t)
+    if (len[t] != full.size(t)) b = b.narrow(t, off[t], len[t]);
+  return b;
+}
+
+std::vector<int64_t> coord_of(const DeviceMesh& mesh, int64_t flat) {
+  std::vector<int64_t> c(mesh.ndim());
+  for (int64_t m = mesh.ndim() - 1; m >= 0; --m) {
+    c[m] = flat % mesh.size(m);
+    flat /= mesh.size(m);
+  }
+  return c;
+}
+
+int src_index(const DeviceMesh& mesh, int src, const char* what) {
+  const auto& r = mesh.ranks();
+  auto it = std::find(r.begin(), r.end(), src);
+  TORCH_CHECK(it != r.end(), "tessera: ", what, ": source rank ", src, " is not in ", mesh.str());
+  return static_cast<int>(it - r.begin());
+}
+
+// Rank `src` sends every rank its block in one all-to-all-v (nothing else moves).
+at::Tensor scatter_impl(const at::Tensor& full, int src_flat, const SpecPtr& spec,
+                        const char* what) {
+  const auto& mesh = spec->mesh();
+  auto pg = mesh.mesh_group();
+  const int64_t n = mesh.size();
+  const bool is_src = comm::group_rank(pg) == src_flat;
+  auto opts = at::TensorOptions().dtype(spec->dtype()).device(
+      is_src ? full.device() : at::Device(mesh.device_kind()));
+  std::vector<at::Tensor> send;
+  std::vector<std::vector<int64_t>> recv_shapes;
+  for (int64_t f = 0; f < n; ++f) {
+    send.push_back(is_src ? block_of(full, *spec, coord_of(mesh, f)).contiguous()
+                          : at::empty({0}, opts));
+    recv_shapes.push_back(f == src_flat ? spec->local_sizes() : std::vector<int64_t>{0});
+  }
+  auto blocks = comm::all_to_all_blocks(pg, send, recv_shapes, opts, comm::CollectiveKind::Scatter);
+  at::Tensor local = blocks[src_flat];
+  at::Tensor out = make_dtensor(local, spec);
+  if (needs_grad(full)) {
+    auto node = std::shared_ptr<ScatterBackward>(new ScatterBackward(), torch::autograd::deleteNode);
+    node->spec = spec;
+    node->is_src = is_src;
+    node->input_sizes = full.sizes().vec();
+    node->input_options = full.options();
+    connect(node, full, out);
+  }
+  (void)what;
+  return out;
+}
+
+void reject_partial(const Placements& p, const char* what) {
+  for (auto& x : p)
+    TORCH_CHECK(!x.is_partial(), "tessera: ", what, "(", to_string(p), "): Partial is not a ",
+                "placement a full tensor can be split into; use from_local to declare partial ",
+                "values");
+}
+
+}  // namespace
+
+at::Tensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh,
+                             const Placements& placements, std::optional<int> src_data_rank,
+                             const ShardSizes& sizes) {
+  TORCH_CHECK(tensor.defined(), "tessera: distribute_tensor needs a defined tensor");
+  TORCH_CHECK(!is_dtensor(tensor), "tessera: distribute_tensor: the tensor is already ",
+              "distributed; use redistribute");
+  reject_partial(placements, "distribute_tensor");
+  TORCH_CHECK(sizes.mode() != ShardSizes::Mode::Infer,
+              "tessera: distribute_tensor: ShardSizes::Infer() only applies to from_local");
+  auto global = tensor.sizes().vec();
+  auto spec = std::make_shared<DTensorSpec>(
+      mesh, placements, global, tensor.scalar_type(),
+      target_tables(nullptr, mesh, placements, global, sizes));
+  if (!mesh.contains_this_rank()) return make_dtensor(tensor, spec);
+  if (src_data_rank) {
+    return scatter_impl(tensor, src_index(mesh, *src_data_rank, "distribute_tensor"), spec,
+                        "distribute_tensor");
+  }
+  // Every rank holds the full value: replicated from_local, then local slicing (no comm).
+  Placements rep(mesh.ndim(), Replicate());
+  auto full = wrap_local(tensor, std::make_shared<DTensorSpec>(mesh, rep, global,
+                                                               tensor.scalar_type()));
+  return redistribute_to(full, spec);
+}
+
+at::Tensor scatter_tensor(const at::Tensor& full_on_src, int src, const DeviceMesh& mesh,
+                          const Placements& placements, const ShardSizes& sizes) {
+  reject_partial(placements, "scatter_tensor");
+  TORCH_CHECK(sizes.mode() != ShardSizes::Mode::Infer,
+              "tessera: scatter_tensor: ShardSizes::Infer() only applies to from_local");
+  const int src_flat = src_index(mesh, src, "scatter_tensor");
+  auto pg = mesh.mesh_group();
+  const bool is_src = comm::group_rank(pg) == src_flat;
+  TORCH_CHECK(!is_src || full_on_src.defined(), "tessera: scatter_tensor: the source rank ", src,
+              " passed an undefined tensor");
+  // Shape and dtype travel from the source (other ranks may pass nothing).
+  auto head = comm::all_gather_ints(
+      pg, {is_src ? full_on_src.dim() : 0,
+           is_src ? static_cast<int64_t>(full_on_src.scalar_type()) : 0});
+  const int64_t nd = head[src_flat][0];
+  std::vector<int64_t> mine(nd, 0);
+  if (is_src) mine = full_on_src.sizes().vec();
+  auto shapes = comm::all_gather_ints(pg, mine);
+  const auto global = shapes[src_flat];
+  const auto dtype = static_cast<c10::ScalarType>(head[src_flat][1]);
+  auto spec = std::make_shared<DTensorSpec>(mesh, placements, global, dtype,
+                                            target_tables(nullptr, mesh, placements, global, sizes));
+  return scatter_impl(full_on_src, src_flat, spec, "scatter_tensor");
+}
+
+at::Tensor from_local(const at::Tensor& local, const DeviceMesh& mesh,
+                      const Placements& placements, const FromLocalOptions& options) {
+  TORCH_CHECK(local.defined(), "tessera: from_local needs a defined local tensor");
+  TORCH_CHECK(!is_dtensor(local), "tessera: from_local: the tensor is already distributed");
+  SpecPtr spec;
+  if (options.sizes.mode() == ShardSizes::Mode::Infer) {
+    spec = infer_spec(local, mesh, placements);
+  } else {
+    spec = declared_spec(local, mesh, placements, options.sizes);
+    if (options.run_check) check_local_shapes(local, spec);
+  }
+  return wrap_local(local, spec);
+}
+
+at::Tensor to_local(const at::Tensor& dtensor, const std::optional<Placements>& grad_placements) {
+  auto* d = dtensor_impl(dtensor, "to_local's input");
+  at::Tensor out = d->local().detach();
+  if (needs_grad(dtensor)) {
+    auto node = std::shared_ptr<ToLocalBackward>(new ToLocalBackward(), torch::autograd::deleteNode);
+    node->grad_spec = grad_placements
+                          ? std::make_shared<DTensorSpec>(d->spec().with_placements(*grad_placements,
+                                                                                    d->spec().shard_tables()))
+                          : grad_spec_for(d->spec());
+    connect(node, dtensor, out);
+  }
+  return out;
+}
+
+at::Tensor full_tensor(const at::Tensor& dtensor) {
+  const auto& s = spec(dtensor);
+  return to_local(redistribute_to(
+      dtensor, std::make_shared<DTensorSpec>(s.with_placements(Placements(s.mesh().ndim(), Replicate())))));
+}
+
+at::Tensor redistribute(const at::Tensor& dtensor, const Placements& placements,
+                        const ShardSizes& sizes) {
+  const auto& s = spec(dtensor);
+  for (size_t m = 0; m < placements.size(); ++m) {
+    TORCH_CHECK(!placements[m].is_partial() ||
+                    (m < s.placements().size() && s.placements()[m] == placements[m]),
+                "tessera: redistribute ", to_string(s.placements()), " -> ",
+                to_string(placements), ": Partial targets are internal; keep the source's ",
+                "Partial or choose Replicate/Shard");
+  }
+  TORCH_CHECK(sizes.mode() != ShardSizes::Mode::Infer,
+              "tessera: redistribute: ShardSizes::Infer() only applies to from_local");
+  auto target = std::make_shared<DTensorSpec>(
+      s.mesh(), placements, s.sizes(), s.dtype(),
+      target_tables(&s, s.mesh(), placements, s.sizes(), sizes));
+  return redistribute_to(dtensor, target);
+}
+
+at::Tensor redistribute(const at::Tensor& dtensor, const SpecPtr& target) {
+  return redistribute_to(dtensor, target);
+}
+
+const DTensorSpec& spec(const at::Tensor& dtensor) { return dtensor_impl(dtensor)->spec(); }
+const Placements& placements(const at::Tensor& dtensor) { return spec(dtensor).placements(); }
+const DeviceMesh& device_mesh(const at::Tensor& dtensor) { return spec(dtensor).mesh(); }
+
+std::string to_string(const at::Tensor& t) {
+  std::ostringstream os;
+  if (!is_dtensor(t)) {
+    os << t;
+    return os.str();
+  }
+  auto* d = dtensor_impl(t);
+  const auto& s = d->spec();
+  os << "DTensor(placements=" << to_string(s.placements()) << ", mesh=" << s.mesh().str()
+     << ", global=" << shape_str(s.sizes()) << ", local=" << shape_str(d->local().sizes().vec())
+     << ", dtype=" << s.dtype();
+  std::string tabs;
+  for (int64_t i = 0; i < s.ndim(); ++i)
+    if (!s.shard_table(i).empty())
+      tabs += (tabs.empty() ? "" : ", ") + std::to_string(i) + ": " + shape_str(s.shard_table(i));
+  if (!tabs.empty()) os << ", shards={" << tabs << "}";
+  if (s.mesh().contains_this_rank())
+    os << ", coordinate=" << shape_str(s.mesh().coordinate());
+  os << ")\nlocal values:\n" << d->local();
+  return os.str();
+}
+
+}  // namespace tessera

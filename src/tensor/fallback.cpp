@@ -1,0 +1,259 @@
+// The one boxed fallback for distributed tensors. See NOTE: [DTensor is an at::Tensor].
+//
+// Per call: find the distributed arguments, apply the op's sharding rule, redistribute the
+// inputs the rule asks for, run the op on the local shards, wrap the results.
+#include <mutex>
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "tessera/compat.h"
+#include "tessera/ops/rule.h"
+#include "tessera/redistribute/redistribute.h"
+#include "tessera/tensor/dtensor_impl.h"
+#include "tessera/tensor/registration.h"
+
+namespace tessera {
+
+namespace {
+
+DTensorImpl* as_dtensor(const at::Tensor& t) {
+  // Only our impl carries PrivateUse1 together with a null storage; confirm cheaply first.
+  if (!t.defined() || !t.key_set().has(c10::DispatchKey::PrivateUse1)) return nullptr;
+  return dynamic_cast<DTensorImpl*>(t.unsafeGetTensorImpl());
+}
+
+// Plain tensors next to distributed ones: 0-dim tensors stay scalars; any other plain tensor
+// is taken as a replicated global value (every rank must hold the same data), which is what
+// autograd's own zeros and user constants need. See docs/design.md "Plain tensors".
+at::Tensor implicit_replicate(const at::Tensor& plain, const DTensorSpec& like) {
+  Placements r(like.mesh().ndim(), Replicate());
+  return make_dtensor(plain, std::make_shared<DTensorSpec>(like.mesh(), r, plain.sizes().vec(),
+                                                           plain.scalar_type()));
+}
+
+at::Tensor wrap_result(const ops::OpCall& call, at::Tensor local, const SpecPtr& planned) {
+  SpecPtr spec = planned;
+  if (spec->dtype() != local.scalar_type()) {
+    spec = std::make_shared<DTensorSpec>(spec->mesh(), spec->placements(), spec->sizes(),
+                                         local.scalar_type(), spec->shard_tables());
+  }
+  TORCH_CHECK(local.sizes().vec() == spec->local_sizes(), "tessera: ", call.describe(),
+              ": the sharding rule expected a local result of shape ",
+              shape_str(spec->local_sizes()), " but the op produced ",
+              shape_str(local.sizes().vec()), " (", spec->str(), "); this is a rule bug");
+  return make_dtensor(std::move(local), std::move(spec));
+}
+
+// The return `ret` aliases (and writes) argument `arg`: in-place and out= ops.
+int aliased_argument(const c10::FunctionSchema& schema, size_t ret) {
+  const auto* ainfo = schema.returns()[ret].alias_info();
+  if (!ainfo || !ainfo->isWrite()) return -1;
+  for (size_t i = 0; i < schema.arguments().size(); ++i) {
+    const auto* a = schema.arguments()[i].alias_info();
+    if (a && a->isWrite() && a->beforeSets() == ainfo->beforeSets()) return static_cast<int>(i);
+  }
+  return -1;
+}
+
+void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t nargs = schema.arguments().size();
+  const size_t base = stack->size() - nargs;
+  torch::jit::Stack args(stack->begin() + base, stack->end());
+  const torch::jit::Stack original = args;  // in-place on a plain tensor returns that tensor
+  stack->resize(base);
+
+  ops::OpCall call{op, args, std::vector<const DTensorSpec*>(nargs, nullptr)};
+  for (size_t i = 0; i < nargs; ++i) {
+    if (!args[i].isTensor()) continue;
+    if (auto* d = as_dtensor(args[i].toTensor())) {
+      call.specs[i] = &d->spec();
+      if (call.first_dtensor < 0) call.first_dtensor = static_cast<int>(i);
+    }
+  }
+  bool lists = false;
+  for (auto& a : args) lists = lists || a.isTensorList() || a.isList();
+  TORCH_CHECK(call.first_dtensor >= 0 || lists, "tessera: ", schema.operator_name(),
+              " reached the distributed-tensor fallback without a distributed tensor argument");
+
+  std::vector<at::Tensor> keep_alive;  // implicit conversions must outlive the call
+  if (call.first_dtensor >= 0) {
+    const DTensorSpec& ref = call.first();
+    for (size_t i = 0; i < nargs; ++i) {
+      if (!args[i].isTensor()) continue;
+      const auto& t = args[i].toTensor();
+      if (!t.defined()) continue;
+      if (call.specs[i]) {
+        TORCH_CHECK(call.specs[i]->mesh() == ref.mesh(), "tessera: ", call.describe(),
+                    ": arguments live on different meshes (", ref.mesh().str(), " and ",
+                    call.specs[i]->mesh().str(), "); redistribute them onto one mesh first");
+        continue;
+      }
+      if (t.dim() == 0) continue;
+      keep_alive.push_back(implicit_replicate(t, ref));
+      args[i] = keep_alive.back();
+      call.specs[i] = &dtensor_impl(keep_alive.back())->spec();
+    }
+  }
+
+  ops::OpPlan plan;
+  ops::Rule rule = ops::find_rule(op);
+  bool replicate_all = false;
+  if (rule) {
+    plan = rule(call);
+  } else {
+    for (size_t i = 0; i < nargs; ++i) {
+      TORCH_CHECK(!call.specs[i] || call.specs[i]->is_replicated(), "tessera: ", call.describe(),
+                  ": no sharding rule for this op on non-replicated inputs; redistribute the ",
+                  "inputs to Replicate() first, or register a rule with tessera::ops::register_rule");
+    }
+    replicate_all = true;  // fully replicated inputs: every rank computes the same thing
+  }
+
+  // Redistribute where the rule asks, then swap every distributed argument for its shard.
+  std::vector<at::Tensor> locals(nargs);
+  for (size_t i = 0; i < nargs; ++i) {
+    if (!call.specs[i]) {
+      if (args[i].isTensorList()) {
+        auto list = args[i].toTensorList();
+        c10::List<at::Tensor> out;
+        for (const at::Tensor& t : list) {
+          auto* d = as_dtensor(t);
+          TORCH_CHECK(!d || d->spec().is_replicated() || rule, "tessera: ", call.describe(),
+                      ": no sharding rule for this op on a list of non-replicated tensors");
+          out.push_back(d ? d->local() : t);
+        }
+        stack->emplace_back(std::move(out));
+      } else {
+        stack->push_back(args[i]);
+      }
+      continue;
+    }
+    const auto* d = as_dtensor(args[i].toTensor());
+    at::Tensor local = d->local();
+    if (!plan.inputs.empty() && plan.inputs[i] && *plan.inputs[i] != *call.specs[i]) {
+      local = redistribute_local(local, d->spec_ptr(), plan.inputs[i]);
+    }
+    locals[i] = local;
+    stack->push_back(local);
+  }
+
+  if (plan.local_kernel) {
+    torch::jit::Stack own(stack->begin() + base, stack->end());
+    stack->resize(base);
+    plan.local_kernel(own);
+    stack->insert(stack->end(), own.begin(), own.end());
+  } else {
+    op.callBoxed(stack);
+  }
+
+  // Wrap the results. Returns that alias a written argument hand back that argument itself.
+  const size_t nret = schema.returns().size();
+  torch::jit::Stack results(stack->end() - nret, stack->end());
+  stack->resize(stack->size() - nret);
+  size_t next_out = 0;
+  for (size_t r = 0; r < nret; ++r) {
+    auto& v = results[r];
+    const int alias = aliased_argument(schema, r);
+    if (alias >= 0 && original[alias].isTensor() && !as_dtensor(original[alias].toTensor())) {
+      stack->push_back(original[alias]);
+      ++next_out;
+      continue;
+    }
+    if (alias >= 0 && args[alias].isTensor() && call.specs[alias]) {
+      auto* self = as_dtensor(args[alias].toTensor());
+      const SpecPtr& planned = replicate_all || plan.outputs.size() <= next_out
+                                   ? self->spec_ptr()
+                                   : plan.outputs[next_out];
+      if (!locals[alias].is_same(self->local()) || *planned != self->spec()) {
+        self->set_local_and_spec(locals[alias], planned);
+      }
+      ++next_out;
+      stack->push_back(args[alias]);
+      continue;
+    }
+    if (v.isTensor()) {
+      at::Tensor local = v.toTensor();
+      if (replicate_all) {
+        stack->push_back(local.defined() ? implicit_replicate(local, call.first()) : local);
+      } else {
+        TORCH_CHECK(next_out < plan.outputs.size(), "tessera: ", call.describe(),
+                    ": the sharding rule gave too few output layouts (rule bug)");
+        stack->push_back(local.defined() ? wrap_result(call, local, plan.outputs[next_out]) : local);
+      }
+      ++next_out;
+    } else if (v.isTensorList()) {
+      c10::List<at::Tensor> out;
+      for (const at::Tensor& local : v.toTensorList()) {
+        if (replicate_all) {
+          out.push_back(implicit_replicate(local, call.first()));
+        } else {
+          TORCH_CHECK(next_out < plan.outputs.size(), "tessera: ", call.describe(),
+                      ": the sharding rule gave too few output layouts (rule bug)");
+          out.push_back(wrap_result(call, local, plan.outputs[next_out++]));
+        }
+      }
+      stack->emplace_back(std::move(out));
+    } else {
+      stack->push_back(std::move(v));
+    }
+  }
+}
+
+// NOTE: [Which ops need an explicit kernel]
+// A backend fallback is consulted only when an op has no kernel for the key. Ops with a
+// CompositeExplicitAutograd(NonFunctional) kernel have one for every backend key, ours
+// included, so they would run that kernel on the wrapper (and fail or return plain
+// tensors). We register the fallback explicitly for each such op. CompositeImplicitAutograd
+// ops must keep decomposing above autograd, so they are left alone.
+void register_explicit_kernels() {
+  static std::vector<std::unique_ptr<torch::Library>> libs;
+  auto& dispatcher = c10::Dispatcher::singleton();
+  std::map<std::string, std::unique_ptr<torch::Library>> by_ns;
+  for (const auto& name : dispatcher.getAllOpNames()) {
+    auto handle = dispatcher.findOp(name);
+    if (!handle) continue;
+    if (handle->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
+    const bool explicit_composite =
+        handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
+        handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional);
+    if (!explicit_composite) continue;
+    const std::string& full = name.name;
+    const auto sep = full.find("::");
+    if (sep == std::string::npos) continue;
+    const std::string ns = full.substr(0, sep);
+    auto& lib = by_ns[ns];
+    if (!lib) {
+      lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns,
+                                             c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+    }
+    std::string op_name = full.substr(sep + 2);
+    if (!name.overload_name.empty()) op_name += "." + name.overload_name;
+    lib->impl(op_name.c_str(), torch::CppFunction::makeFromBoxedFunction<&dtensor_fallback>());
+  }
+  for (auto& kv : by_ns) libs.push_back(std::move(kv.second));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor_fallback>());
+}
+
+#if TESSERA_NEEDS_AUTOGRAD_FALLTHROUGH
+// Custom ops with only a CPU kernel must pass through autograd on distributed inputs.
+TORCH_LIBRARY_IMPL(_, AutogradPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFallthrough());
+}
+#endif
+
+void ensure_dispatch_registered() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    register_explicit_kernels();
+  });
+}
+
+}  // namespace tessera

@@ -1,0 +1,77 @@
+#include "tessera/testing/run_ranks.h"
+
+#include <condition_variable>
+#include <cstdio>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "tessera/runtime/world.h"
+
+namespace tessera::testing {
+
+void run_ranks(int world_size, const std::function<void(int rank)>& fn, const RunOptions& options) {
+  TORCH_CHECK(world_size >= 1, "tessera: run_ranks needs at least one rank");
+  // Ranks share the cores; intra-op threads per rank would only oversubscribe them.
+  at::set_num_threads(1);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  store->setTimeout(options.collective_timeout);
+
+  std::mutex mu;
+  std::condition_variable cv;
+  int finished = 0;
+  std::vector<bool> done(world_size, false);
+  int first_failed = -1;
+  std::string first_message;
+
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world_size; ++r) {
+    threads.emplace_back([&, r] {
+      std::string error;
+      try {
+        ScopedWorld scope(std::make_shared<World>(store, r, world_size, options.collective_timeout));
+        fn(r);
+      } catch (const c10::Error& e) {
+        error = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        error = e.what();
+      } catch (...) {
+        error = "unknown exception";
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      if (!error.empty() && first_failed < 0) {
+        first_failed = r;
+        first_message = error;
+      }
+      done[r] = true;
+      ++finished;
+      cv.notify_all();
+    });
+  }
+
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    if (!cv.wait_for(lock, options.timeout, [&] { return finished == world_size; })) {
+      std::string stuck;
+      for (int r = 0; r < world_size; ++r)
+        if (!done[r]) stuck += (stuck.empty() ? "" : ", ") + std::to_string(r);
+      std::fprintf(stderr,
+                   "tessera::testing::run_ranks: ranks [%s] of %d still running after %lld ms%s%s\n",
+                   stuck.c_str(), world_size,
+                   static_cast<long long>(options.timeout.count()),
+                   first_failed >= 0 ? "; first failure: " : "", first_message.c_str());
+      std::fflush(stderr);
+      std::_Exit(124);  // a hung collective cannot be cancelled; fail loudly instead of hanging
+    }
+  }
+  for (auto& t : threads) t.join();
+  TORCH_CHECK(first_failed < 0, "rank ", first_failed, " of ", world_size, " failed: ",
+              first_message);
+}
+
+}  // namespace tessera::testing

@@ -1,0 +1,4 @@
+#pragma once
+#include <gtest/gtest.h>
+#include <ATen/ATen.h>
+#include "tessera/tessera.h"
