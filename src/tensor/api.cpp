@@ -49,7 +49,15 @@ std::vector<ShardTable> target_tables(const DTensorSpec* src, const DeviceMesh& 
     std::vector<int64_t> dims;
     for (size_t m = 0; m < p.size(); ++m)
       if (p[m].normalized(nd).is_shard(t)) dims.push_back(static_cast<int64_t>(m));
-    if (!dims.empty() && dims == src->mesh_dims_sharding(t)) tables[t] = src->shard_table(t);
+    // Keep the source's cut where the target's nesting is a prefix of the source's (e.g.
+    // (S(0), S(0)) -> (S(0), R) keeps the outer boundaries); otherwise chunk layout.
+    const auto src_dims = src->mesh_dims_sharding(t);
+    if (!dims.empty() && dims.size() <= src_dims.size() &&
+        std::equal(dims.begin(), dims.end(), src_dims.begin())) {
+      std::vector<int64_t> levels;
+      for (auto m : src_dims) levels.push_back(mesh.size(m));
+      tables[t] = marginalize(src->shard_table(t), levels, dims.size());
+    }
   }
   if (given.mode() == ShardSizes::Mode::Given)
     TORCH_CHECK(static_cast<int64_t>(given.tables().size()) <= nd, "tessera: ShardSizes::Given has ",

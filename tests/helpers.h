@@ -1,0 +1,106 @@
+#pragma once
+// Shared test helpers: building distributed tensors with any placements (Partial included)
+// and any shard tables from a full tensor, cutting a rank's block out of a full tensor,
+// and random layouts. Everything is deterministic from a seed, so all ranks agree.
+#include <random>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "tessera/tessera.h"
+
+namespace tessera::test {
+
+// The block of `full` this rank holds under `spec` (partial dims ignored).
+inline at::Tensor local_block(const at::Tensor& full, const DTensorSpec& spec) {
+  auto off = spec.local_offsets();
+  auto len = spec.local_sizes();
+  at::Tensor b = full;
+  for (int64_t t = 0; t < spec.ndim(); ++t) b = b.narrow(t, off[t], len[t]);
+  return b;
+}
+
+// Offsets whose sum over a mesh dim is 0 (avg terms) and weights whose sum is exactly 1.
+inline double avg_offset(int64_t c, int64_t n) {
+  static const double o2[] = {-1, 1}, o3[] = {-1, 0, 1}, o4[] = {-1, 1, -2, 2};
+  if (n == 1) return 0;
+  if (n == 2) return o2[c];
+  if (n == 3) return o3[c];
+  if (n == 4) return o4[c];
+  return 0;  // larger mesh dims: equal terms
+}
+inline double sum_weight(int64_t c, int64_t n) {
+  // Powers of two, so terms add back exactly in floating point.
+  if (n == 1) return 1;
+  if (n == 2) return 0.5;
+  if (n == 3) return c == 2 ? 0.5 : 0.25;
+  if (n == 4) return 0.25;
+  return c == 0 ? 1.0 : 0.0;
+}
+
+// A distributed tensor with `placements` and `tables` whose global value is `full` (on
+// every rank). Partial mesh dims get terms that reduce back to `full` exactly.
+inline at::Tensor make_dtensor_from_full(const at::Tensor& full, const DeviceMesh& mesh,
+                                         const Placements& placements,
+                                         std::vector<ShardTable> tables = {}) {
+  DTensorSpec spec(mesh, placements, full.sizes().vec(), full.scalar_type(), tables);
+  at::Tensor local = local_block(full, spec).clone();
+  const bool integral = at::isIntegralType(full.scalar_type(), true);
+  for (int64_t d = 0; d < mesh.ndim(); ++d) {
+    const auto& p = placements[d];
+    if (!p.is_partial()) continue;
+    const int64_t c = mesh.coordinate()[d], n = mesh.size(d);
+    switch (p.reduce_op()) {
+      case PartialOp::Sum:
+        if (integral) local = c == 0 ? local - 7 * (n - 1) : at::full_like(local, 7);
+        else local = local * sum_weight(c, n);
+        break;
+      case PartialOp::Avg:
+        local = local + avg_offset(c, n) * (integral ? 2 : 1);
+        break;
+      case PartialOp::Max:
+        local = c == 0 ? local : local - 3;
+        break;
+      case PartialOp::Min:
+        local = c == 0 ? local : local + 3;
+        break;
+    }
+  }
+  return from_local(local, mesh, placements, {ShardSizes::Given(spec.shard_tables())});
+}
+
+// Random shard sizes summing to `total` over `parts` pieces; zero-size pieces are likely.
+inline ShardTable random_table(std::mt19937& rng, int64_t total, int64_t parts) {
+  ShardTable t(parts, 0);
+  for (int64_t i = 0; i < total; ++i) t[std::uniform_int_distribution<int64_t>(0, parts - 1)(rng)]++;
+  return t;
+}
+
+// Random tables for every tensor dim that `placements` shards.
+inline std::vector<ShardTable> random_tables(std::mt19937& rng, const DeviceMesh& mesh,
+                                             const Placements& placements,
+                                             const std::vector<int64_t>& sizes) {
+  std::vector<ShardTable> tables(sizes.size());
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    int64_t parts = 1;
+    bool sharded = false;
+    for (size_t m = 0; m < placements.size(); ++m)
+      if (placements[m].is_shard(static_cast<int64_t>(t))) parts *= mesh.size(m), sharded = true;
+    if (sharded) tables[t] = random_table(rng, sizes[t], parts);
+  }
+  return tables;
+}
+
+inline std::string describe(const at::Tensor& dt) {
+  return spec(dt).str();
+}
+
+// Compare with a tolerance that is exact for integers.
+inline bool same_values(const at::Tensor& a, const at::Tensor& b) {
+  if (a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type()) return false;
+  if (at::isIntegralType(a.scalar_type(), true)) return at::equal(a, b);
+  return at::allclose(a, b, 1e-5, 1e-6);
+}
+
+}  // namespace tessera::test
