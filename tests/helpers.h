@@ -7,10 +7,22 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 
 #include "tessera/tessera.h"
 
 namespace tessera::test {
+
+// Ranks are threads: never use the global generator in tests (threads would interleave on
+// it); every rank makes its own generator from the same seed.
+inline at::Generator generator(uint64_t seed) {
+  return at::make_generator<at::CPUGeneratorImpl>(seed);
+}
+inline at::Tensor randn(at::IntArrayRef shape, uint64_t seed, at::ScalarType dtype = at::kFloat) {
+  auto g = generator(seed);
+  if (at::isIntegralType(dtype, true)) return at::randint(-50, 50, shape, g, at::kLong).to(dtype);
+  return at::randn(shape, g, at::TensorOptions().dtype(dtype));
+}
 
 // The block of `full` this rank holds under `spec` (partial dims ignored).
 inline at::Tensor local_block(const at::Tensor& full, const DTensorSpec& spec) {
@@ -67,6 +79,7 @@ inline at::Tensor make_dtensor_from_full(const at::Tensor& full, const DeviceMes
         break;
     }
   }
+  local = local.to(full.scalar_type());
   return from_local(local, mesh, placements, {ShardSizes::Given(spec.shard_tables())});
 }
 

@@ -181,6 +181,8 @@ std::shared_ptr<const RedistributePlan> plan_redistribute(const SpecPtr& from, c
               " to ", to->mesh().str(), ": moving between meshes is not supported yet");
   TORCH_CHECK(from->sizes() == to->sizes(), "tessera: redistribute: global shapes differ (",
               shape_str(from->sizes()), " vs ", shape_str(to->sizes()), ")");
+  TORCH_CHECK(from->dtype() == to->dtype(), "tessera: redistribute: the target spec has dtype ",
+              to->dtype(), " but the tensor is ", from->dtype(), "; cast with .to() first");
   const DeviceMesh& mesh = from->mesh();
   const size_t key = c10::hash_combine(from->hash(), to->hash());
   std::lock_guard<std::mutex> lock(mesh.cache_mutex());
