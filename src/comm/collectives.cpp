@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/strides.h>
 
 namespace tessera::comm {
 
@@ -39,6 +40,23 @@ bool leading_dims_trivial(const std::vector<int64_t>& shape, int64_t dim) {
   return true;
 }
 
+// Blocks received back to back in one buffer, concatenated along a dim with only size-1 dims
+// before it, already form the result: view the buffer instead of copying.
+at::Tensor contiguous_concat(const std::vector<at::Tensor>& blocks, int64_t dim) {
+  auto shape = blocks[0].sizes().vec();
+  shape[dim] = 0;
+  for (auto& b : blocks) shape[dim] += b.size(dim);
+  const auto* base = static_cast<const char*>(blocks[0].storage().data());
+  int64_t expect = blocks[0].storage_offset() * blocks[0].element_size();
+  for (auto& b : blocks) {
+    if (b.storage().data() != base || b.storage_offset() * b.element_size() != expect ||
+        !b.is_contiguous())
+      return at::cat(blocks, dim);
+    expect += b.numel() * b.element_size();
+  }
+  return blocks[0].as_strided(shape, c10::contiguous_strides(shape));
+}
+
 // The one all-to-all-v: member j gets send[j] (contiguous blocks of one dtype); returns the
 // received blocks, shaped by recv_shapes. `flat_in` may pass the already packed input.
 std::vector<at::Tensor> exchange(const Group& pg, const std::vector<at::Tensor>& send,
@@ -62,9 +80,16 @@ std::vector<at::Tensor> exchange(const Group& pg, const std::vector<at::Tensor>&
   }
   record({kind, sent, recvd, n});
   if (!flat_in.defined()) {
-    std::vector<at::Tensor> parts;
-    for (auto& s : send) parts.push_back(as_bytes(s));
-    flat_in = parts.empty() ? at::empty({0}, opts.dtype(at::kByte)) : at::cat(parts);
+    // Pack with one copy per element: each block lands straight in its slot.
+    flat_in = at::empty({total_in}, opts.dtype(at::kByte));
+    int64_t off = 0;
+    for (int j = 0; j < n; ++j) {
+      if (in_splits[j] > 0) {
+        flat_in.narrow(0, off, in_splits[j]).view(send[j].scalar_type()).view(send[j].sizes())
+            .copy_(send[j]);
+      }
+      off += in_splits[j];
+    }
   }
   auto flat_out = at::empty({total_out}, opts.dtype(at::kByte));
   if (n == 1) {
@@ -129,6 +154,7 @@ at::Tensor all_gather(const Group& pg, const at::Tensor& x, int64_t dim,
   std::vector<std::vector<int64_t>> recv_shapes(n, x.sizes().vec());
   for (int i = 0; i < n; ++i) recv_shapes[i][dim] = sizes[i];
   auto blocks = exchange(pg, send, recv_shapes, x.options(), {}, CollectiveKind::AllGather);
+  if (leading_dims_trivial(shape, dim)) return contiguous_concat(blocks, dim);
   return at::cat(blocks, dim);
 }
 
@@ -199,6 +225,7 @@ at::Tensor all_to_all(const Group& pg, const at::Tensor& x, int64_t split_dim,
   auto recvd = exchange(pg, blocks, recv_shapes, x.options(), tiles ? as_bytes(x) : at::Tensor(),
                         CollectiveKind::AllToAll);
   if (n == 1) return recvd[0];
+  if (leading_dims_trivial(recv_shapes[0], cat_dim)) return contiguous_concat(recvd, cat_dim);
   return at::cat(recvd, cat_dim);
 }
 

@@ -2,6 +2,7 @@
 // DeviceMesh: an N-D grid of ranks with named dims; one process group per mesh dim.
 // A cheap handle (shared implementation), like at::Tensor. Mirrors torch.distributed's
 // DeviceMesh / init_device_mesh.
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -50,6 +51,10 @@ class DeviceMesh {
   // groups (no new communicators) and is cached, so repeated slicing returns the same mesh.
   DeviceMesh operator[](const std::string& name) const;
   DeviceMesh operator[](const std::vector<std::string>& names) const;
+  // mesh[{"dp", "tp"}]: without this, a braced pair of literals could also build a string.
+  DeviceMesh operator[](std::initializer_list<std::string> names) const {
+    return (*this)[std::vector<std::string>(names)];
+  }
 
   // Global rank at a mesh coordinate.
   int rank_at(const std::vector<int64_t>& coord) const;
