@@ -149,7 +149,7 @@ const RuleRegistrar registrar{[] {
                              "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",
                              "bitwise_and", "bitwise_or", "bitwise_xor", "hypot", "copysign",
                              "fmax", "fmin", "xlogy"})
-    family(binary, {"Tensor", "Scalar", "Tensor_Scalar", "Tensor_Tensor"}, replicate_partials);
+    family(binary, {"", "Tensor", "Scalar", "Tensor_Scalar", "Tensor_Tensor"}, replicate_partials);
   family("clamp", {"", "Tensor"}, replicate_partials);
   family("clamp_min", {"", "Tensor"}, replicate_partials);
   family("clamp_max", {"", "Tensor"}, replicate_partials);

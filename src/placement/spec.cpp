@@ -73,17 +73,18 @@ DTensorSpec::DTensorSpec(DeviceMesh mesh, Placements placements,
     placements_.push_back(p.normalized(nd));
   }
   for (auto s : sizes_) TORCH_CHECK(s >= 0, "tessera: negative global size in ", shape_str(sizes_));
-  TORCH_CHECK(tables.empty() || static_cast<int64_t>(tables.size()) == nd,
-              "tessera: expected ", nd, " shard tables (one per tensor dim), got ", tables.size());
+  TORCH_CHECK(static_cast<int64_t>(tables.size()) <= nd, "tessera: ", tables.size(),
+              " shard tables given for a ", nd, "-dim tensor (global shape ", shape_str(sizes_), ")");
+  tables.resize(nd);  // tensor dims without a table get the chunk layout
   tables_.resize(nd);
   for (int64_t t = 0; t < nd; ++t) {
     auto dims = mesh_dims_sharding(t);
     if (dims.empty()) {
-      TORCH_CHECK(tables.empty() || tables[t].empty(), "tessera: a shard table was given for ",
+      TORCH_CHECK(tables[t].empty(), "tessera: a shard table was given for ",
                   "tensor dim ", t, ", which ", to_string(placements_), " does not shard");
       continue;
     }
-    if (tables.empty() || tables[t].empty()) {
+    if (tables[t].empty()) {
       tables_[t] = chunk_table(mesh_, placements_, t, sizes_[t]);
       continue;
     }

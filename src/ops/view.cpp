@@ -1,0 +1,260 @@
+// View-like ops: the output's sharding follows the input's through a dim map.
+//
+// NOTE: [View dim map]
+// view/_unsafe_view split the shapes into blocks whose sizes multiply to the same number.
+// A sharded input dim keeps its sharding iff it is the outermost non-trivial dim of its block
+// (its shards are contiguous ranges of the block's flattened index) and every shard's range
+// starts and ends on a row of the block's outermost non-trivial output dim; the shard table
+// is rescaled by the inner sizes. Anything else is replicated first on that mesh dim. Views
+// are linear, so Partial passes through. The local op runs with local sizes.
+#include <numeric>
+
+#include <ATen/ATen.h>
+#include <c10/util/strides.h>
+#include <c10/util/Exception.h>
+
+#include "tessera/ops/rule.h"
+
+namespace tessera::ops {
+
+namespace {
+
+int64_t prod(const std::vector<int64_t>& v, size_t lo, size_t hi) {
+  int64_t p = 1;
+  for (size_t i = lo; i < hi; ++i) p *= v[i];
+  return p;
+}
+
+std::vector<int64_t> infer_size(std::vector<int64_t> size, int64_t numel) {
+  int64_t known = 1, infer = -1;
+  for (size_t i = 0; i < size.size(); ++i) {
+    if (size[i] == -1) infer = static_cast<int64_t>(i);
+    else known *= size[i];
+  }
+  if (infer >= 0) size[infer] = known == 0 ? 0 : numel / known;
+  return size;
+}
+
+struct Block {
+  size_t in_lo, in_hi, out_lo, out_hi;  // [lo, hi) dim ranges
+};
+
+std::vector<Block> blocks_of(const std::vector<int64_t>& in, const std::vector<int64_t>& out) {
+  std::vector<Block> blocks;
+  const size_t ni = in.size(), no = out.size();
+  size_t i = 0, o = 0;
+  while (i < ni || o < no) {
+    Block b{i, i, o, o};
+    int64_t pi = i < ni ? in[i++] : 1;
+    int64_t po = o < no ? out[o++] : 1;
+    while (pi != po && (i < ni || o < no)) {
+      if ((pi < po && i < ni) || o >= no) pi *= in[i++];
+      else po *= out[o++];
+    }
+    b.in_hi = i;
+    b.out_hi = o;
+    blocks.push_back(b);
+  }
+  return blocks;
+}
+
+size_t outermost_nontrivial(const std::vector<int64_t>& s, size_t lo, size_t hi) {
+  for (size_t d = lo; d < hi; ++d)
+    if (s[d] != 1) return d;
+  return lo;
+}
+
+struct ViewLayout {
+  SpecPtr input;
+  SpecPtr output;
+};
+
+ViewLayout view_layout(const DTensorSpec& in, const std::vector<int64_t>& out_sizes) {
+  const auto& is = in.sizes();
+  if (in.numel() == 0 && is != out_sizes) {
+    // Nothing to keep in place: an empty tensor changes shape replicated.
+    auto r = std::make_shared<DTensorSpec>(in.partial_as_replicate().with_placements(
+        Placements(in.mesh().ndim(), Replicate())));
+    return {r, std::make_shared<DTensorSpec>(in.mesh(), r->placements(), out_sizes, in.dtype())};
+  }
+  auto blocks = blocks_of(is, out_sizes);
+  Placements in_p = in.placements(), out_p = in.placements();
+  std::vector<ShardTable> out_tables(out_sizes.size());
+  // Tensor dims can be sharded by several mesh dims; decide per tensor dim.
+  for (int64_t t = 0; t < in.ndim(); ++t) {
+    auto dims = in.mesh_dims_sharding(t);
+    if (dims.empty()) continue;
+    const Block* blk = nullptr;
+    for (auto& b : blocks)
+      if (static_cast<size_t>(t) >= b.in_lo && static_cast<size_t>(t) < b.in_hi) blk = &b;
+    bool ok = blk && outermost_nontrivial(is, blk->in_lo, blk->in_hi) == static_cast<size_t>(t) &&
+              blk->out_hi > blk->out_lo;
+    size_t o = 0;
+    ShardTable table;
+    if (ok) {
+      o = outermost_nontrivial(out_sizes, blk->out_lo, blk->out_hi);
+      const int64_t inner_in = prod(is, t + 1, blk->in_hi);
+      const int64_t inner_out = prod(out_sizes, o + 1, blk->out_hi);
+      for (auto s : in.shard_table(t)) {
+        const int64_t elems = s * inner_in;
+        if (inner_out == 0 || elems % inner_out != 0) ok = false;
+        else table.push_back(elems / inner_out);
+      }
+    }
+    for (auto m : dims) {
+      if (ok) {
+        out_p[m] = Shard(static_cast<int64_t>(o));
+      } else {
+        in_p[m] = Replicate();
+        out_p[m] = Replicate();
+      }
+    }
+    if (ok) out_tables[o] = table;
+  }
+  std::vector<ShardTable> in_tables = in.shard_tables();
+  for (int64_t t = 0; t < in.ndim(); ++t) {
+    bool still = false;
+    for (auto& x : in_p) still = still || x.is_shard(t);
+    if (!still) in_tables[t].clear();
+  }
+  auto input = std::make_shared<DTensorSpec>(in.mesh(), in_p, in.sizes(), in.dtype(), in_tables);
+  auto output = std::make_shared<DTensorSpec>(in.mesh(), out_p, out_sizes, in.dtype(), out_tables);
+  return {input, output};
+}
+
+// Calls the op with argument `arg` replaced by the output's local sizes.
+OpPlan with_local_size_arg(const OpCall& call, ViewLayout layout, size_t arg) {
+  OpPlan plan;
+  plan.inputs.resize(call.args.size());
+  plan.inputs[0] = layout.input;
+  plan.outputs.push_back(layout.output);
+  auto local = layout.output->local_sizes();
+  c10::OperatorHandle op = call.op;
+  plan.local_kernel = [op, local, arg](torch::jit::Stack& stack) {
+    stack[arg] = c10::IValue(local);
+    op.callBoxed(&stack);
+  };
+  return plan;
+}
+
+OpPlan view_rule(const OpCall& call) {
+  const auto& in = *call.specs[0];
+  auto out = infer_size(call.args[1].toIntVector(), in.numel());
+  return with_local_size_arg(call, view_layout(in, out), 1);
+}
+
+// expand: new leading dims and size-1 dims broadcast; broadcast dims cannot stay sharded.
+OpPlan expand_rule(const OpCall& call) {
+  const auto& in = *call.specs[0];
+  auto size = call.args[1].toIntVector();
+  const int64_t lead = static_cast<int64_t>(size.size()) - in.ndim();
+  std::vector<int64_t> out(size.size());
+  for (size_t d = 0; d < size.size(); ++d) {
+    const int64_t t = static_cast<int64_t>(d) - lead;
+    out[d] = (t >= 0 && size[d] == -1) ? in.sizes()[t] : size[d];
+  }
+  Placements in_p = in.placements(), out_p = in.placements();
+  std::vector<ShardTable> in_tables = in.shard_tables(), out_tables(out.size());
+  for (size_t m = 0; m < in_p.size(); ++m) {
+    if (!in_p[m].is_shard()) continue;
+    const int64_t t = in_p[m].dim();
+    if (in.sizes()[t] != out[t + lead]) {
+      in_p[m] = out_p[m] = Replicate();
+      in_tables[t].clear();
+      continue;
+    }
+    out_p[m] = Shard(t + lead);
+    out_tables[t + lead] = in.shard_table(t);
+  }
+  ViewLayout layout{
+      std::make_shared<DTensorSpec>(in.mesh(), in_p, in.sizes(), in.dtype(), in_tables),
+      std::make_shared<DTensorSpec>(in.mesh(), out_p, out, in.dtype(), out_tables)};
+  return with_local_size_arg(call, layout, 1);
+}
+
+// unsqueeze: positional dims, so the local op keeps its arguments.
+OpPlan unsqueeze_rule(const OpCall& call) {
+  const auto& in = *call.specs[0];
+  int64_t dim = call.args[1].toInt();
+  if (dim < 0) dim += in.ndim() + 1;
+  auto out = in.sizes();
+  out.insert(out.begin() + dim, 1);
+  auto layout = view_layout(in, out);
+  OpPlan plan;
+  plan.inputs.resize(call.args.size());
+  plan.inputs[0] = layout.input;
+  plan.outputs.push_back(layout.output);
+  return plan;
+}
+
+OpPlan squeeze_rule(const OpCall& call) {
+  const auto& in = *call.specs[0];
+  std::vector<bool> drop(in.ndim(), false);
+  if (call.args.size() > 1) {
+    int64_t dim = call.args[1].toInt();
+    if (dim < 0) dim += in.ndim();
+    drop[dim] = in.ndim() > 0 && in.sizes()[dim] == 1;
+  } else {
+    for (int64_t t = 0; t < in.ndim(); ++t) drop[t] = in.sizes()[t] == 1;
+  }
+  std::vector<int64_t> out, squeeze_dims;
+  for (int64_t t = 0; t < in.ndim(); ++t) {
+    if (drop[t]) squeeze_dims.push_back(t);
+    else out.push_back(in.sizes()[t]);
+  }
+  auto layout = view_layout(in, out);
+  OpPlan plan;
+  plan.inputs.resize(call.args.size());
+  plan.inputs[0] = layout.input;
+  plan.outputs.push_back(layout.output);
+  auto local = layout.output->local_sizes();
+  // Squeeze exactly the globally size-1 dims (a shard may be size 1 where the global isn't).
+  plan.local_kernel = [local](torch::jit::Stack& stack) {
+    auto x = stack[0].toTensor();
+    stack.clear();
+    stack.emplace_back(x.view(local));
+  };
+  return plan;
+}
+
+// new_empty / new_zeros / ... : the requested global size; the input's layout when the size
+// matches it (autograd allocates gradient buffers this way), else replicated.
+OpPlan new_factory_rule(const OpCall& call) {
+  const auto& in = *call.specs[0];
+  auto size = call.args[1].toIntVector();
+  SpecPtr out = size == in.sizes()
+                    ? std::make_shared<DTensorSpec>(in.partial_as_replicate())
+                    : std::make_shared<DTensorSpec>(
+                          in.mesh(), Placements(in.mesh().ndim(), Replicate()), size, in.dtype());
+  OpPlan plan;
+  plan.outputs.push_back(out);
+  auto local = out->local_sizes();
+  const bool strided = call.op.schema().name() == "aten::new_empty_strided";
+  c10::OperatorHandle op = call.op;
+  plan.local_kernel = [op, local, strided](torch::jit::Stack& stack) {
+    stack[1] = c10::IValue(local);
+    if (strided) {
+      const auto strides = c10::contiguous_strides(local);
+      stack[2] = c10::IValue(std::vector<int64_t>(strides.begin(), strides.end()));
+    }
+    op.callBoxed(&stack);
+  };
+  return plan;
+}
+
+const RuleRegistrar registrar{[] {
+  register_rule("aten::view", view_rule);
+  register_rule("aten::_unsafe_view", view_rule);
+  register_rule("aten::_reshape_alias", view_rule);
+  register_rule("aten::expand", expand_rule);
+  register_rule("aten::unsqueeze", unsqueeze_rule);
+  register_rule("aten::squeeze", squeeze_rule);
+  register_rule("aten::squeeze.dim", squeeze_rule);
+  for (const char* op : {"aten::new_empty", "aten::new_zeros", "aten::new_ones",
+                         "aten::new_full", "aten::new_empty_strided"})
+    register_rule(op, new_factory_rule);
+}};
+
+}  // namespace
+
+}  // namespace tessera::ops
