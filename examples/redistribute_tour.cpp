@@ -30,28 +30,41 @@ int main() {
       {Shard(1), Shard(1)},    {Replicate(), Replicate()}, {Shard(0), Shard(1)},
   };
   bool ok = true;
-  CommDebugMode comm;
+  CommDebugMode total;  // everything the tour moves, checks included
+  if (rank == 0) std::printf("\n%-14s %-10s %-32s %s\n", "placements", "local", "collectives (rank 0: calls, bytes sent)", "check");
   for (const auto& p : tour) {
-    dt = redistribute(dt, p);
+    std::string moved;
+    {
+      CommDebugMode step;  // just this redistribute
+      dt = redistribute(dt, p);
+      for (auto& [kind, calls] : step.get_comm_counts()) moved += kind + "x" + std::to_string(calls) + " ";
+      moved += std::to_string(step.total_bytes_sent()) + " B";
+      if (step.get_total_counts() == 0) moved = "none (local slice)";
+    }
     const bool same = at::equal(full_tensor(dt), full);
     ok = ok && same;
     if (rank == 0)
-      std::printf("-> %-12s local %-8s %s\n", to_string(p).c_str(),
-                  shape_str(dt.sizes().vec() == full.sizes().vec()
-                                ? spec(dt).local_sizes()
-                                : std::vector<int64_t>{})
-                      .c_str(),
-                  same ? "matches the full tensor" : "MISMATCH");
+      std::printf("%-14s %-10s %-32s %s\n", to_string(p).c_str(),
+                  shape_str(spec(dt).local_sizes()).c_str(), moved.c_str(),
+                  same ? "== full tensor" : "MISMATCH");
   }
-  // Partial values: every rank contributes a term; sum of terms is the global value.
+  // Partial values: every rank contributes a term; the sum of the terms is the global value.
   auto part = from_local(full / 4, mesh, {Partial(), Partial()});
   auto rs = redistribute(part, {Shard(0), Shard(1)});
-  ok = ok && at::allclose(full_tensor(rs), full, 1e-5, 1e-6);
+  const bool partial_ok = at::allclose(full_tensor(rs), full, 1e-5, 1e-6);
+  ok = ok && partial_ok;
+  // Gradients flow back through every layout change.
+  auto leaf = distribute_tensor(full, mesh, {Shard(0), Shard(1)}).detach().requires_grad_();
+  auto chain = redistribute(redistribute(leaf, {Replicate(), Shard(0)}), {Shard(1), Replicate()});
+  (chain * chain).sum().backward();
+  const bool grad_ok = at::allclose(full_tensor(leaf.grad()), 2 * full, 1e-5, 1e-6);
+  ok = ok && grad_ok;
   if (rank == 0) {
-    std::printf("-> P(sum) terms reduce-scattered to (S(0), S(1)): %s\n",
-                ok ? "matches" : "MISMATCH");
-    std::printf("\ncommunication on rank 0 (bytes this rank sent/received):\n%s",
-                comm.table().c_str());
+    std::printf("(P(sum), P(sum)) -> (S(0), S(1)) via reduce-scatter: %s\n",
+                partial_ok ? "== full tensor" : "MISMATCH");
+    std::printf("gradient of sum(y*y) through two redistributes: %s\n",
+                grad_ok ? "== 2*full" : "MISMATCH");
+    std::printf("\nall communication on rank 0, checks included:\n%s", total.table().c_str());
   }
   std::printf("%s\n", ok ? "OK" : "FAILED");
   return ok ? 0 : 1;
