@@ -53,6 +53,17 @@ std::string OpCall::describe() const {
   std::string s = qualified(op.operator_name()) + "(";
   bool first = true;
   for (size_t i = 0; i < args.size(); ++i) {
+    if (i < list_specs.size() && !list_specs[i].empty()) {
+      s += first ? "[" : ", [";
+      first = false;
+      for (size_t k = 0; k < list_specs[i].size(); ++k) {
+        const auto* sp = list_specs[i][k];
+        s += (k ? ", " : "") +
+             (sp ? to_string(sp->placements()) + " " + shape_str(sp->sizes()) : std::string("scalar"));
+      }
+      s += "]";
+      continue;
+    }
     if (!args[i].isTensor()) continue;
     s += first ? "" : ", ";
     first = false;

@@ -66,35 +66,58 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   stack->resize(base);
 
   ops::OpCall call{op, args, std::vector<const DTensorSpec*>(nargs, nullptr)};
+  bool lists = false;
   for (size_t i = 0; i < nargs; ++i) {
-    if (!args[i].isTensor()) continue;
-    if (auto* d = as_dtensor(args[i].toTensor())) {
-      call.specs[i] = &d->spec();
-      if (call.first_dtensor < 0) call.first_dtensor = static_cast<int>(i);
+    if (args[i].isTensor()) {
+      if (auto* d = as_dtensor(args[i].toTensor())) {
+        call.specs[i] = &d->spec();
+        if (call.first_dtensor < 0) call.first_dtensor = static_cast<int>(i);
+        if (!call.reference) call.reference = call.specs[i];
+      }
+    } else if (args[i].isTensorList()) {
+      for (const at::Tensor& t : args[i].toTensorList()) {
+        if (auto* d = as_dtensor(t)) {
+          lists = true;
+          if (!call.reference) call.reference = &d->spec();
+        }
+      }
     }
   }
-  bool lists = false;
-  for (auto& a : args) lists = lists || a.isTensorList() || a.isList();
-  TORCH_CHECK(call.first_dtensor >= 0 || lists, "tessera: ", schema.operator_name(),
+  TORCH_CHECK(call.reference, "tessera: ", schema.operator_name(),
               " reached the distributed-tensor fallback without a distributed tensor argument");
 
   std::vector<at::Tensor> keep_alive;  // implicit conversions must outlive the call
-  if (call.first_dtensor >= 0) {
-    const DTensorSpec& ref = call.first();
-    for (size_t i = 0; i < nargs; ++i) {
-      if (!args[i].isTensor()) continue;
-      const auto& t = args[i].toTensor();
-      if (!t.defined()) continue;
-      if (call.specs[i]) {
-        TORCH_CHECK(call.specs[i]->mesh() == ref.mesh(), "tessera: ", call.describe(),
-                    ": arguments live on different meshes (", ref.mesh().str(), " and ",
-                    call.specs[i]->mesh().str(), "); redistribute them onto one mesh first");
-        continue;
+  const DTensorSpec& ref = *call.reference;
+  // Every distributed argument must live on the reference's mesh; plain tensors join it as
+  // replicated values (0-dim ones stay scalars).
+  auto admit = [&](const at::Tensor& t, const DTensorSpec*& spec_out) -> at::Tensor {
+    if (!t.defined()) return t;
+    if (auto* d = as_dtensor(t)) {
+      TORCH_CHECK(d->spec().mesh() == ref.mesh(), "tessera: ", call.describe(),
+                  ": arguments live on different meshes (", ref.mesh().str(), " and ",
+                  d->spec().mesh().str(), "); redistribute them onto one mesh first");
+      spec_out = &d->spec();
+      return t;
+    }
+    if (t.dim() == 0) return t;
+    keep_alive.push_back(implicit_replicate(t, ref));
+    spec_out = &dtensor_impl(keep_alive.back())->spec();
+    return keep_alive.back();
+  };
+  if (lists) call.list_specs.resize(nargs);
+  for (size_t i = 0; i < nargs; ++i) {
+    if (args[i].isTensor()) {
+      const DTensorSpec* s = nullptr;
+      args[i] = admit(args[i].toTensor(), s);
+      call.specs[i] = s;
+    } else if (lists && args[i].isTensorList()) {
+      c10::List<at::Tensor> admitted;
+      for (const at::Tensor& t : args[i].toTensorList()) {
+        const DTensorSpec* s = nullptr;
+        admitted.push_back(admit(t, s));
+        call.list_specs[i].push_back(s);
       }
-      if (t.dim() == 0) continue;
-      keep_alive.push_back(implicit_replicate(t, ref));
-      args[i] = keep_alive.back();
-      call.specs[i] = &dtensor_impl(keep_alive.back())->spec();
+      args[i] = std::move(admitted);
     }
   }
 
@@ -117,13 +140,19 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   for (size_t i = 0; i < nargs; ++i) {
     if (!call.specs[i]) {
       if (args[i].isTensorList()) {
-        auto list = args[i].toTensorList();
         c10::List<at::Tensor> out;
-        for (const at::Tensor& t : list) {
+        size_t k = 0;
+        for (const at::Tensor& t : args[i].toTensorList()) {
           auto* d = as_dtensor(t);
           TORCH_CHECK(!d || d->spec().is_replicated() || rule, "tessera: ", call.describe(),
                       ": no sharding rule for this op on a list of non-replicated tensors");
-          out.push_back(d ? d->local() : t);
+          at::Tensor local = d ? d->local() : t;
+          if (d && i < plan.list_inputs.size() && k < plan.list_inputs[i].size() &&
+              plan.list_inputs[i][k] && *plan.list_inputs[i][k] != d->spec()) {
+            local = redistribute_local(local, d->spec_ptr(), plan.list_inputs[i][k]);
+          }
+          out.push_back(local);
+          ++k;
         }
         stack->emplace_back(std::move(out));
       } else {

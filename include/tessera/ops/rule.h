@@ -17,9 +17,13 @@ struct OpCall {
   const c10::OperatorHandle& op;
   const torch::jit::Stack& args;          // the op's arguments, distributed tensors still wrapped
   std::vector<const DTensorSpec*> specs;  // per argument: its spec, or nullptr if not distributed
-  int first_dtensor = -1;                 // index of the first distributed argument
+  int first_dtensor = -1;                 // index of the first distributed Tensor argument
+  // Per argument: the element specs of a Tensor[] argument holding distributed tensors
+  // (plain elements are implicitly replicated, see docs/design.md); empty otherwise.
+  std::vector<std::vector<const DTensorSpec*>> list_specs;
+  const DTensorSpec* reference = nullptr;  // the first distributed tensor, in a list or not
 
-  const DTensorSpec& first() const { return *specs.at(first_dtensor); }
+  const DTensorSpec& first() const { return *reference; }
   const std::string& name() const;
   // "aten::add.Tensor(S(0) [8, 4], R [8, 4])": for error messages.
   std::string describe() const;
@@ -27,6 +31,7 @@ struct OpCall {
 
 struct OpPlan {
   std::vector<SpecPtr> inputs;   // per argument: the spec it must be redistributed to, or null
+  std::vector<std::vector<SpecPtr>> list_inputs;  // per Tensor[] argument, per element
   // Per return: the spec of the result. Rules give the inputs' dtype; where the local result
   // has another (comparisons, casts), the fallback substitutes it.
   std::vector<SpecPtr> outputs;
