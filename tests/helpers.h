@@ -2,12 +2,15 @@
 // Shared test helpers: building distributed tensors with any placements (Partial included)
 // and any shard tables from a full tensor, cutting a rank's block out of a full tensor,
 // and random layouts. Everything is deterministic from a seed, so all ranks agree.
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+
+#include <gtest/gtest.h>
 
 #include "tessera/tessera.h"
 
@@ -114,6 +117,45 @@ inline bool same_values(const at::Tensor& a, const at::Tensor& b) {
   if (a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type()) return false;
   if (at::isIntegralType(a.scalar_type(), true)) return at::equal(a, b);
   return at::allclose(a, b, 1e-5, 1e-6);
+}
+
+using Fn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
+
+struct Operand {
+  std::vector<int64_t> shape;
+  Placements placements;
+  std::vector<ShardTable> tables = {};
+};
+
+// Runs fn on distributed operands and on the full tensors; compares value and gradients.
+inline void differential(const DeviceMesh& mesh, const std::vector<Operand>& ops, const Fn& fn,
+                  const std::string& what, uint64_t seed = 7) {
+  std::vector<at::Tensor> full, dist;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    full.push_back(tessera::test::randn(ops[i].shape, seed + i).requires_grad_());
+    dist.push_back(make_dtensor_from_full(full.back().detach(), mesh, ops[i].placements,
+                                          ops[i].tables)
+                       .detach()
+                       .requires_grad_());
+  }
+  auto expected = fn(full);
+  auto got = fn(dist);
+  ASSERT_TRUE(is_dtensor(got)) << what << ": result is not distributed";
+  ASSERT_EQ(got.sizes(), expected.sizes()) << what;
+  ASSERT_TRUE(same_values(full_tensor(got), expected.detach())) << what << " (forward) "
+                                                               << spec(got).str();
+  if (!at::isFloatingType(expected.scalar_type())) return;
+  auto g = tessera::test::randn(expected.sizes(), seed + 100);
+  expected.backward(g);
+  // Feed the same global gradient in the result's layout.
+  auto gd = distribute_tensor(g, mesh, spec(got).partial_as_replicate().placements(), std::nullopt,
+                              ShardSizes::Given(spec(got).shard_tables()));
+  got.backward(gd);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    ASSERT_TRUE(dist[i].grad().defined()) << what << " operand " << i << " has no gradient";
+    ASSERT_TRUE(same_values(full_tensor(dist[i].grad()), full[i].grad()))
+        << what << " (gradient of operand " << i << ")";
+  }
 }
 
 }  // namespace tessera::test

@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include "tessera/ops/rule.h"
+#include "tessera/redistribute/redistribute.h"
 
 namespace tessera::ops {
 
@@ -75,6 +76,31 @@ std::string OpCall::describe() const {
     }
   }
   return s + ")";
+}
+
+OpPlan cheapest(const OpCall& call, const std::vector<Strategy>& candidates) {
+  TORCH_CHECK(!candidates.empty(), "tessera: ", call.describe(), ": no sharding strategy applies");
+  size_t best = 0;
+  double best_cost = 0;
+  for (size_t c = 0; c < candidates.size(); ++c) {
+    double cost = 0;
+    const auto& cand = candidates[c];
+    for (size_t i = 0; i < cand.inputs.size() && i < call.specs.size(); ++i) {
+      if (!cand.inputs[i] || !call.specs[i]) continue;
+      // The call's spec is borrowed; a shared_ptr that does not own it is enough for planning.
+      SpecPtr from(std::shared_ptr<const DTensorSpec>(), call.specs[i]);
+      cost += redistribute_cost(from, cand.inputs[i]);
+    }
+    if (c == 0 || cost < best_cost) {
+      best = c;
+      best_cost = cost;
+    }
+  }
+  OpPlan plan;
+  plan.inputs = candidates[best].inputs;
+  plan.inputs.resize(call.args.size());
+  plan.outputs = candidates[best].outputs;
+  return plan;
 }
 
 SpecPtr same_layout_with_shape(const DTensorSpec& like, std::vector<int64_t> sizes,

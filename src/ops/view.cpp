@@ -217,6 +217,48 @@ OpPlan squeeze_rule(const OpCall& call) {
   return plan;
 }
 
+// transpose / t / permute: shard dims follow the permutation; local args are positional.
+OpPlan permute_layout(const OpCall& call, const std::vector<int64_t>& perm) {
+  const auto& in = *call.specs[0];
+  std::vector<int64_t> inv(perm.size()), out_sizes(perm.size());
+  for (size_t o = 0; o < perm.size(); ++o) {
+    inv[perm[o]] = static_cast<int64_t>(o);
+    out_sizes[o] = in.sizes()[perm[o]];
+  }
+  Placements p = in.placements();
+  std::vector<ShardTable> tables(perm.size());
+  for (auto& x : p) {
+    if (!x.is_shard()) continue;
+    tables[inv[x.dim()]] = in.shard_table(x.dim());
+    x = Shard(inv[x.dim()]);
+  }
+  OpPlan plan;
+  plan.outputs.push_back(std::make_shared<DTensorSpec>(in.mesh(), p, out_sizes, in.dtype(), tables));
+  return plan;
+}
+
+OpPlan transpose_rule(const OpCall& call) {
+  const int64_t nd = call.specs[0]->ndim();
+  std::vector<int64_t> perm(nd);
+  std::iota(perm.begin(), perm.end(), 0);
+  if (nd >= 2) {
+    int64_t a = call.args.size() > 1 ? call.args[1].toInt() : 0;
+    int64_t b = call.args.size() > 2 ? call.args[2].toInt() : 1;
+    if (a < 0) a += nd;
+    if (b < 0) b += nd;
+    std::swap(perm[a], perm[b]);
+  }
+  return permute_layout(call, perm);
+}
+
+OpPlan permute_rule(const OpCall& call) {
+  auto perm = call.args[1].toIntVector();
+  const int64_t nd = call.specs[0]->ndim();
+  for (auto& d : perm)
+    if (d < 0) d += nd;
+  return permute_layout(call, perm);
+}
+
 // new_empty / new_zeros / ... : the requested global size; the input's layout when the size
 // matches it (autograd allocates gradient buffers this way), else replicated.
 OpPlan new_factory_rule(const OpCall& call) {
@@ -247,6 +289,9 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::_unsafe_view", view_rule);
   register_rule("aten::_reshape_alias", view_rule);
   register_rule("aten::expand", expand_rule);
+  register_rule("aten::transpose.int", transpose_rule);
+  register_rule("aten::t", transpose_rule);
+  register_rule("aten::permute", permute_rule);
   register_rule("aten::unsqueeze", unsqueeze_rule);
   register_rule("aten::squeeze", squeeze_rule);
   register_rule("aten::squeeze.dim", squeeze_rule);

@@ -176,6 +176,33 @@ std::string RedistributePlan::str() const {
 
 void set_redistribute_debug(bool on) { g_debug = on; }
 
+namespace {
+double average_bytes(const DTensorSpec& s) {
+  double shards = 1;
+  for (int64_t m = 0; m < s.mesh().ndim(); ++m)
+    if (s.placement(m).is_shard()) shards *= static_cast<double>(s.mesh().size(m));
+  return static_cast<double>(s.numel()) * static_cast<double>(c10::elementSize(s.dtype())) / shards;
+}
+}  // namespace
+
+double redistribute_cost(const SpecPtr& from, const SpecPtr& to) {
+  if (*from == *to) return 0;
+  double bytes = 0;
+  for (const auto& st : plan_redistribute(from, to)->steps) {
+    const double n = static_cast<double>(st.before->mesh().size(st.mesh_dim));
+    const double b = average_bytes(*st.before);
+    switch (st.kind) {
+      case StepKind::AllGather: bytes += (n - 1) * b; break;
+      case StepKind::AllReduce: bytes += 2 * (n - 1) / n * b; break;
+      case StepKind::ReduceScatter:
+      case StepKind::AllToAll: bytes += (n - 1) / n * b; break;
+      case StepKind::LocalSlice:
+      case StepKind::ToPartial: bytes += 1e-3; break;  // free, but prefer fewer steps
+    }
+  }
+  return bytes;
+}
+
 std::shared_ptr<const RedistributePlan> plan_redistribute(const SpecPtr& from, const SpecPtr& to) {
   TORCH_CHECK(from->mesh() == to->mesh(), "tessera: redistribute from ", from->mesh().str(),
               " to ", to->mesh().str(), ": moving between meshes is not supported yet");

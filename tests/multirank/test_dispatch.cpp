@@ -6,49 +6,12 @@
 #include "helpers.h"
 
 using namespace tessera;
+using tessera::test::differential;
 using tessera::test::make_dtensor_from_full;
+using tessera::test::Operand;
 using tessera::test::same_values;
 
 namespace {
-
-using Fn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
-
-struct Operand {
-  std::vector<int64_t> shape;
-  Placements placements;
-  std::vector<ShardTable> tables = {};
-};
-
-// Runs fn on distributed operands and on the full tensors; compares value and gradients.
-void differential(const DeviceMesh& mesh, const std::vector<Operand>& ops, const Fn& fn,
-                  const std::string& what, uint64_t seed = 7) {
-  std::vector<at::Tensor> full, dist;
-  for (size_t i = 0; i < ops.size(); ++i) {
-    full.push_back(tessera::test::randn(ops[i].shape, seed + i).requires_grad_());
-    dist.push_back(make_dtensor_from_full(full.back().detach(), mesh, ops[i].placements,
-                                          ops[i].tables)
-                       .detach()
-                       .requires_grad_());
-  }
-  auto expected = fn(full);
-  auto got = fn(dist);
-  ASSERT_TRUE(is_dtensor(got)) << what << ": result is not distributed";
-  ASSERT_EQ(got.sizes(), expected.sizes()) << what;
-  ASSERT_TRUE(same_values(full_tensor(got), expected.detach())) << what << " (forward) "
-                                                               << spec(got).str();
-  if (!at::isFloatingType(expected.scalar_type())) return;
-  auto g = tessera::test::randn(expected.sizes(), seed + 100);
-  expected.backward(g);
-  // Feed the same global gradient in the result's layout.
-  auto gd = distribute_tensor(g, mesh, spec(got).partial_as_replicate().placements(), std::nullopt,
-                              ShardSizes::Given(spec(got).shard_tables()));
-  got.backward(gd);
-  for (size_t i = 0; i < ops.size(); ++i) {
-    ASSERT_TRUE(dist[i].grad().defined()) << what << " operand " << i << " has no gradient";
-    ASSERT_TRUE(same_values(full_tensor(dist[i].grad()), full[i].grad()))
-        << what << " (gradient of operand " << i << ")";
-  }
-}
 
 void on_meshes(const std::function<void(const DeviceMesh&)>& body) {
   for (int world : {1, 2, 3}) {

@@ -48,6 +48,15 @@ void register_rule(const std::string& qualified_name, Rule rule);
 // The rule of an op, or nullptr. Memoised per operator after the first lookup.
 Rule find_rule(const c10::OperatorHandle& op);
 
+// A candidate: the layouts the inputs would need and the outputs it produces.
+struct Strategy {
+  std::vector<SpecPtr> inputs;   // per argument (null: not a distributed argument)
+  std::vector<SpecPtr> outputs;
+};
+// The strategy whose input redistributions cost the fewest modelled bytes (ties: the first),
+// as a plan. Every rank computes the same choice.
+OpPlan cheapest(const OpCall& call, const std::vector<Strategy>& candidates);
+
 // Helpers shared by rule families.
 SpecPtr same_layout_with_shape(const DTensorSpec& like, std::vector<int64_t> sizes,
                                c10::ScalarType dtype);

@@ -39,6 +39,10 @@ struct RedistributePlan {
 // The cached plan from `from` to `to` (same mesh, shape and dtype).
 std::shared_ptr<const RedistributePlan> plan_redistribute(const SpecPtr& from, const SpecPtr& to);
 
+// Modelled bytes one rank sends to go from `from` to `to` (average shard sizes, so every
+// rank computes the same number: strategy choices must agree across ranks).
+double redistribute_cost(const SpecPtr& from, const SpecPtr& to);
+
 // Runs a plan on a local shard; no autograd. Used by the sharding-propagation fallback.
 at::Tensor redistribute_local(const at::Tensor& local, const SpecPtr& from, const SpecPtr& to);
 
