@@ -128,7 +128,9 @@ struct ScatterBackward : Node {
   variable_list apply(variable_list&& grads) override {
     if (!grads[0].defined()) return {at::Tensor()};
     auto full = full_tensor(as_dtensor_grad(grads[0], *spec));
-    return {is_src ? full : at::zeros(input_sizes, input_options)};
+    if (is_src) return {full};
+    return {input_sizes.empty() && !input_options.has_dtype() ? at::Tensor()
+                                                               : at::zeros(input_sizes, input_options)};
   }
   std::string name() const override { return "tessera::ScatterBackward"; }
 };
@@ -159,7 +161,87 @@ at::Tensor wrap_local(const at::Tensor& local, const SpecPtr& spec) {
   return out;
 }
 
-SpecPtr infer_spec(const at::Tensor& local, const DeviceMesh& mesh, const Placements& placements) {
+// Errors from the spec name the public function and its arguments.
+std::string strip_prefix(const std::string& m) {
+  const std::string p = "tessera: ";
+  return m.rfind(p, 0) == 0 ? m.substr(p.size()) : m;
+}
+
+SpecPtr make_spec(const char* what, const DeviceMesh& mesh, const Placements& placements,
+                  const std::vector<int64_t>& sizes, c10::ScalarType dtype,
+                  std::vector<ShardTable> tables = {}) {
+  try {
+    return std::make_shared<DTensorSpec>(mesh, placements, sizes, dtype, std::move(tables));
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "tessera: ", what, "(", to_string(placements), ", global shape ",
+                shape_str(sizes), "): ", strip_prefix(e.msg()));
+  }
+}
+
+// Checks that need nothing but the arguments: the same verdict on every rank.
+void check_placement_count(const char* what, const DeviceMesh& mesh,
+                           const Placements& placements) {
+  TORCH_CHECK(static_cast<int64_t>(placements.size()) == mesh.ndim(), "tessera: ", what, "(",
+              to_string(placements), "): placements ", to_string(placements), " has ",
+              placements.size(), " entries but ", mesh.str(), " has ", mesh.ndim(),
+              " dims; give one placement per mesh dim");
+}
+
+void check_placements(const char* what, const DeviceMesh& mesh, const Placements& placements,
+                      const std::vector<int64_t>& shape) {
+  check_placement_count(what, mesh, placements);
+  const int64_t ndim = static_cast<int64_t>(shape.size());
+  for (auto& p : placements) {
+    TORCH_CHECK(!p.is_shard() || (ndim > 0 && p.dim() >= -ndim && p.dim() < ndim), "tessera: ",
+                what, "(", to_string(placements), "): Shard(", p.dim(),
+                ") is out of range for a tensor with ", ndim, " dims (shape ", shape_str(shape),
+                "); use a dim in [", -ndim, ", ", ndim - 1, "]");
+  }
+}
+
+struct SourceMeta {
+  std::vector<int64_t> sizes;
+  c10::ScalarType dtype;
+  bool requires_grad;
+};
+
+// The source rank's shape, dtype and requires_grad, agreed by every rank (two small
+// all-gathers). With every_rank_has_data, every rank's tensor must match the source's; any
+// mismatch raises the same error on every rank.
+SourceMeta agree_with_source(const char* what, const DeviceMesh& mesh, const at::Tensor& t,
+                             int src_flat, bool every_rank_has_data) {
+  auto pg = mesh.mesh_group();
+  const bool def = t.defined();
+  auto heads = comm::all_gather_ints(
+      pg, {def, def ? t.dim() : -1, def ? static_cast<int64_t>(t.scalar_type()) : -1,
+           def && t.requires_grad()});
+  const auto& src = heads[src_flat];
+  const int src_rank = mesh.ranks()[src_flat];
+  TORCH_CHECK(src[0] == 1, "tessera: ", what, ": the source rank ", src_rank,
+              " passed an undefined tensor");
+  const auto dtype = static_cast<c10::ScalarType>(src[2]);
+  for (size_t r = 0; every_rank_has_data && r < heads.size(); ++r) {
+    TORCH_CHECK(heads[r][0] == 1 && heads[r][1] == src[1] && heads[r][2] == src[2], "tessera: ",
+                what, ": rank ", mesh.ranks()[r], " passed ",
+                heads[r][0] ? std::to_string(heads[r][1]) + "-d " +
+                                  c10::toString(static_cast<c10::ScalarType>(heads[r][2]))
+                            : std::string("an undefined tensor"),
+                " but the source rank ", src_rank, " has a ", src[1], "-d ", c10::toString(dtype),
+                " tensor; every rank must pass a tensor of the global shape");
+  }
+  std::vector<int64_t> mine(src[1], -1);
+  if (def && t.dim() == src[1]) mine = t.sizes().vec();
+  auto shapes = comm::all_gather_ints(pg, mine);
+  for (size_t r = 0; every_rank_has_data && r < shapes.size(); ++r) {
+    TORCH_CHECK(shapes[r] == shapes[src_flat], "tessera: ", what, ": rank ", mesh.ranks()[r],
+                " passed shape ", shape_str(shapes[r]), " but the source rank ", src_rank,
+                " has ", shape_str(shapes[src_flat]), "; every rank must pass the global shape");
+  }
+  return {shapes[src_flat], dtype, src[3] == 1};
+}
+
+SpecPtr infer_spec(const at::Tensor& local, const DeviceMesh& mesh, const Placements& placements,
+                   std::vector<std::vector<int64_t>>* shapes_out = nullptr) {
   auto pg = mesh.mesh_group();
   auto heads = comm::all_gather_ints(pg, {local.dim(), static_cast<int64_t>(local.scalar_type())});
   for (size_t r = 1; r < heads.size(); ++r) {
@@ -170,8 +252,10 @@ SpecPtr infer_spec(const at::Tensor& local, const DeviceMesh& mesh, const Placem
                 " vs ", heads[r][0], "-d ",
                 c10::toString(static_cast<c10::ScalarType>(heads[r][1])), ")");
   }
-  auto shapes = comm::all_gather_ints(pg, local.sizes().vec());
   const int64_t nd = local.dim();
+  check_placements("from_local", mesh, placements, local.sizes().vec());  // same nd everywhere now
+  auto shapes = comm::all_gather_ints(pg, local.sizes().vec());
+  if (shapes_out) *shapes_out = shapes;
   std::vector<int64_t> global(nd);
   std::vector<ShardTable> tables(nd);
   std::vector<int64_t> coord(mesh.ndim());
@@ -209,7 +293,7 @@ SpecPtr infer_spec(const at::Tensor& local, const DeviceMesh& mesh, const Placem
   return std::make_shared<DTensorSpec>(mesh, placements, global, local.scalar_type(), tables);
 }
 
-// The global shape implied by `local` under the chunk/given layout at this rank.
+// The global shape implied by `local` under the chunk/given layout at this rank (no comm).
 SpecPtr declared_spec(const at::Tensor& local, const DeviceMesh& mesh,
                       const Placements& placements, const ShardSizes& sizes) {
   const int64_t nd = local.dim();
@@ -225,41 +309,12 @@ SpecPtr declared_spec(const at::Tensor& local, const DeviceMesh& mesh,
       global[t] = 0;
       for (auto s : tables[t]) global[t] += s;
     } else {
-      // Chunk layout: the global size is not recoverable from one uneven shard in general;
-      // torch's rule is local * shards for even sharding.
+      // Chunk layout from one shard: torch's rule, local * shards (exact for even shards;
+      // pass ShardSizes::Infer() or run_check for anything else).
       global[t] = local.size(t) * shards;
     }
   }
-  return std::make_shared<DTensorSpec>(mesh, placements, global, local.scalar_type(), tables);
-}
-
-void check_local_shapes(const at::Tensor& local, const SpecPtr& spec) {
-  const auto& mesh = spec->mesh();
-  auto pg = mesh.mesh_group();
-  auto head = comm::all_gather_ints(pg, {local.dim(), static_cast<int64_t>(local.scalar_type())});
-  std::string problem;
-  std::vector<int64_t> coord(mesh.ndim());
-  bool same_rank = true;
-  for (auto& h : head) same_rank = same_rank && h == head[0];
-  if (!same_rank) {
-    problem = "ranks disagree on the local tensor's number of dims or dtype";
-  } else {
-    auto shapes = comm::all_gather_ints(pg, local.sizes().vec());
-    for (size_t f = 0; f < shapes.size() && problem.empty(); ++f) {
-      int64_t rem = static_cast<int64_t>(f);
-      for (int64_t m = mesh.ndim() - 1; m >= 0; --m) {
-        coord[m] = rem % mesh.size(m);
-        rem /= mesh.size(m);
-      }
-      auto expected = spec->local_sizes(coord);
-      if (shapes[f] != expected)
-        problem = "rank " + std::to_string(mesh.ranks()[f]) + " has local shape " +
-                  shape_str(shapes[f]) + " but " + spec->str() + " gives it " + shape_str(expected);
-    }
-  }
-  TORCH_CHECK(problem.empty(), "tessera: from_local(", to_string(spec->placements()),
-              ", run_check): ", problem, "; pass the true sizes with ShardSizes::Given or use ",
-              "ShardSizes::Infer()");
+  return make_spec("from_local", mesh, placements, global, local.scalar_type(), tables);
 }
 
 // Each rank's block of the global tensor, cut out by the spec.
@@ -289,8 +344,10 @@ int src_index(const DeviceMesh& mesh, int src, const char* what) {
 }
 
 // Rank `src` sends every rank its block in one all-to-all-v (nothing else moves).
+// Every rank gets a backward node when the source's tensor requires grad: the backward
+// gathers the gradient, a collective every rank must join.
 at::Tensor scatter_impl(const at::Tensor& full, int src_flat, const SpecPtr& spec,
-                        const char* what) {
+                        bool requires_grad) {
   const auto& mesh = spec->mesh();
   auto pg = mesh.mesh_group();
   const int64_t n = mesh.size();
@@ -305,17 +362,18 @@ at::Tensor scatter_impl(const at::Tensor& full, int src_flat, const SpecPtr& spe
     recv_shapes.push_back(f == src_flat ? spec->local_sizes() : std::vector<int64_t>{0});
   }
   auto blocks = comm::all_to_all_blocks(pg, send, recv_shapes, opts, comm::CollectiveKind::Scatter);
-  at::Tensor local = blocks[src_flat];
-  at::Tensor out = make_dtensor(local, spec);
-  if (needs_grad(full)) {
+  at::Tensor out = make_dtensor(blocks[src_flat], spec);
+  if (requires_grad && at::GradMode::is_enabled()) {
     auto node = std::shared_ptr<ScatterBackward>(new ScatterBackward(), torch::autograd::deleteNode);
     node->spec = spec;
     node->is_src = is_src;
-    node->input_sizes = full.sizes().vec();
-    node->input_options = full.options();
-    connect(node, full, out);
+    if (full.defined()) {
+      node->input_sizes = full.sizes().vec();
+      node->input_options = full.options();
+    }
+    node->set_next_edges(torch::autograd::collect_next_edges(full));
+    torch::autograd::set_history(out, node);
   }
-  (void)what;
   return out;
 }
 
@@ -335,16 +393,17 @@ at::Tensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh,
   TORCH_CHECK(!is_dtensor(tensor), "tessera: distribute_tensor: the tensor is already ",
               "distributed; use redistribute");
   reject_partial(placements, "distribute_tensor");
+  check_placements("distribute_tensor", mesh, placements, tensor.sizes().vec());
   TORCH_CHECK(sizes.mode() != ShardSizes::Mode::Infer,
               "tessera: distribute_tensor: ShardSizes::Infer() only applies to from_local");
   auto global = tensor.sizes().vec();
-  auto spec = std::make_shared<DTensorSpec>(
-      mesh, placements, global, tensor.scalar_type(),
-      target_tables(nullptr, mesh, placements, global, sizes));
+  auto spec = make_spec("distribute_tensor", mesh, placements, global, tensor.scalar_type(),
+                        target_tables(nullptr, mesh, placements, global, sizes));
   if (!mesh.contains_this_rank()) return make_dtensor(tensor, spec);
   if (src_data_rank) {
-    return scatter_impl(tensor, src_index(mesh, *src_data_rank, "distribute_tensor"), spec,
-                        "distribute_tensor");
+    const int src_flat = src_index(mesh, *src_data_rank, "distribute_tensor");
+    auto meta = agree_with_source("distribute_tensor", mesh, tensor, src_flat, true);
+    return scatter_impl(tensor, src_flat, spec, meta.requires_grad);
   }
   // Every rank holds the full value: replicated from_local, then local slicing (no comm).
   Placements rep(mesh.ndim(), Replicate());
@@ -358,38 +417,55 @@ at::Tensor scatter_tensor(const at::Tensor& full_on_src, int src, const DeviceMe
   reject_partial(placements, "scatter_tensor");
   TORCH_CHECK(sizes.mode() != ShardSizes::Mode::Infer,
               "tessera: scatter_tensor: ShardSizes::Infer() only applies to from_local");
+  check_placement_count("scatter_tensor", mesh, placements);
   const int src_flat = src_index(mesh, src, "scatter_tensor");
-  auto pg = mesh.mesh_group();
-  const bool is_src = comm::group_rank(pg) == src_flat;
-  TORCH_CHECK(!is_src || full_on_src.defined(), "tessera: scatter_tensor: the source rank ", src,
-              " passed an undefined tensor");
   // Shape and dtype travel from the source (other ranks may pass nothing).
-  auto head = comm::all_gather_ints(
-      pg, {is_src ? full_on_src.dim() : 0,
-           is_src ? static_cast<int64_t>(full_on_src.scalar_type()) : 0});
-  const int64_t nd = head[src_flat][0];
-  std::vector<int64_t> mine(nd, 0);
-  if (is_src) mine = full_on_src.sizes().vec();
-  auto shapes = comm::all_gather_ints(pg, mine);
-  const auto global = shapes[src_flat];
-  const auto dtype = static_cast<c10::ScalarType>(head[src_flat][1]);
-  auto spec = std::make_shared<DTensorSpec>(mesh, placements, global, dtype,
-                                            target_tables(nullptr, mesh, placements, global, sizes));
-  return scatter_impl(full_on_src, src_flat, spec, "scatter_tensor");
+  auto meta = agree_with_source("scatter_tensor", mesh, full_on_src, src_flat, false);
+  check_placements("scatter_tensor", mesh, placements, meta.sizes);
+  auto spec = make_spec("scatter_tensor", mesh, placements, meta.sizes, meta.dtype,
+                        target_tables(nullptr, mesh, placements, meta.sizes, sizes));
+  return scatter_impl(full_on_src, src_flat, spec, meta.requires_grad);
 }
 
 at::Tensor from_local(const at::Tensor& local, const DeviceMesh& mesh,
                       const Placements& placements, const FromLocalOptions& options) {
   TORCH_CHECK(local.defined(), "tessera: from_local needs a defined local tensor");
   TORCH_CHECK(!is_dtensor(local), "tessera: from_local: the tensor is already distributed");
-  SpecPtr spec;
-  if (options.sizes.mode() == ShardSizes::Mode::Infer) {
-    spec = infer_spec(local, mesh, placements);
-  } else {
-    spec = declared_spec(local, mesh, placements, options.sizes);
-    if (options.run_check) check_local_shapes(local, spec);
+  check_placement_count("from_local", mesh, placements);
+  const auto mode = options.sizes.mode();
+  if (mode != ShardSizes::Mode::Infer && !options.run_check) {
+    check_placements("from_local", mesh, placements, local.sizes().vec());
+    return wrap_local(local, declared_spec(local, mesh, placements, options.sizes));
   }
-  return wrap_local(local, spec);
+  // Gather every rank's shape once: infer the layout, or check the declared one against it.
+  // Every rank sees the same shapes, so every rank reaches the same verdict.
+  std::vector<std::vector<int64_t>> shapes;
+  SpecPtr inferred = infer_spec(local, mesh, placements, &shapes);
+  if (mode == ShardSizes::Mode::Infer) return wrap_local(local, inferred);
+  const auto& global = inferred->sizes();
+  auto tables = target_tables(nullptr, mesh, placements, global, options.sizes);
+  for (int64_t t = 0; t < inferred->ndim(); ++t) {
+    auto dims = inferred->mesh_dims_sharding(t);
+    if (dims.empty()) continue;
+    auto table = tables[t].empty() ? chunk_table(mesh, inferred->placements(), t, global[t])
+                                   : tables[t];
+    int64_t entries = 1;
+    for (auto m : dims) entries *= mesh.size(m);
+    if (static_cast<int64_t>(table.size()) != entries) continue;  // make_spec says why
+    for (size_t f = 0; f < shapes.size(); ++f) {
+      const int64_t want = table[table_index(mesh, dims, coord_of(mesh, static_cast<int64_t>(f)))];
+      if (want == shapes[f][t]) continue;
+      auto expected = shapes[f];
+      expected[t] = want;
+      TORCH_CHECK(false, "tessera: from_local(", to_string(placements), ", run_check): rank ",
+                  mesh.ranks()[f], " has local shape ", shape_str(shapes[f]), " but the declared ",
+                  mode == ShardSizes::Mode::Chunk ? "chunk" : "given", " layout (shard sizes ",
+                  shape_str(table), " along tensor dim ", t, ") gives it ", shape_str(expected),
+                  "; pass the true sizes with ShardSizes::Given or use ShardSizes::Infer()");
+    }
+  }
+  auto declared = make_spec("from_local", mesh, placements, global, local.scalar_type(), tables);
+  return wrap_local(local, declared);
 }
 
 at::Tensor to_local(const at::Tensor& dtensor, const std::optional<Placements>& grad_placements) {
@@ -424,9 +500,9 @@ at::Tensor redistribute(const at::Tensor& dtensor, const Placements& placements,
   }
   TORCH_CHECK(sizes.mode() != ShardSizes::Mode::Infer,
               "tessera: redistribute: ShardSizes::Infer() only applies to from_local");
-  auto target = std::make_shared<DTensorSpec>(
-      s.mesh(), placements, s.sizes(), s.dtype(),
-      target_tables(&s, s.mesh(), placements, s.sizes(), sizes));
+  check_placements("redistribute", s.mesh(), placements, s.sizes());
+  auto target = make_spec("redistribute", s.mesh(), placements, s.sizes(), s.dtype(),
+                          target_tables(&s, s.mesh(), placements, s.sizes(), sizes));
   return redistribute_to(dtensor, target);
 }
 

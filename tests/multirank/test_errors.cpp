@@ -85,9 +85,9 @@ const FromLocalOptions kInfer{ShardSizes::Infer()};
 }  // namespace
 
 TEST(ErrorsFromLocal, RunCheckShapesDisagree) {
-  // Rank 1 holds fewer rows than the chunk layout of rank 0's shard implies.
+  // 3 + 1 rows are not the chunk layout of 4 rows (2 + 2).
   on_mesh_fails({2}, [](int rank, const DeviceMesh& m) {
-    from_local(at::ones({rank == 0 ? 3 : 2, 4}), m, {Shard(0)}, kChecked);
+    from_local(at::ones({rank == 0 ? 3 : 1, 4}), m, {Shard(0)}, kChecked);
   }, {"from_local", "(S(0))", "run_check", "[3, 4]", "[2, 4]"});
   // The replicated dim differs on a 2-D mesh.
   on_mesh_fails({2, 2}, [](int rank, const DeviceMesh& m) {
@@ -105,9 +105,7 @@ TEST(ErrorsFromLocal, RunCheckShapesDisagree) {
   }, {"from_local", "(S(0))", "number of dims"});
 }
 
-// Library bug: the rank whose 1-d shard cannot take Shard(1) throws locally before the
-// run_check collective, so only it raises; the other rank blocks in the shape all-gather.
-TEST(ErrorsFromLocal, DISABLED_RunCheckDimsDisagreeOnShardedDim) {
+TEST(ErrorsFromLocal, RunCheckDimsDisagreeOnShardedDim) {
   on_mesh_fails({2}, [](int rank, const DeviceMesh& m) {
     from_local(rank == 0 ? at::ones({2, 2}) : at::ones({2}), m, {Shard(1)}, kChecked);
   }, {"from_local", "S(1)"});
@@ -183,17 +181,13 @@ TEST(ErrorsPlacement, WrongNumberOfPlacements) {
   }, {"(R, S(0))", "2 entries", "1 dims"});
 }
 
-// Library bug: with Infer, extra placements index mesh dims past mesh.ndim() and raise
-// std::out_of_range ("vector::_M_range_check") instead of a c10::Error.
-TEST(ErrorsPlacement, DISABLED_WrongNumberOfPlacementsWithInfer) {
+TEST(ErrorsPlacement, WrongNumberOfPlacementsWithInfer) {
   on_mesh_fails({2}, [](int, const DeviceMesh& m) {
     from_local(values({2, 4}), m, {Replicate(), Shard(0)}, kInfer);
   }, {"from_local", "(R, S(0))", "2 entries", "1 dims"});
 }
 
-// Library bug: spec validation errors (Shard out of range, shard sizes that do not sum,
-// placement count) name neither the function that was called nor the tensor's shape.
-TEST(ErrorsPlacement, DISABLED_SpecErrorsNameTheFunction) {
+TEST(ErrorsPlacement, SpecErrorsNameTheFunction) {
   on_mesh_fails({2}, [](int, const DeviceMesh& m) {
     distribute_tensor(values({4, 3}), m, {Shard(2)});
   }, {"distribute_tensor", "Shard(2)", "[4, 3]"});
@@ -288,16 +282,13 @@ TEST(ErrorsCreation, SourceRankNotInMesh) {
   }, {"scatter_tensor", "source rank 2", "ranks=[0,1]"});
 }
 
-// Library bug: only the source rank raises; the others block in the shape exchange.
-TEST(ErrorsCreation, DISABLED_SourceHasNoTensor) {
+TEST(ErrorsCreation, SourceHasNoTensor) {
   on_mesh_fails({2}, [](int, const DeviceMesh& m) {
     scatter_tensor(at::Tensor(), 0, m, {Shard(0)});
   }, {"scatter_tensor", "source rank 0", "undefined"});
 }
 
-// Library bug: nothing checks the shapes; rank 1 silently gets global [6, 2] with a row
-// that no rank sent.
-TEST(ErrorsCreation, DISABLED_DistributeShapesDisagreeAcrossRanks) {
+TEST(ErrorsCreation, DistributeShapesDisagreeAcrossRanks) {
   // With a source rank the other ranks' values are ignored, but their shapes must match.
   on_mesh_fails({2}, [](int rank, const DeviceMesh& m) {
     distribute_tensor(values({rank == 0 ? 4 : 6, 2}), m, {Shard(0)}, 0);
