@@ -3,6 +3,9 @@
 // Per call: find the distributed arguments, apply the op's sharding rule, redistribute the
 // inputs the rule asks for, run the op on the local shards, wrap the results.
 #include <mutex>
+#include <unordered_map>
+
+#include <c10/util/hash.h>
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -33,7 +36,9 @@ at::Tensor implicit_replicate(const at::Tensor& plain, const DTensorSpec& like) 
                                                            plain.scalar_type()));
 }
 
-at::Tensor wrap_result(const ops::OpCall& call, at::Tensor local, const SpecPtr& planned) {
+// The rule's output spec, checked against the local result (first call only: a cached
+// decision has been checked), with the result's dtype where it differs (comparisons, casts).
+SpecPtr checked_output(const ops::OpCall& call, const at::Tensor& local, const SpecPtr& planned) {
   SpecPtr spec = planned;
   if (spec->dtype() != local.scalar_type()) {
     spec = std::make_shared<DTensorSpec>(spec->mesh(), spec->placements(), spec->sizes(),
@@ -43,7 +48,11 @@ at::Tensor wrap_result(const ops::OpCall& call, at::Tensor local, const SpecPtr&
               ": the sharding rule expected a local result of shape ",
               shape_str(spec->local_sizes()), " but the op produced ",
               shape_str(local.sizes().vec()), " (", spec->str(), "); this is a rule bug");
-  return make_dtensor(std::move(local), std::move(spec));
+  return spec;
+}
+
+at::Tensor wrap_unchecked(const at::Tensor& local, SpecPtr spec) {
+  return at::detail::make_tensor<DTensorImpl>(local, std::move(spec));
 }
 
 // The return `ret` aliases (and writes) argument `arg`: in-place and out= ops.
@@ -57,12 +66,64 @@ int aliased_argument(const c10::FunctionSchema& schema, size_t ret) {
   return -1;
 }
 
+// NOTE: [Decision cache]
+// A decision (the rule's plan, with output specs fixed up after the first run) depends only
+// on the op, the input specs and the arguments that can change shapes (int, int[], bool,
+// dtype, string), never on floating-point or Scalar values (learning rates change every
+// step). Decisions are cached per thread: no locks, and rank threads never share. The cache
+// holds specs (and so meshes); clear_dispatch_cache() releases them, and a full cache starts
+// over.
+struct Decision {
+  ops::OpPlan plan;
+  bool replicate_all = false;
+};
+
+using Key = c10::SmallVector<size_t, 16>;
+
+struct KeyedDecision {
+  Key key;
+  std::shared_ptr<const Decision> decision;
+};
+
+struct DecisionCache {
+  std::unordered_map<size_t, std::vector<KeyedDecision>> map;
+  size_t entries = 0;
+  int64_t hits = 0, misses = 0;
+};
+thread_local DecisionCache t_cache;
+constexpr size_t kMaxCachedDecisions = 16384;
+
+bool shapes_matter(const c10::TypePtr& type) {
+  switch (type->kind()) {
+    case c10::TypeKind::IntType:
+    case c10::TypeKind::BoolType:
+    case c10::TypeKind::StringType:
+    case c10::TypeKind::ListType:
+    case c10::TypeKind::OptionalType:
+      return true;
+    default:
+      return false;
+  }
+}
+
+void hash_value(const c10::IValue& v, Key& key) {
+  if (v.isNone()) key.push_back(0x9e37);
+  else if (v.isInt()) key.push_back(static_cast<size_t>(v.toInt()) * 3 + 1);
+  else if (v.isBool()) key.push_back(v.toBool() ? 0x51 : 0x50);
+  else if (v.isIntList()) {
+    key.push_back(0xabc0 + v.toIntList().size());
+    for (int64_t x : v.toIntList()) key.push_back(static_cast<size_t>(x));
+  } else if (v.isString()) key.push_back(std::hash<std::string>()(v.toStringRef()));
+  else key.push_back(0x7f);  // other optional/list payloads: only their presence
+}
+
 void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
   const size_t base = stack->size() - nargs;
   torch::jit::Stack args(stack->begin() + base, stack->end());
-  const torch::jit::Stack original = args;  // in-place on a plain tensor returns that tensor
+  // In-place on a plain tensor returns that tensor: keep the arguments as passed.
+  const torch::jit::Stack original = schema.is_mutable() ? args : torch::jit::Stack();
   stack->resize(base);
 
   ops::OpCall call{op, args, std::vector<const DTensorSpec*>(nargs, nullptr)};
@@ -90,6 +151,7 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const DTensorSpec& ref = *call.reference;
   // Every distributed argument must live on the reference's mesh; plain tensors join it as
   // replicated values (0-dim ones stay scalars).
+  c10::SmallVector<DTensorImpl*, 8> impls(nargs, nullptr);
   auto admit = [&](const at::Tensor& t, const DTensorSpec*& spec_out) -> at::Tensor {
     if (!t.defined()) return t;
     if (auto* d = as_dtensor(t)) {
@@ -105,64 +167,92 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     return keep_alive.back();
   };
   if (lists) call.list_specs.resize(nargs);
+  // The decision key: see NOTE: [Decision cache].
+  Key key;
+  key.push_back(reinterpret_cast<size_t>(&schema));
   for (size_t i = 0; i < nargs; ++i) {
     if (args[i].isTensor()) {
-      const DTensorSpec* s = nullptr;
-      args[i] = admit(args[i].toTensor(), s);
-      call.specs[i] = s;
+      const DTensorSpec* sp = nullptr;
+      args[i] = admit(args[i].toTensor(), sp);
+      call.specs[i] = sp;
+      if (sp) impls[i] = static_cast<DTensorImpl*>(args[i].toTensor().unsafeGetTensorImpl());
+      const auto& t = args[i].toTensor();
+      key.push_back(sp ? sp->hash() : t.defined() ? 0x5ca1a0 + static_cast<size_t>(t.scalar_type()) : 1);
     } else if (lists && args[i].isTensorList()) {
       c10::List<at::Tensor> admitted;
       for (const at::Tensor& t : args[i].toTensorList()) {
-        const DTensorSpec* s = nullptr;
-        admitted.push_back(admit(t, s));
-        call.list_specs[i].push_back(s);
+        const DTensorSpec* sp = nullptr;
+        admitted.push_back(admit(t, sp));
+        call.list_specs[i].push_back(sp);
+        key.push_back(sp ? sp->hash() : 0x5ca1a0 + static_cast<size_t>(t.scalar_type()));
       }
       args[i] = std::move(admitted);
+    } else if (shapes_matter(schema.arguments()[i].type())) {
+      hash_value(args[i], key);
+    } else {
+      key.push_back(2);
     }
   }
+  size_t h = 0;
+  for (auto k : key) h = c10::hash_combine(h, k);
 
-  ops::OpPlan plan;
-  ops::Rule rule = ops::find_rule(op);
-  bool replicate_all = false;
-  if (rule) {
-    plan = rule(call);
+  std::shared_ptr<const Decision> decision;
+  if (auto it = t_cache.map.find(h); it != t_cache.map.end()) {
+    for (auto& e : it->second)
+      if (e.key == key) decision = e.decision;
+  }
+  const bool hit = decision != nullptr;
+  std::shared_ptr<Decision> fresh;
+  if (hit) {
+    ++t_cache.hits;
   } else {
-    for (size_t i = 0; i < nargs; ++i) {
-      TORCH_CHECK(!call.specs[i] || call.specs[i]->is_replicated(), "tessera: ", call.describe(),
-                  ": no sharding rule for this op on non-replicated inputs; redistribute the ",
-                  "inputs to Replicate() first, or register a rule with tessera::ops::register_rule");
-    }
-    replicate_all = true;  // fully replicated inputs: every rank computes the same thing
-  }
-
-  // Redistribute where the rule asks, then swap every distributed argument for its shard.
-  std::vector<at::Tensor> locals(nargs);
-  for (size_t i = 0; i < nargs; ++i) {
-    if (!call.specs[i]) {
-      if (args[i].isTensorList()) {
-        c10::List<at::Tensor> out;
-        size_t k = 0;
-        for (const at::Tensor& t : args[i].toTensorList()) {
-          auto* d = as_dtensor(t);
-          TORCH_CHECK(!d || d->spec().is_replicated() || rule, "tessera: ", call.describe(),
-                      ": no sharding rule for this op on a list of non-replicated tensors");
-          at::Tensor local = d ? d->local() : t;
-          if (d && i < plan.list_inputs.size() && k < plan.list_inputs[i].size() &&
-              plan.list_inputs[i][k] && *plan.list_inputs[i][k] != d->spec()) {
-            local = redistribute_local(local, d->spec_ptr(), plan.list_inputs[i][k]);
-          }
-          out.push_back(local);
-          ++k;
-        }
-        stack->emplace_back(std::move(out));
-      } else {
-        stack->push_back(args[i]);
+    ++t_cache.misses;
+    fresh = std::make_shared<Decision>();
+    if (ops::Rule rule = ops::find_rule(op)) {
+      fresh->plan = rule(call);
+    } else {
+      for (size_t i = 0; i < nargs; ++i) {
+        TORCH_CHECK(!call.specs[i] || call.specs[i]->is_replicated(), "tessera: ",
+                    call.describe(), ": no sharding rule for this op on non-replicated inputs; ",
+                    "redistribute the inputs to Replicate() first, or register a rule with ",
+                    "tessera::ops::register_rule");
       }
+      for (auto& l : call.list_specs)
+        for (auto* sp : l)
+          TORCH_CHECK(!sp || sp->is_replicated(), "tessera: ", call.describe(),
+                      ": no sharding rule for this op on a list of non-replicated tensors");
+      fresh->replicate_all = true;  // fully replicated: every rank computes the same thing
+    }
+    decision = fresh;
+  }
+  const ops::OpPlan& plan = decision->plan;
+
+  // Redistribute where the plan asks, then swap every distributed argument for its shard.
+  c10::SmallVector<at::Tensor, 8> locals(nargs);
+  for (size_t i = 0; i < nargs; ++i) {
+    if (args[i].isTensorList() && lists) {
+      c10::List<at::Tensor> out;
+      size_t k = 0;
+      for (const at::Tensor& t : args[i].toTensorList()) {
+        auto* d = as_dtensor(t);
+        at::Tensor local = d ? d->local() : t;
+        if (d && i < plan.list_inputs.size() && k < plan.list_inputs[i].size() &&
+            plan.list_inputs[i][k] && *plan.list_inputs[i][k] != d->spec()) {
+          local = redistribute_local(local, d->spec_ptr(), plan.list_inputs[i][k]);
+        }
+        out.push_back(local);
+        ++k;
+      }
+      stack->emplace_back(std::move(out));
       continue;
     }
-    const auto* d = as_dtensor(args[i].toTensor());
+    if (!call.specs[i]) {
+      stack->push_back(args[i]);
+      continue;
+    }
+    const auto* d = impls[i];
     at::Tensor local = d->local();
-    if (!plan.inputs.empty() && plan.inputs[i] && *plan.inputs[i] != *call.specs[i]) {
+    if (i < plan.inputs.size() && plan.inputs[i] && *plan.inputs[i] != *call.specs[i]) {
       local = redistribute_local(local, d->spec_ptr(), plan.inputs[i]);
     }
     locals[i] = local;
@@ -179,23 +269,46 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
 
   // Wrap the results. Returns that alias a written argument hand back that argument itself.
+  // On a miss the output specs are checked against the local results and completed (dtype,
+  // replicated shapes) into the cached decision; a hit reuses them as they are.
   const size_t nret = schema.returns().size();
   torch::jit::Stack results(stack->end() - nret, stack->end());
   stack->resize(stack->size() - nret);
+  std::vector<SpecPtr> final_outputs;
   size_t next_out = 0;
+  auto output_spec = [&](const at::Tensor& local) -> SpecPtr {
+    if (hit) return plan.outputs[next_out];
+    SpecPtr sp;
+    if (decision->replicate_all) {
+      sp = std::make_shared<DTensorSpec>(ref.mesh(), Placements(ref.mesh().ndim(), Replicate()),
+                                         local.sizes().vec(), local.scalar_type());
+    } else {
+      TORCH_CHECK(next_out < plan.outputs.size(), "tessera: ", call.describe(),
+                  ": the sharding rule gave too few output layouts (rule bug)");
+      sp = checked_output(call, local, plan.outputs[next_out]);
+    }
+    final_outputs.push_back(sp);
+    return sp;
+  };
   for (size_t r = 0; r < nret; ++r) {
     auto& v = results[r];
     const int alias = aliased_argument(schema, r);
-    if (alias >= 0 && original[alias].isTensor() && !as_dtensor(original[alias].toTensor())) {
+    if (alias >= 0 && !original.empty() && original[alias].isTensor() &&
+        !as_dtensor(original[alias].toTensor())) {
       stack->push_back(original[alias]);
-      ++next_out;
       continue;
     }
     if (alias >= 0 && args[alias].isTensor() && call.specs[alias]) {
-      auto* self = as_dtensor(args[alias].toTensor());
-      const SpecPtr& planned = replicate_all || plan.outputs.size() <= next_out
-                                   ? self->spec_ptr()
-                                   : plan.outputs[next_out];
+      auto* self = impls[alias];
+      SpecPtr planned;
+      if (hit) {
+        planned = plan.outputs[next_out];
+      } else {
+        planned = decision->replicate_all || plan.outputs.size() <= next_out
+                      ? self->spec_ptr()
+                      : plan.outputs[next_out];
+        final_outputs.push_back(planned);
+      }
       if (!locals[alias].is_same(self->local()) || *planned != self->spec()) {
         self->set_local_and_spec(locals[alias], planned);
       }
@@ -204,30 +317,36 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       continue;
     }
     if (v.isTensor()) {
-      at::Tensor local = v.toTensor();
-      if (replicate_all) {
-        stack->push_back(local.defined() ? implicit_replicate(local, call.first()) : local);
-      } else {
-        TORCH_CHECK(next_out < plan.outputs.size(), "tessera: ", call.describe(),
-                    ": the sharding rule gave too few output layouts (rule bug)");
-        stack->push_back(local.defined() ? wrap_result(call, local, plan.outputs[next_out]) : local);
+      const at::Tensor& local = v.toTensor();
+      if (!local.defined()) {
+        if (!hit) final_outputs.push_back(nullptr);
+        ++next_out;
+        stack->push_back(v);
+        continue;
       }
+      auto sp = output_spec(local);
       ++next_out;
+      stack->push_back(wrap_unchecked(local, std::move(sp)));
     } else if (v.isTensorList()) {
       c10::List<at::Tensor> out;
       for (const at::Tensor& local : v.toTensorList()) {
-        if (replicate_all) {
-          out.push_back(implicit_replicate(local, call.first()));
-        } else {
-          TORCH_CHECK(next_out < plan.outputs.size(), "tessera: ", call.describe(),
-                      ": the sharding rule gave too few output layouts (rule bug)");
-          out.push_back(wrap_result(call, local, plan.outputs[next_out++]));
-        }
+        auto sp = output_spec(local);
+        ++next_out;
+        out.push_back(wrap_unchecked(local, std::move(sp)));
       }
       stack->emplace_back(std::move(out));
     } else {
       stack->push_back(std::move(v));
     }
+  }
+  if (!hit) {
+    fresh->plan.outputs = std::move(final_outputs);
+    if (t_cache.entries >= kMaxCachedDecisions) {
+      t_cache.map.clear();
+      t_cache.entries = 0;
+    }
+    t_cache.map[h].push_back({std::move(key), fresh});
+    ++t_cache.entries;
   }
 }
 
@@ -266,6 +385,13 @@ void register_explicit_kernels() {
 }
 
 }  // namespace
+
+void clear_dispatch_cache() {
+  t_cache.map.clear();
+  t_cache.entries = 0;
+}
+
+DispatchCacheStats dispatch_cache_stats() { return {t_cache.hits, t_cache.misses, t_cache.entries}; }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor_fallback>());
