@@ -102,7 +102,7 @@ bool shapes_matter(const c10::TypePtr& type) {
     case c10::TypeKind::OptionalType:
       return true;
     default:
-      return false;
+      return compat::is_symint_type(type->kind());
   }
 }
 
