@@ -14,3 +14,4 @@
 #include "tessera/ops/rule.h"
 #include "tessera/tools/comm_debug_mode.h"
 #include "tessera/testing/run_ranks.h"
+#include "tessera/parallel/module.h"

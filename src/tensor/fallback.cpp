@@ -113,6 +113,9 @@ void hash_value(const c10::IValue& v, Key& key) {
   else if (v.isIntList()) {
     key.push_back(0xabc0 + v.toIntList().size());
     for (int64_t x : v.toIntList()) key.push_back(static_cast<size_t>(x));
+  } else if (v.isBoolList()) {
+    key.push_back(0xb001 + v.toBoolList().size());
+    for (bool b : v.toBoolList()) key.push_back(b);
   } else if (v.isString()) key.push_back(std::hash<std::string>()(v.toStringRef()));
   else key.push_back(0x7f);  // other optional/list payloads: only their presence
 }
