@@ -2,7 +2,6 @@
 // Every difference between the LibTorch versions Tessera builds against lives here.
 // Supported: Debian's libtorch 1.13 and pytorch.org LibTorch 2.x.
 #include <torch/version.h>
-#include <ATen/core/jit_type_base.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #if TORCH_VERSION_MAJOR >= 2
@@ -26,15 +25,5 @@ using BackendPtr = c10::intrusive_ptr<Backend>;
 #else
 #define TESSERA_NEEDS_AUTOGRAD_FALLTHROUGH 1
 #endif
-
-// 2.x passes many sizes as SymInt / SymInt[]; 1.13 has plain ints only.
-inline bool is_symint_type(c10::TypeKind kind) {
-#if TORCH_VERSION_MAJOR >= 2
-  return kind == c10::TypeKind::SymIntType;
-#else
-  (void)kind;
-  return false;
-#endif
-}
 
 }  // namespace tessera::compat

@@ -9,6 +9,7 @@
 #include "tessera/comm/collectives.h"
 #include "tessera/redistribute/redistribute.h"
 #include "tessera/tensor/dtensor_impl.h"
+#include "tessera/tensor/random.h"
 #include "tessera/tensor/registration.h"
 #include "tessera/tensor/api.h"
 #include "tessera/ops/rule.h"

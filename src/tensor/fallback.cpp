@@ -96,13 +96,14 @@ constexpr size_t kMaxCachedDecisions = 16384;
 bool shapes_matter(const c10::TypePtr& type) {
   switch (type->kind()) {
     case c10::TypeKind::IntType:
+    case c10::TypeKind::SymIntType:  // concrete SymInts arrive as ints
     case c10::TypeKind::BoolType:
     case c10::TypeKind::StringType:
     case c10::TypeKind::ListType:
     case c10::TypeKind::OptionalType:
       return true;
     default:
-      return compat::is_symint_type(type->kind());
+      return false;
   }
 }
 
