@@ -28,6 +28,8 @@ void run_ranks(int world_size, const std::function<void(int rank)>& fn, const Ru
   std::vector<bool> done(world_size, false);
   int first_failed = -1;
   std::string first_message;
+  std::vector<std::string> errors(world_size);
+  std::vector<int> failure_order;
 
   std::vector<std::thread> threads;
   for (int r = 0; r < world_size; ++r) {
@@ -44,9 +46,13 @@ void run_ranks(int world_size, const std::function<void(int rank)>& fn, const Ru
         error = "unknown exception";
       }
       std::lock_guard<std::mutex> lock(mu);
-      if (!error.empty() && first_failed < 0) {
-        first_failed = r;
-        first_message = error;
+      if (!error.empty()) {
+        errors[r] = error;
+        failure_order.push_back(r);
+        if (first_failed < 0) {
+          first_failed = r;
+          first_message = error;
+        }
       }
       done[r] = true;
       ++finished;
@@ -71,9 +77,26 @@ void run_ranks(int world_size, const std::function<void(int rank)>& fn, const Ru
   }
   for (auto& t : threads) t.join();
   if (first_failed >= 0) {
-    // The rank's own message, without a backtrace of this harness.
-    throw c10::Error("rank " + std::to_string(first_failed) + " of " +
-                         std::to_string(world_size) + " failed: " + first_message,
+    // A failing rank's communicators close as its stack unwinds, so its peers may report
+    // "connection closed" before it reports the cause: name the first rank whose error is
+    // not such a symptom.
+    auto symptom = [](const std::string& e) {
+      return e.find("Connection closed by peer") != std::string::npos ||
+             e.find("Connection reset by peer") != std::string::npos ||
+             e.find("Timed out waiting") != std::string::npos;
+    };
+    int cause = failure_order.front();
+    for (int r : failure_order)
+      if (!symptom(errors[r])) {
+        cause = r;
+        break;
+      }
+    std::string others;
+    for (int r : failure_order)
+      if (r != cause) others += (others.empty() ? "" : ", ") + std::to_string(r);
+    throw c10::Error("rank " + std::to_string(cause) + " of " + std::to_string(world_size) +
+                         " failed: " + errors[cause] +
+                         (others.empty() ? "" : " (ranks " + others + " failed after it)"),
                      "");
   }
 }
