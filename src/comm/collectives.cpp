@@ -30,8 +30,10 @@ c10d::ReduceOp to_c10d(PartialOp op) {
 // Contiguous bytes of x, as a 1-D uint8 tensor (data movement is dtype-agnostic; this also
 // carries dtypes a backend does not reduce, such as bool).
 at::Tensor as_bytes(const at::Tensor& x) {
-  auto c = x.contiguous();
-  return c.view({-1}).view(at::kByte);
+  auto c = x.contiguous().view({-1});
+  // A contiguous tensor of at most one element may carry any stride; dtype views need 1.
+  if (c.numel() <= 1 && c.stride(0) != 1) c = c.as_strided({c.numel()}, {1});
+  return c.view(at::kByte);
 }
 
 bool leading_dims_trivial(const std::vector<int64_t>& shape, int64_t dim) {

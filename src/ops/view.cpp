@@ -143,6 +143,24 @@ OpPlan view_rule(const OpCall& call) {
   return with_local_size_arg(call, view_layout(in, out), 1);
 }
 
+// _reshape_alias(self, size, stride): its strides are global ones; locally it is a view
+// with the local sizes (a copy only if the shard cannot be viewed that way).
+OpPlan reshape_alias_rule(const OpCall& call) {
+  const auto& in = *call.specs[0];
+  auto layout = view_layout(in, infer_size(call.args[1].toIntVector(), in.numel()));
+  OpPlan plan;
+  plan.inputs.resize(call.args.size());
+  plan.inputs[0] = layout.input;
+  plan.outputs.push_back(layout.output);
+  auto local = layout.output->local_sizes();
+  plan.local_kernel = [local](torch::jit::Stack& stack) {
+    at::Tensor x = stack[0].toTensor();
+    stack.clear();
+    stack.emplace_back(x.reshape(local));
+  };
+  return plan;
+}
+
 // expand: new leading dims and size-1 dims broadcast; broadcast dims cannot stay sharded.
 OpPlan expand_rule(const OpCall& call) {
   const auto& in = *call.specs[0];
@@ -172,18 +190,24 @@ OpPlan expand_rule(const OpCall& call) {
   return with_local_size_arg(call, layout, 1);
 }
 
-// unsqueeze: positional dims, so the local op keeps its arguments.
+// unsqueeze: positional, so the local op keeps its arguments and shard dims at or after
+// `dim` move up by one (a block map could pair a size-1 dim with the wrong neighbour).
 OpPlan unsqueeze_rule(const OpCall& call) {
   const auto& in = *call.specs[0];
   int64_t dim = call.args[1].toInt();
   if (dim < 0) dim += in.ndim() + 1;
   auto out = in.sizes();
   out.insert(out.begin() + dim, 1);
-  auto layout = view_layout(in, out);
+  Placements p = in.placements();
+  std::vector<ShardTable> tables(out.size());
+  for (auto& x : p) {
+    if (!x.is_shard()) continue;
+    const int64_t t = x.dim() >= dim ? x.dim() + 1 : x.dim();
+    tables[t] = in.shard_table(x.dim());
+    x = Shard(t);
+  }
   OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = layout.input;
-  plan.outputs.push_back(layout.output);
+  plan.outputs.push_back(std::make_shared<DTensorSpec>(in.mesh(), p, out, in.dtype(), tables));
   return plan;
 }
 
@@ -287,7 +311,7 @@ OpPlan new_factory_rule(const OpCall& call) {
 const RuleRegistrar registrar{[] {
   register_rule("aten::view", view_rule);
   register_rule("aten::_unsafe_view", view_rule);
-  register_rule("aten::_reshape_alias", view_rule);
+  register_rule("aten::_reshape_alias", reshape_alias_rule);
   register_rule("aten::expand", expand_rule);
   register_rule("aten::transpose.int", transpose_rule);
   register_rule("aten::t", transpose_rule);
