@@ -22,14 +22,12 @@ DTensorImpl::DTensorImpl(at::Tensor local, SpecPtr spec)
 void DTensorImpl::refresh_global_metadata() {
   // Global sizes with contiguous strides: what ordinary code (and autograd) should see.
   const auto& sizes = spec_->sizes();
-  std::vector<int64_t> strides(sizes.size());
+  sizes_and_strides_.set_sizes(sizes);
   int64_t st = 1;
   for (int64_t d = static_cast<int64_t>(sizes.size()) - 1; d >= 0; --d) {
-    strides[d] = st;
+    sizes_and_strides_.stride_at_unchecked(d) = st;
     st *= std::max<int64_t>(sizes[d], 1);
   }
-  sizes_and_strides_.set_sizes(sizes);
-  for (size_t d = 0; d < strides.size(); ++d) sizes_and_strides_.stride_at_unchecked(d) = strides[d];
   refresh_numel();
   refresh_contiguous();
 }

@@ -126,8 +126,6 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t nargs = schema.arguments().size();
   const size_t base = stack->size() - nargs;
   torch::jit::Stack args(stack->begin() + base, stack->end());
-  // In-place on a plain tensor returns that tensor: keep the arguments as passed.
-  const torch::jit::Stack original = schema.is_mutable() ? args : torch::jit::Stack();
   stack->resize(base);
 
   ops::OpCall call{op, args, std::vector<const DTensorSpec*>(nargs, nullptr)};
@@ -156,6 +154,8 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   // Every distributed argument must live on the reference's mesh; plain tensors join it as
   // replicated values (0-dim ones stay scalars).
   c10::SmallVector<DTensorImpl*, 8> impls(nargs, nullptr);
+  // Plain tensors admitted as replicated values; an in-place op on one returns the original.
+  c10::SmallVector<std::pair<size_t, at::Tensor>, 2> admitted_plain;
   auto admit = [&](const at::Tensor& t, const DTensorSpec*& spec_out) -> at::Tensor {
     if (!t.defined()) return t;
     if (auto* d = as_dtensor(t)) {
@@ -177,7 +177,9 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   for (size_t i = 0; i < nargs; ++i) {
     if (args[i].isTensor()) {
       const DTensorSpec* sp = nullptr;
-      args[i] = admit(args[i].toTensor(), sp);
+      at::Tensor before = args[i].toTensor();
+      args[i] = admit(before, sp);
+      if (sp && !as_dtensor(before)) admitted_plain.emplace_back(i, std::move(before));
       call.specs[i] = sp;
       if (sp) impls[i] = static_cast<DTensorImpl*>(args[i].toTensor().unsafeGetTensorImpl());
       const auto& t = args[i].toTensor();
@@ -214,6 +216,10 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     fresh = std::make_shared<Decision>();
     if (ops::Rule rule = ops::find_rule(op)) {
       fresh->plan = rule(call);
+      // Share spec objects the inputs already carry: later calls then match by pointer.
+      auto& in = fresh->plan.inputs;
+      for (size_t i = 0; i < in.size() && i < nargs; ++i)
+        if (in[i] && impls[i] && *in[i] == impls[i]->spec()) in[i] = impls[i]->spec_ptr();
     } else {
       for (size_t i = 0; i < nargs; ++i) {
         TORCH_CHECK(!call.specs[i] || call.specs[i]->is_replicated(), "tessera: ",
@@ -256,7 +262,8 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
     const auto* d = impls[i];
     at::Tensor local = d->local();
-    if (i < plan.inputs.size() && plan.inputs[i] && *plan.inputs[i] != *call.specs[i]) {
+    if (i < plan.inputs.size() && plan.inputs[i] && plan.inputs[i].get() != call.specs[i] &&
+        *plan.inputs[i] != *call.specs[i]) {
       local = redistribute_local(local, d->spec_ptr(), plan.inputs[i]);
     }
     locals[i] = local;
@@ -297,9 +304,10 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   for (size_t r = 0; r < nret; ++r) {
     auto& v = results[r];
     const int alias = aliased_argument(schema, r);
-    if (alias >= 0 && !original.empty() && original[alias].isTensor() &&
-        !as_dtensor(original[alias].toTensor())) {
-      stack->push_back(original[alias]);
+    auto plain = std::find_if(admitted_plain.begin(), admitted_plain.end(),
+                              [&](const auto& a) { return static_cast<int>(a.first) == alias; });
+    if (alias >= 0 && plain != admitted_plain.end()) {
+      stack->push_back(plain->second);
       continue;
     }
     if (alias >= 0 && args[alias].isTensor() && call.specs[alias]) {
@@ -313,7 +321,8 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                       : plan.outputs[next_out];
         final_outputs.push_back(planned);
       }
-      if (!locals[alias].is_same(self->local()) || *planned != self->spec()) {
+      if (!locals[alias].is_same(self->local()) ||
+          (planned != self->spec_ptr() && *planned != self->spec())) {
         self->set_local_and_spec(locals[alias], planned);
       }
       ++next_out;
