@@ -5,6 +5,9 @@
 //   additive (add, sub):       P(sum) | P(sum), P(sum)   R operands become P (no comm)
 //   scaling  (mul, div, neg):  P(sum) | P(sum), R        only the reference may be partial
 //   anything else:             R      | R, R             P(x) + 1 would add 1 n times
+//
+// Every operand with the output's shape is a candidate reference; the one whose layout costs
+// the fewest bytes to reach wins (R + S(0) slices the R operand instead of gathering S(0)).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
@@ -75,23 +78,27 @@ OpPlan pointwise(const OpCall& call, PartialPolicy policy) {
     if (!call.specs[i]) plain_operand = true;
     out_shape = broadcast_shape(out_shape, call.specs[i] ? call.specs[i]->sizes() : t.sizes().vec());
   }
-  const DTensorSpec* ref = nullptr;
   int partial_operands = 0;
+  std::vector<const DTensorSpec*> refs;  // operands that could set the layout
   for (size_t i = 0; i < n; ++i) {
     if (!call.specs[i] || static_cast<int>(i) == out_idx) continue;
     if (call.specs[i]->has_partial()) ++partial_operands;
-    if (!ref && call.specs[i]->sizes() == out_shape) ref = call.specs[i];
+    if (call.specs[i]->sizes() == out_shape) refs.push_back(call.specs[i]);
   }
   const bool inplace = schema.arguments().size() > 0 && schema.arguments()[0].alias_info() &&
                        schema.arguments()[0].alias_info()->isWrite();
-  TORCH_CHECK(!inplace || (call.specs[0] && call.specs[0] == ref), "tessera: ", call.describe(),
-              ": an in-place op needs `self` distributed with the broadcast result's shape ",
-              shape_str(out_shape));
+  if (inplace) {
+    // self keeps its place: it is the output.
+    TORCH_CHECK(call.specs[0] && call.specs[0]->sizes() == out_shape, "tessera: ",
+                call.describe(), ": an in-place op needs `self` distributed with the broadcast ",
+                "result's shape ", shape_str(out_shape));
+    refs = {call.specs[0]};
+  }
 
-  OpPlan plan;
-  plan.inputs.resize(n);
-  if (!ref) {
+  if (refs.empty()) {
     // Every operand broadcasts: compute replicated.
+    OpPlan plan;
+    plan.inputs.resize(n);
     for (size_t i = 0; i < n; ++i)
       if (call.specs[i] && static_cast<int>(i) != out_idx) plan.inputs[i] = replicated(*call.specs[i]);
     auto out = std::make_shared<DTensorSpec>(call.first().mesh(),
@@ -100,24 +107,31 @@ OpPlan pointwise(const OpCall& call, PartialPolicy policy) {
     plan.outputs.push_back(out);
     return plan;
   }
-  bool keep_partial = false;
-  if (ref->has_partial()) {
-    if (policy == PartialPolicy::Additive) keep_partial = !plain_operand;
-    if (policy == PartialPolicy::Scaling) keep_partial = partial_operands == 1;
-  }
-  SpecPtr ref_target = keep_partial ? std::make_shared<DTensorSpec>(*ref)
-                                    : std::make_shared<DTensorSpec>(ref->partial_as_replicate());
-  for (size_t i = 0; i < n; ++i) {
-    if (!call.specs[i] || static_cast<int>(i) == out_idx) continue;
-    if (call.specs[i] == ref) {
-      plan.inputs[i] = ref_target;
-      continue;
+  // One candidate per operand that could set the layout; the cheapest moves the least.
+  std::vector<Strategy> candidates;
+  for (const DTensorSpec* ref : refs) {
+    bool keep_partial = false;
+    if (ref->has_partial()) {
+      if (policy == PartialPolicy::Additive) keep_partial = !plain_operand;
+      if (policy == PartialPolicy::Scaling) keep_partial = partial_operands == 1;
     }
-    const bool operand_partial = keep_partial && policy == PartialPolicy::Additive;
-    plan.inputs[i] = align_to(*ref_target, *call.specs[i], operand_partial);
+    SpecPtr ref_target = keep_partial ? std::make_shared<DTensorSpec>(*ref)
+                                      : std::make_shared<DTensorSpec>(ref->partial_as_replicate());
+    Strategy st;
+    st.inputs.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      if (!call.specs[i] || static_cast<int>(i) == out_idx) continue;
+      if (call.specs[i] == ref) {
+        st.inputs[i] = ref_target;
+        continue;
+      }
+      const bool operand_partial = keep_partial && policy == PartialPolicy::Additive;
+      st.inputs[i] = align_to(*ref_target, *call.specs[i], operand_partial);
+    }
+    st.outputs.push_back(ref_target);
+    candidates.push_back(std::move(st));
   }
-  plan.outputs.push_back(ref_target);
-  return plan;
+  return cheapest(call, candidates);
 }
 
 OpPlan replicate_partials(const OpCall& call) { return pointwise(call, PartialPolicy::Replicate); }
