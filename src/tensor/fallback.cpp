@@ -93,6 +93,13 @@ struct DecisionCache {
 thread_local DecisionCache t_cache;
 constexpr size_t kMaxCachedDecisions = 16384;
 
+bool is_optional_tensor_list(const c10::IValue& v) {
+  if (!v.isList() || v.isTensorList()) return false;
+  const auto& elem = v.toList().elementType();
+  const auto* opt = elem->castRaw<c10::OptionalType>();
+  return opt && opt->getElementType()->kind() == c10::TypeKind::TensorType;
+}
+
 bool shapes_matter(const c10::TypePtr& type) {
   switch (type->kind()) {
     case c10::TypeKind::IntType:
@@ -144,6 +151,14 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
           if (!call.reference) call.reference = &d->spec();
         }
       }
+    } else if (is_optional_tensor_list(args[i])) {  // Tensor?[] (index, index_put_)
+      for (const auto& e : args[i].toListRef()) {
+        if (!e.isTensor()) continue;
+        if (auto* d = as_dtensor(e.toTensor())) {
+          lists = true;
+          if (!call.reference) call.reference = &d->spec();
+        }
+      }
     }
   }
   TORCH_CHECK(call.reference, "tessera: ", schema.operator_name(),
@@ -191,6 +206,20 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         admitted.push_back(admit(t, sp));
         call.list_specs[i].push_back(sp);
         key.push_back(sp ? sp->hash() : 0x5ca1a0 + static_cast<size_t>(t.scalar_type()));
+      }
+      args[i] = std::move(admitted);
+    } else if (lists && is_optional_tensor_list(args[i])) {
+      c10::List<c10::optional<at::Tensor>> admitted;
+      for (const auto& e : args[i].toListRef()) {
+        const DTensorSpec* sp = nullptr;
+        if (e.isTensor()) {
+          admitted.push_back(admit(e.toTensor(), sp));
+          key.push_back(sp ? sp->hash() : 0x5ca1a0 + static_cast<size_t>(e.toTensor().scalar_type()));
+        } else {
+          admitted.push_back(c10::nullopt);
+          key.push_back(3);
+        }
+        call.list_specs[i].push_back(sp);
       }
       args[i] = std::move(admitted);
     } else if (shapes_matter(schema.arguments()[i].type())) {
@@ -256,6 +285,19 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       stack->emplace_back(std::move(out));
       continue;
     }
+    if (lists && is_optional_tensor_list(args[i])) {
+      c10::List<c10::optional<at::Tensor>> out;
+      for (const auto& e : args[i].toListRef()) {
+        if (!e.isTensor()) {
+          out.push_back(c10::nullopt);
+          continue;
+        }
+        auto* d = as_dtensor(e.toTensor());
+        out.push_back(d ? d->local() : e.toTensor());
+      }
+      stack->emplace_back(std::move(out));
+      continue;
+    }
     if (!call.specs[i]) {
       stack->push_back(args[i]);
       continue;
@@ -288,16 +330,18 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   std::vector<SpecPtr> final_outputs;
   size_t next_out = 0;
   auto output_spec = [&](const at::Tensor& local) -> SpecPtr {
-    if (hit) return plan.outputs[next_out];
-    SpecPtr sp;
     if (decision->replicate_all) {
-      sp = std::make_shared<DTensorSpec>(ref.mesh(), Placements(ref.mesh().ndim(), Replicate()),
-                                         local.sizes().vec(), local.scalar_type());
-    } else {
-      TORCH_CHECK(next_out < plan.outputs.size(), "tessera: ", call.describe(),
-                  ": the sharding rule gave too few output layouts (rule bug)");
-      sp = checked_output(call, local, plan.outputs[next_out]);
+      // Ops without a rule may have data-dependent shapes (nonzero, unique): read them off
+      // the result every time.
+      auto sp = std::make_shared<DTensorSpec>(ref.mesh(), Placements(ref.mesh().ndim(), Replicate()),
+                                              local.sizes().vec(), local.scalar_type());
+      if (!hit) final_outputs.push_back(sp);
+      return sp;
     }
+    if (hit) return plan.outputs[next_out];
+    TORCH_CHECK(next_out < plan.outputs.size(), "tessera: ", call.describe(),
+                ": the sharding rule gave too few output layouts (rule bug)");
+    auto sp = checked_output(call, local, plan.outputs[next_out]);
     final_outputs.push_back(sp);
     return sp;
   };

@@ -125,3 +125,24 @@ TEST(Dispatch, InPlaceAndItem) {
     EXPECT_FLOAT_EQ(d.mean().item<float>(), (full * 3).mean().item<float>());
   });
 }
+
+// Ops without a rule on replicated inputs: data-dependent shapes and Tensor?[] indices.
+TEST(Dispatch, ReplicatedOpsWithoutRules) {
+  tessera::testing::run_ranks(2, [](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto x = tessera::test::randn({6, 5}, 71);
+    auto dx = distribute_tensor(x, mesh, {Replicate()}, std::nullopt);
+    // Same input spec, different data: the output shape must come from the data.
+    for (double t : {0.0, 1.0, -1.0}) {
+      auto nz = (dx > t).nonzero();
+      EXPECT_TRUE(at::equal(full_tensor(nz), (x > t).nonzero())) << "threshold " << t;
+    }
+    auto rows = at::tensor({4, 0, 4}, at::kLong);
+    auto cols = at::tensor({1, 2, 3}, at::kLong);
+    EXPECT_TRUE(at::equal(full_tensor(dx.index({rows})), x.index({rows})));
+    EXPECT_TRUE(at::equal(full_tensor(dx.index({rows, cols})), x.index({rows, cols})));
+    // Distributed (replicated) indices work too.
+    auto drows = distribute_tensor(rows, mesh, {Replicate()}, std::nullopt);
+    EXPECT_TRUE(at::equal(full_tensor(dx.index({drows})), x.index({rows})));
+  });
+}
