@@ -1,7 +1,41 @@
-// Reductions. A sharded reduced dim becomes Partial(sum); exact on uneven shards because
-// mean is computed as local sum / global count (never a mean of means).
+// Reductions: sum/mean/nansum, amax/amin/max/min, prod, max.dim/min.dim/argmax/argmin,
+// var/std (+ _mean), p-norms. Every rule is exact on uneven shards (zero-size ones included).
+//
+// NOTE: [Reduction layouts]
+// How a mesh dim that shards a reduced tensor dim is handled depends on the reduction:
+//   decomposable (sum, mean, nansum -> Partial(sum); amax, max() -> Partial(max);
+//                 amin, min() -> Partial(min)):   reduced locally, no communication here
+//                 (mean = local sum / *global* count, never a mean of means; an empty local
+//                 shard contributes the identity: 0, -inf or +inf)
+//   whole-dim     (prod, var, std, var_mean, std_mean, norm, linalg_vector_norm, max.dim,
+//                 min.dim, argmax, argmin):         the reduced dim must be whole on every
+//                 rank. There is no Partial(prod), a variance or a p-norm cannot be finished
+//                 from per-shard terms inside one op (the root / the global mean are not
+//                 available to a rule), and max.dim/argmax must return *global* indices.
+// Partial inputs pass through only the decomposable reduction of their own op
+// (Partial(sum) and Partial(avg) through sum/mean, Partial(max) through amax/max(), ...);
+// anything else has to be reduced first.
+//
+// Cost: every mesh dim that cannot stay where it is moves either to Replicate or to
+// Shard(u) on a tensor dim u the op keeps whole (an unreduced dim for whole-dim ops, any dim
+// for decomposable ones) that no other mesh dim shards; `cheapest` picks by modelled bytes.
+// Moving a shard to an unreduced dim is one all-to-all ((n-1)/n·B per rank, and the output
+// stays sharded on u) where replicating is an all-gather ((n-1)·B per rank); with no such
+// dim (every dim reduced, or the kept dims smaller than the mesh dim) the all-gather is the
+// known cost, e.g. var()/prod()/norm() of a sharded tensor gather the whole tensor. A
+// Partial becomes S(u) by one reduce-scatter where an all-reduce would cost twice that.
+// Unreduced shards always keep their tables; outputs are renumbered for keepdim=false.
+//
+// The decision cache keys dims/keepdim/dtype but not Scalars, so a rule never looks at a
+// norm's p: every p shares one plan (a p=inf norm could otherwise be Partial(max) of local
+// abs-maxima without moving data).
+#include <functional>
+#include <limits>
+
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include "tessera/ops/rule.h"
 
@@ -9,97 +43,309 @@ namespace tessera::ops {
 
 namespace {
 
-// Reduced dims from an optional int list argument (absent or empty = all dims).
-std::vector<bool> reduced_dims(const c10::IValue& dims, int64_t ndim) {
-  std::vector<bool> out(ndim, false);
-  if (dims.isNone() || (dims.isIntList() && dims.toIntList().empty())) {
-    std::fill(out.begin(), out.end(), true);
-    return out;
-  }
-  for (int64_t d : dims.toIntList()) out.at(d < 0 ? d + ndim : d) = true;
-  return out;
-}
+// How reduced shards combine; see NOTE: [Reduction layouts].
+enum class Kind { Sum, NanSum, Max, Min, Whole };
 
-struct Reduction {
-  SpecPtr input;   // input target
-  SpecPtr output;  // output layout
+const DTensorSpec& self_spec(const OpCall& call);
+
+struct Dims {
+  std::vector<bool> reduced;  // per input tensor dim
+  bool keepdim = false;
 };
 
-// Partial(sum) passes through a sum (it is linear); other Partials are reduced first.
-Reduction sum_layout(const DTensorSpec& in, const std::vector<bool>& reduced, bool keepdim) {
-  Placements in_p = in.placements();
-  for (auto& x : in_p)
-    if (x.is_partial() && x.reduce_op() != PartialOp::Sum) x = Replicate();
-  auto input = std::make_shared<DTensorSpec>(in.with_placements(in_p, in.shard_tables()));
+// The reduced dims from the op's `dim` argument (int, int[] or optional; absent, None or an
+// empty list mean every dim) and its `keepdim` flag.
+Dims parse_dims(const OpCall& call) {
+  const int64_t nd = self_spec(call).ndim();
+  const auto& schema = call.op.schema();
+  Dims d;
+  d.reduced.assign(nd, true);
+  if (auto k = schema.argumentIndexWithName("keepdim")) d.keepdim = call.args[*k].toBool();
+  auto di = schema.argumentIndexWithName("dim");
+  if (!di || nd == 0) return d;
+  const c10::IValue& v = call.args[*di];
+  std::vector<int64_t> dims;
+  if (v.isInt()) dims.push_back(v.toInt());
+  else if (v.isIntList()) dims = v.toIntVector();
+  if (dims.empty()) return d;
+  d.reduced.assign(nd, false);
+  for (int64_t x : dims) {
+    TORCH_CHECK(x >= -nd && x < nd, "tessera: ", call.describe(), ": dim ", x,
+                " is out of range for a ", nd, "-dim tensor");
+    d.reduced[x < 0 ? x + nd : x] = true;
+  }
+  return d;
+}
+
+PartialOp partial_of(Kind k) {
+  return k == Kind::Max ? PartialOp::Max : k == Kind::Min ? PartialOp::Min : PartialOp::Sum;
+}
+
+// Can a Partial(op) mesh dim pass through this reduction unchanged? (Sums are linear, so
+// Partial(sum) and Partial(avg) pass through sum and mean.)
+bool passes(Kind k, PartialOp op) {
+  return (k == Kind::Sum && (op == PartialOp::Sum || op == PartialOp::Avg)) ||
+         (k == Kind::Max && op == PartialOp::Max) || (k == Kind::Min && op == PartialOp::Min);
+}
+
+const DTensorSpec& self_spec(const OpCall& call) {
+  TORCH_CHECK(call.specs[0], "tessera: ", call.describe(),
+              ": reducing a plain 0-dim tensor into a distributed `out` is not supported");
+  return *call.specs[0];
+}
+
+// The result's layout when the input has layout `in`: unreduced shards keep their tables
+// (renumbered without keepdim), reduced shards become Partial, Partial mesh dims stay.
+SpecPtr output_layout(const DTensorSpec& in, const Dims& d, Kind kind) {
   std::vector<int64_t> new_index(in.ndim(), -1), out_sizes;
   for (int64_t t = 0; t < in.ndim(); ++t) {
-    if (reduced[t] && !keepdim) continue;
+    if (d.reduced[t] && !d.keepdim) continue;
     new_index[t] = static_cast<int64_t>(out_sizes.size());
-    out_sizes.push_back(reduced[t] ? 1 : in.sizes()[t]);
+    out_sizes.push_back(d.reduced[t] ? 1 : in.sizes()[t]);
   }
-  Placements out_p = in_p;
+  Placements p = in.placements();
   std::vector<ShardTable> tables(out_sizes.size());
-  for (auto& x : out_p) {
+  for (auto& x : p) {
     if (!x.is_shard()) continue;
     const int64_t t = x.dim();
-    if (reduced[t]) {
-      x = Partial(PartialOp::Sum);
+    if (d.reduced[t]) {
+      TORCH_INTERNAL_ASSERT(kind != Kind::Whole, "whole-dim reduction over a sharded dim");
+      x = Partial(partial_of(kind));
     } else {
       tables[new_index[t]] = in.shard_table(t);
       x = Shard(new_index[t]);
     }
   }
-  auto output = std::make_shared<DTensorSpec>(in.mesh(), out_p, out_sizes, in.dtype(), tables);
-  return {input, output};
+  return std::make_shared<DTensorSpec>(in.mesh(), p, out_sizes, in.dtype(), tables);
 }
 
-OpPlan sum_rule(const OpCall& call) {
-  const auto& in = *call.specs[0];
-  const auto& schema = call.op.schema();
-  const bool has_dim = schema.arguments().size() > 1 && schema.arguments()[1].name() == "dim";
-  auto reduced = has_dim ? reduced_dims(call.args[1], in.ndim())
-                         : std::vector<bool>(in.ndim(), true);
-  const bool keepdim = has_dim && call.args[2].toBool();
-  auto r = sum_layout(in, reduced, keepdim);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = r.input;
-  plan.outputs.push_back(r.output);
-  return plan;
+// Every input layout the reduction could run on: each mesh dim in `move` goes to Replicate
+// or to Shard(u) for a dim u in `may_take` that no staying mesh dim shards (one moving mesh
+// dim per u, and only where u has at least one element per rank of that mesh dim). Dims are
+// tried in `order`, so among equal costs a kept dim (sharded output) wins over a reduced one.
+std::vector<SpecPtr> input_targets(const DTensorSpec& in, const std::vector<bool>& move,
+                                   const std::vector<bool>& may_take,
+                                   const std::vector<int64_t>& order) {
+  const DeviceMesh& mesh = in.mesh();
+  std::vector<bool> taken(in.ndim(), false);
+  std::vector<int64_t> moving;
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    if (move[m]) moving.push_back(m);
+    else if (in.placement(m).is_shard()) taken[in.placement(m).dim()] = true;
+  }
+  std::vector<ShardTable> tables(in.ndim());
+  for (int64_t t = 0; t < in.ndim(); ++t)
+    if (taken[t]) tables[t] = in.shard_table(t);
+  Placements p = in.placements();
+  std::vector<SpecPtr> out;
+  std::function<void(size_t)> choose = [&](size_t i) {
+    if (i == moving.size()) {
+      out.push_back(std::make_shared<DTensorSpec>(mesh, p, in.sizes(), in.dtype(), tables));
+      return;
+    }
+    const int64_t m = moving[i];
+    for (int64_t u : order) {
+      if (!may_take[u] || taken[u] || in.sizes()[u] < mesh.size(m)) continue;
+      taken[u] = true;
+      p[m] = Shard(u);
+      choose(i + 1);
+      taken[u] = false;
+    }
+    p[m] = Replicate();
+    choose(i + 1);
+  };
+  choose(0);
+  return out;
+}
+
+// The plan of a reduction with `n_outputs` results of one layout (values/indices, var/mean).
+OpPlan plan_reduction(const OpCall& call, const Dims& d, Kind kind, size_t n_outputs = 1) {
+  const auto& in = self_spec(call);
+  std::vector<bool> move(in.mesh().ndim(), false), may_take(in.ndim(), true);
+  for (int64_t m = 0; m < in.mesh().ndim(); ++m) {
+    const auto& x = in.placement(m);
+    if (x.is_partial()) move[m] = !passes(kind, x.reduce_op());
+    if (x.is_shard()) move[m] = kind == Kind::Whole && d.reduced[x.dim()];
+  }
+  if (kind == Kind::Whole)
+    for (int64_t t = 0; t < in.ndim(); ++t) may_take[t] = !d.reduced[t];
+  std::vector<int64_t> order;
+  for (int pass = 0; pass < 2; ++pass)
+    for (int64_t t = 0; t < in.ndim(); ++t)
+      if (d.reduced[t] == (pass == 1)) order.push_back(t);
+  std::vector<Strategy> candidates;
+  for (auto& target : input_targets(in, move, may_take, order)) {
+    Strategy s;
+    s.inputs.resize(call.args.size());
+    s.inputs[0] = target;
+    s.outputs.assign(n_outputs, output_layout(*target, d, kind));
+    candidates.push_back(std::move(s));
+  }
+  return cheapest(call, candidates);
+}
+
+// ---- sum, mean, nansum -------------------------------------------------------------------
+
+OpPlan sum_rule(const OpCall& call) { return plan_reduction(call, parse_dims(call), Kind::Sum); }
+
+// nansum is not linear in Partial terms (a NaN term is skipped, the others are not).
+OpPlan nansum_rule(const OpCall& call) {
+  return plan_reduction(call, parse_dims(call), Kind::NanSum);
 }
 
 OpPlan mean_rule(const OpCall& call) {
-  OpPlan plan = sum_rule(call);
-  const auto& in = *call.specs[0];
+  const Dims d = parse_dims(call);
+  OpPlan plan = plan_reduction(call, d, Kind::Sum);
+  const auto& in = self_spec(call);
   const auto& schema = call.op.schema();
-  const bool has_dim = schema.arguments().size() > 1 && schema.arguments()[1].name() == "dim";
-  auto reduced = has_dim ? reduced_dims(call.args[1], in.ndim())
-                         : std::vector<bool>(in.ndim(), true);
   int64_t count = 1;
-  for (int64_t t = 0; t < in.ndim(); ++t)
-    if (reduced[t]) count *= in.sizes()[t];
   std::vector<int64_t> dims;
-  for (int64_t t = 0; t < in.ndim(); ++t)
-    if (reduced[t]) dims.push_back(t);
-  const bool keepdim = has_dim && call.args[2].toBool();
-  const c10::IValue dtype = schema.arguments().size() > 3 ? call.args[3]
-                            : (has_dim ? c10::IValue() : call.args[1]);
+  for (int64_t t = 0; t < in.ndim(); ++t) {
+    if (!d.reduced[t]) continue;
+    count *= in.sizes()[t];
+    dims.push_back(t);
+  }
+  auto dtype_index = schema.argumentIndexWithName("dtype");
+  const c10::IValue dtype = dtype_index ? call.args[*dtype_index] : c10::IValue();
+  const bool keepdim = d.keepdim;
+  const bool out_variant = schema.is_mutable();
   // Local sum over the reduced dims divided by the *global* count: exact on uneven shards.
-  plan.local_kernel = [count, dims, keepdim, dtype](torch::jit::Stack& stack) {
+  plan.local_kernel = [count, dims, keepdim, dtype, out_variant](torch::jit::Stack& stack) {
     c10::optional<at::ScalarType> dt;
     if (!dtype.isNone()) dt = dtype.toScalarType();
-    at::Tensor s = at::sum(stack.front().toTensor(), dims, keepdim, dt);
+    at::Tensor s = at::sum(stack.front().toTensor(), dims, keepdim, dt)
+                       .div(static_cast<double>(count));
+    if (out_variant) {
+      at::Tensor out = stack.back().toTensor();
+      out.resize_(s.sizes()).copy_(s);
+      s = out;
+    }
     stack.clear();
-    stack.emplace_back(s.div(static_cast<double>(count)));
+    stack.emplace_back(s);
   };
   return plan;
+}
+
+// ---- amax, amin, max(), min() --------------------------------------------------------------
+
+// The identity of max (lowest value) or min (highest value) for a dtype.
+at::Tensor identity_fill(at::IntArrayRef shape, const at::TensorOptions& opts, bool is_max) {
+  const auto dt = c10::typeMetaToScalarType(opts.dtype());
+  if (at::isFloatingType(dt)) {
+    const double inf = std::numeric_limits<double>::infinity();
+    return at::full(shape, is_max ? -inf : inf, opts);
+  }
+  if (dt == at::kBool) return at::full(shape, !is_max, opts);
+  int64_t v = 0;
+  AT_DISPATCH_INTEGRAL_TYPES(dt, "tessera_identity_fill", [&] {
+    v = is_max ? static_cast<int64_t>(std::numeric_limits<scalar_t>::lowest())
+               : static_cast<int64_t>(std::numeric_limits<scalar_t>::max());
+  });
+  return at::full(shape, v, opts);
+}
+
+// Runs the op locally, except where a reduced dim's shard is empty (max of nothing is an
+// error in ATen): that shard contributes the identity of the Partial(max/min) it becomes.
+OpPlan extremum(const OpCall& call, Kind kind) {
+  const Dims d = parse_dims(call);
+  OpPlan plan = plan_reduction(call, d, kind);
+  const c10::OperatorHandle op = call.op;
+  const bool is_max = kind == Kind::Max;
+  plan.local_kernel = [op, d, is_max](torch::jit::Stack& stack) {
+    const at::Tensor x = stack.front().toTensor();
+    std::vector<int64_t> out_shape;
+    bool empty = false;
+    for (int64_t t = 0; t < x.dim(); ++t) {
+      if (d.reduced[t]) empty = empty || x.size(t) == 0;
+      if (!d.reduced[t]) out_shape.push_back(x.size(t));
+      else if (d.keepdim) out_shape.push_back(1);
+    }
+    if (!empty) {
+      op.callBoxed(&stack);
+      return;
+    }
+    stack.clear();
+    stack.emplace_back(identity_fill(out_shape, x.options(), is_max));
+  };
+  return plan;
+}
+
+OpPlan max_rule(const OpCall& call) { return extremum(call, Kind::Max); }
+OpPlan min_rule(const OpCall& call) { return extremum(call, Kind::Min); }
+
+// ---- whole-dim reductions -------------------------------------------------------------------
+
+// prod, var, std, norms, argmax/argmin: the local op on whole reduced dims.
+OpPlan whole_rule(const OpCall& call) {
+  return plan_reduction(call, parse_dims(call), Kind::Whole, call.op.schema().returns().size());
+}
+
+// ---- backward of max.dim / min.dim ---------------------------------------------------------
+
+// NOTE: [value_selecting_reduction_backward]
+// Autograd's formula for max.dim/min.dim (also kthvalue, mode, sort, topk) is this composite
+// op, which fills a *plain* at::zeros buffer with an in-place scatter_: on distributed inputs
+// the gradient would come back as a plain tensor. For distributed tensors, one index per
+// slice (max.dim, min.dim, kthvalue, mode) becomes a one-hot mask (indices == position along
+// `dim`) selecting the gradient: pointwise ops on the indices' layout, no communication, the
+// unreduced shards kept. Several indices per slice (sort, topk) scatter out of place into
+// distributed zeros, as the op itself does for tensor subclasses.
+void value_selecting_backward(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const at::Tensor grad = (*stack)[stack->size() - 5].toTensor();
+  int64_t dim = (*stack)[stack->size() - 4].toInt();
+  const at::Tensor indices = (*stack)[stack->size() - 3].toTensor();
+  const std::vector<int64_t> sizes = (*stack)[stack->size() - 2].toIntVector();
+  const bool keepdim = (*stack)[stack->size() - 1].toBool();
+  stack->resize(stack->size() - 5);
+  const int64_t nd = static_cast<int64_t>(sizes.size());
+  if (nd == 0) {  // max(dim=0) of a 0-dim tensor selects the only element
+    stack->emplace_back(grad.clone());
+    return;
+  }
+  if (dim < 0) dim += nd;
+  const at::Tensor g = keepdim ? grad : grad.unsqueeze(dim);
+  at::Tensor idx = keepdim ? indices : indices.unsqueeze(dim);
+  if (idx.size(dim) != 1) {
+    stack->emplace_back(g.new_zeros(sizes).scatter(dim, idx, g));
+    return;
+  }
+  idx = idx.expand(sizes);
+  std::vector<int64_t> along(nd, 1);
+  along[dim] = sizes[dim];
+  // A plain tensor next to distributed ones is a replicated value (docs/design.md).
+  const at::Tensor position =
+      at::arange(sizes[dim], at::TensorOptions().dtype(idx.scalar_type()).device(idx.device()))
+          .view(along);
+  stack->emplace_back(at::where(idx == position, g, at::zeros({}, g.options())));
+}
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("value_selecting_reduction_backward",
+         torch::CppFunction::makeFromBoxedFunction<&value_selecting_backward>());
 }
 
 const RuleRegistrar registrar{[] {
   register_rule("aten::sum", sum_rule);
   register_rule("aten::sum.dim_IntList", sum_rule);
+  register_rule("aten::sum.IntList_out", sum_rule);
+  register_rule("aten::nansum", nansum_rule);
+  register_rule("aten::nansum.out", nansum_rule);
   register_rule("aten::mean", mean_rule);
   register_rule("aten::mean.dim", mean_rule);
+  register_rule("aten::mean.out", mean_rule);
+
+  register_rule("aten::amax", max_rule);
+  register_rule("aten::max", max_rule);
+  register_rule("aten::amin", min_rule);
+  register_rule("aten::min", min_rule);
+
+  for (const char* op :
+       {"aten::prod", "aten::prod.dim_int", "aten::max.dim", "aten::min.dim", "aten::argmax",
+        "aten::argmin", "aten::var.correction", "aten::std.correction",
+        "aten::var_mean.correction", "aten::std_mean.correction", "aten::norm.Scalar",
+        "aten::norm.ScalarOpt_dim", "aten::norm.ScalarOpt_dtype",
+        "aten::norm.ScalarOpt_dim_dtype", "aten::linalg_vector_norm"})
+    register_rule(op, whole_rule);
 }};
 
 }  // namespace
