@@ -3,7 +3,8 @@
 //
 // Partial rules, [out | operands] (one mesh dim shown):
 //   additive (add, sub):       P(sum) | P(sum), P(sum)   R operands become P (no comm)
-//   scaling  (mul, div, neg):  P(sum) | P(sum), R        only the reference may be partial
+//   scaling  (mul, neg, div):  P(sum) | P(sum), R        one partial operand (for div the
+//                                                       dividend); P(avg) alike, P(max/min) never
 //   anything else:             R      | R, R             P(x) + 1 would add 1 n times
 //
 // Every operand with the output's shape is a candidate reference; the one whose layout costs
@@ -17,7 +18,16 @@ namespace tessera::ops {
 
 namespace {
 
-enum class PartialPolicy { Replicate, Additive, Scaling };
+enum class PartialPolicy { Replicate, Additive, Scaling, Dividend };
+
+// Sums and averages of terms are linear; max/min of terms are not (scaling by a negative
+// number swaps them, adding to them is not adding to the result).
+bool linear_partials(const DTensorSpec& s) {
+  for (const auto& p : s.placements())
+    if (p.is_partial() && p.reduce_op() != PartialOp::Sum && p.reduce_op() != PartialOp::Avg)
+      return false;
+  return true;
+}
 
 std::vector<int64_t> broadcast_shape(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
   const size_t n = std::max(a.size(), b.size());
@@ -111,9 +121,12 @@ OpPlan pointwise(const OpCall& call, PartialPolicy policy) {
   std::vector<Strategy> candidates;
   for (const DTensorSpec* ref : refs) {
     bool keep_partial = false;
-    if (ref->has_partial()) {
+    if (ref->has_partial() && linear_partials(*ref)) {
       if (policy == PartialPolicy::Additive) keep_partial = !plain_operand;
       if (policy == PartialPolicy::Scaling) keep_partial = partial_operands == 1;
+      // x / P is not a sum of terms: only the dividend may carry them.
+      if (policy == PartialPolicy::Dividend)
+        keep_partial = partial_operands == 1 && call.specs[0] == ref;
     }
     SpecPtr ref_target = keep_partial ? std::make_shared<DTensorSpec>(*ref)
                                       : std::make_shared<DTensorSpec>(ref->partial_as_replicate());
@@ -137,6 +150,7 @@ OpPlan pointwise(const OpCall& call, PartialPolicy policy) {
 OpPlan replicate_partials(const OpCall& call) { return pointwise(call, PartialPolicy::Replicate); }
 OpPlan additive(const OpCall& call) { return pointwise(call, PartialPolicy::Additive); }
 OpPlan scaling(const OpCall& call) { return pointwise(call, PartialPolicy::Scaling); }
+OpPlan dividend(const OpCall& call) { return pointwise(call, PartialPolicy::Dividend); }
 
 // Every overload family gets the functional, in-place and out= forms.
 void family(const std::string& base, const std::vector<std::string>& overloads, Rule rule) {
@@ -152,12 +166,16 @@ const RuleRegistrar registrar{[] {
   family("add", {"Tensor", "Scalar"}, additive);
   family("sub", {"Tensor", "Scalar"}, additive);
   family("mul", {"Tensor", "Scalar"}, scaling);
-  family("div", {"Tensor", "Scalar", "Tensor_mode", "Scalar_mode"}, scaling);
+  family("div", {"Tensor", "Scalar"}, dividend);
+  for (const char* op : {"aten::div.Tensor_mode", "aten::div_.Tensor_mode", "aten::div.Scalar_mode",
+                         "aten::div_.Scalar_mode", "aten::div.out_mode"})
+    register_rule(op, replicate_partials);  // rounding is not linear
   family("neg", {""}, scaling);
   for (const char* unary :
        {"abs", "exp", "expm1", "log", "log1p", "log2", "sqrt", "rsqrt", "sin", "cos", "tan",
         "tanh", "sigmoid", "relu", "reciprocal", "sign", "floor", "ceil", "round", "trunc",
-        "erf", "silu", "square", "logical_not", "bitwise_not", "exp2", "sgn"})
+        "erf", "silu", "square", "logical_not", "bitwise_not", "exp2", "sgn", "isnan",
+        "isinf", "isfinite", "signbit", "isposinf", "isneginf", "nan_to_num", "frac"})
     family(unary, {""}, replicate_partials);
   for (const char* binary : {"pow", "maximum", "minimum", "fmod", "remainder", "atan2",
                              "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or",

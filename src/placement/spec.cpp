@@ -4,7 +4,6 @@
 #include <numeric>
 
 #include <c10/util/Exception.h>
-#include <c10/util/hash.h>
 
 namespace tessera {
 
@@ -106,15 +105,15 @@ DTensorSpec::DTensorSpec(DeviceMesh mesh, Placements placements,
   }
   size_t h = std::hash<const void*>()(mesh_.id());
   for (auto& p : placements_)
-    h = c10::hash_combine(h, (static_cast<size_t>(p.kind()) << 16) ^
+    h = hash_mix(h, (static_cast<size_t>(p.kind()) << 16) ^
                                  (static_cast<size_t>(p.dim()) << 4) ^
                                  static_cast<size_t>(p.reduce_op()));
-  for (auto s : sizes_) h = c10::hash_combine(h, static_cast<size_t>(s));
+  for (auto s : sizes_) h = hash_mix(h, static_cast<size_t>(s));
   for (auto& tab : tables_) {
-    h = c10::hash_combine(h, tab.size());
-    for (auto s : tab) h = c10::hash_combine(h, static_cast<size_t>(s));
+    h = hash_mix(h, tab.size());
+    for (auto s : tab) h = hash_mix(h, static_cast<size_t>(s));
   }
-  hash_ = c10::hash_combine(h, static_cast<size_t>(dtype_));
+  hash_ = hash_mix(h, static_cast<size_t>(dtype_));
 }
 
 int64_t DTensorSpec::numel() const {

@@ -5,7 +5,6 @@
 #include <mutex>
 #include <unordered_map>
 
-#include <c10/util/hash.h>
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -82,6 +81,9 @@ using Key = c10::SmallVector<size_t, 16>;
 
 struct KeyedDecision {
   Key key;
+  // The input specs the key's hashes stand for, compared on every hit: a hash collision
+  // must never hand one op another op's layouts.
+  std::vector<SpecPtr> specs;
   std::shared_ptr<const Decision> decision;
 };
 
@@ -171,6 +173,9 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   c10::SmallVector<DTensorImpl*, 8> impls(nargs, nullptr);
   // Plain tensors admitted as replicated values; an in-place op on one returns the original.
   c10::SmallVector<std::pair<size_t, at::Tensor>, 2> admitted_plain;
+  // Every input spec in argument order (list elements included): the decision cache
+  // compares them on a hit.
+  c10::SmallVector<SpecPtr, 8> seen;
   auto admit = [&](const at::Tensor& t, const DTensorSpec*& spec_out) -> at::Tensor {
     if (!t.defined()) return t;
     if (auto* d = as_dtensor(t)) {
@@ -178,11 +183,14 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                   ": arguments live on different meshes (", ref.mesh().str(), " and ",
                   d->spec().mesh().str(), "); redistribute them onto one mesh first");
       spec_out = &d->spec();
+      seen.push_back(d->spec_ptr());
       return t;
     }
     if (t.dim() == 0) return t;
     keep_alive.push_back(implicit_replicate(t, ref));
-    spec_out = &dtensor_impl(keep_alive.back())->spec();
+    auto* d = dtensor_impl(keep_alive.back());
+    spec_out = &d->spec();
+    seen.push_back(d->spec_ptr());
     return keep_alive.back();
   };
   if (lists) call.list_specs.resize(nargs);
@@ -229,12 +237,18 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
   }
   size_t h = 0;
-  for (auto k : key) h = c10::hash_combine(h, k);
+  for (auto k : key) h = hash_mix(h, k);
 
+  auto same_specs = [&](const KeyedDecision& e) {
+    if (e.specs.size() != seen.size()) return false;
+    for (size_t k = 0; k < seen.size(); ++k)
+      if (e.specs[k] != seen[k] && *e.specs[k] != *seen[k]) return false;
+    return true;
+  };
   std::shared_ptr<const Decision> decision;
   if (auto it = t_cache.map.find(h); it != t_cache.map.end()) {
     for (auto& e : it->second)
-      if (e.key == key) decision = e.decision;
+      if (e.key == key && same_specs(e)) decision = e.decision;
   }
   const bool hit = decision != nullptr;
   std::shared_ptr<Decision> fresh;
@@ -351,7 +365,19 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     auto plain = std::find_if(admitted_plain.begin(), admitted_plain.end(),
                               [&](const auto& a) { return static_cast<int>(a.first) == alias; });
     if (alias >= 0 && plain != admitted_plain.end()) {
-      stack->push_back(plain->second);
+      // An in-place op on a plain tensor: it must end up holding the whole result. If the
+      // plan worked on a redistributed copy, gather that copy back into it.
+      SpecPtr planned = hit ? plan.outputs[next_out]
+                            : (plan.outputs.size() > next_out ? plan.outputs[next_out] : nullptr);
+      if (!hit) final_outputs.push_back(planned);
+      ++next_out;
+      at::Tensor& target = plain->second;
+      if (planned && (!locals[alias].is_same(target) || !planned->is_replicated())) {
+        auto whole = std::make_shared<DTensorSpec>(planned->with_placements(
+            Placements(planned->mesh().ndim(), Replicate())));
+        target.copy_(redistribute_local(locals[alias], planned, whole));
+      }
+      stack->push_back(target);
       continue;
     }
     if (alias >= 0 && args[alias].isTensor() && call.specs[alias]) {
@@ -402,7 +428,7 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       t_cache.map.clear();
       t_cache.entries = 0;
     }
-    t_cache.map[h].push_back({std::move(key), fresh});
+    t_cache.map[h].push_back({std::move(key), std::vector<SpecPtr>(seen.begin(), seen.end()), fresh});
     ++t_cache.entries;
   }
 }

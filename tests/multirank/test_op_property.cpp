@@ -126,7 +126,11 @@ void run_cases(const std::vector<int64_t>& mesh_shape, int cases, uint64_t seed)
           if (!tables[t].empty()) desc += " t" + std::to_string(t) + "=" + shape_str(tables[t]);
         operands.push_back({shape, p, tables});
       }
-      differential(mesh, operands, op.fn, desc, seed + static_cast<uint64_t>(c));
+      try {
+        differential(mesh, operands, op.fn, desc, seed + static_cast<uint64_t>(c));
+      } catch (const std::exception& e) {
+        throw std::runtime_error(desc + ": " + e.what());  // name the case
+      }
     }
   });
 }

@@ -93,4 +93,13 @@ ShardTable marginalize(const ShardTable& table, const std::vector<int64_t>& leve
 
 std::string shape_str(const std::vector<int64_t>& v);
 
+// Order-dependent 64-bit hash step with full avalanche (splitmix64 finaliser), so that
+// structured keys (small sizes, similar shapes) do not collide.
+inline uint64_t hash_mix(uint64_t h, uint64_t v) {
+  uint64_t z = h + 0x9e3779b97f4a7c15ULL + v * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
 }  // namespace tessera
