@@ -109,9 +109,27 @@ SpecPtr same_layout_with_shape(const DTensorSpec& like, std::vector<int64_t> siz
                                        like.shard_tables());
 }
 
+OpPlan replicate_everything(const OpCall& call) {
+  OpPlan plan;
+  plan.inputs.resize(call.args.size());
+  for (size_t i = 0; i < call.args.size(); ++i)
+    if (call.specs[i]) plan.inputs[i] = replicated(*call.specs[i]);
+  plan.data_dependent_shapes = true;
+  return plan;
+}
+
 SpecPtr replicated(const DTensorSpec& like) {
   return std::make_shared<DTensorSpec>(like.mesh(), Placements(like.mesh().ndim(), Replicate()),
                                        like.sizes(), like.dtype());
 }
+
+namespace {
+// Ops whose output shape depends on the values: gathered, then computed on every rank.
+const RuleRegistrar registrar{[] {
+  for (const char* op : {"aten::nonzero", "aten::masked_select", "aten::_unique",
+                         "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive"})
+    register_rule(op, replicate_everything);
+}};
+}  // namespace
 
 }  // namespace tessera::ops

@@ -344,7 +344,7 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   std::vector<SpecPtr> final_outputs;
   size_t next_out = 0;
   auto output_spec = [&](const at::Tensor& local) -> SpecPtr {
-    if (decision->replicate_all) {
+    if (decision->replicate_all || plan.data_dependent_shapes) {
       // Ops without a rule may have data-dependent shapes (nonzero, unique): read them off
       // the result every time.
       auto sp = std::make_shared<DTensorSpec>(ref.mesh(), Placements(ref.mesh().ndim(), Replicate()),

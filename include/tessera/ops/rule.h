@@ -39,6 +39,9 @@ struct OpPlan {
   // local arguments and leaves just the local results on it: for ops whose local form differs from the global
   // one, e.g. mean over an unevenly sharded dim is a local sum divided by the global count.
   std::function<void(torch::jit::Stack&)> local_kernel;
+  // Outputs whose shape depends on the data (nonzero, unique): computed on replicated
+  // inputs, wrapped as replicated with the shape each call produces.
+  bool data_dependent_shapes = false;
 };
 
 using Rule = OpPlan (*)(const OpCall&);
@@ -61,6 +64,8 @@ OpPlan cheapest(const OpCall& call, const std::vector<Strategy>& candidates);
 SpecPtr same_layout_with_shape(const DTensorSpec& like, std::vector<int64_t> sizes,
                                c10::ScalarType dtype);
 SpecPtr replicated(const DTensorSpec& like);  // every mesh dim Replicate, same shape
+// Every distributed input replicated, outputs replicated with data-dependent shapes.
+OpPlan replicate_everything(const OpCall& call);
 // Macro-free registration block for a rule family: `static const RuleRegistrar r{[] {...}};`
 struct RuleRegistrar {
   explicit RuleRegistrar(void (*fn)()) { fn(); }
