@@ -4,6 +4,7 @@
 // and tensor parallel (column/row sharded weights), on 1-D and 2-D meshes.
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
+#include <torch/nn/utils/clip_grad.h>
 #include <torch/optim/sgd.h>
 
 #include "helpers.h"
@@ -43,13 +44,16 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(Opt o, std::vector<at::T
 }
 
 // Trains `steps` steps; returns the losses. `wrap(param, which)` makes a parameter leaf.
-std::vector<double> train(Opt o, Params p, const at::Tensor& x, const at::Tensor& y, int steps) {
+std::vector<double> train(Opt o, Params p, const at::Tensor& x, const at::Tensor& y, int steps,
+                          double clip_norm_type = 0) {
   auto opt = make_optimizer(o, p.list());
   std::vector<double> losses;
   for (int s = 0; s < steps; ++s) {
     opt->zero_grad();
     auto loss = at::mse_loss(forward(p, x), y);
     loss.backward();
+    // A norm across all (sharded) gradients; 0.3 is small enough to clip every step.
+    if (clip_norm_type != 0) torch::nn::utils::clip_grad_norm_(p.list(), 0.3, clip_norm_type);
     opt->step();
     losses.push_back(loss.item<double>());
   }
@@ -63,20 +67,21 @@ Params leafs(Params p) {
 
 void expect_same_training(const DeviceMesh& mesh, const Placements& w1p, const Placements& b1p,
                           const Placements& w2p, const Placements& b2p, const Placements& xp,
-                          const std::vector<ShardTable>& x_tables, const std::string& what) {
+                          const std::vector<ShardTable>& x_tables, const std::string& what,
+                          double clip_norm_type = 0) {
   const auto full = init_params();
   const auto x = tessera::test::randn({10, 8}, 21);
   const auto y = tessera::test::randn({10, 4}, 22);
   for (Opt o : {Opt::Sgd, Opt::Adam, Opt::AdamW}) {
     auto ref = leafs(full);
-    auto ref_losses = train(o, ref, x, y, 20);
+    auto ref_losses = train(o, ref, x, y, 20, clip_norm_type);
     auto dist = leafs({distribute_tensor(full.w1, mesh, w1p, std::nullopt),
                        distribute_tensor(full.b1, mesh, b1p, std::nullopt),
                        distribute_tensor(full.w2, mesh, w2p, std::nullopt),
                        distribute_tensor(full.b2, mesh, b2p, std::nullopt)});
     auto dx = distribute_tensor(x, mesh, xp, std::nullopt, ShardSizes::Given(x_tables));
     auto dy = distribute_tensor(y, mesh, xp, std::nullopt, ShardSizes::Given(x_tables));
-    auto losses = train(o, dist, dx, dy, 20);
+    auto losses = train(o, dist, dx, dy, 20, clip_norm_type);
     const std::string ctx = what + " optimizer " + std::to_string(int(o));
     for (size_t s = 0; s < losses.size(); ++s)
       ASSERT_NEAR(losses[s], ref_losses[s], 1e-4 * (1 + std::abs(ref_losses[s])))
@@ -116,5 +121,17 @@ TEST(Training, TwoDimensionalMeshDataAndTensorParallel) {
     expect_same_training(mesh, {Replicate(), Shard(0)}, {Replicate(), Shard(0)},
                          {Replicate(), Shard(1)}, {Replicate(), Replicate()},
                          {Shard(0), Replicate()}, {{7, 3}}, "2-D dp x tp");
+  });
+}
+
+TEST(Training, GradientClippingAcrossShardedParameters) {
+  tessera::testing::run_ranks(4, [&](int) {
+    auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+    for (double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
+      expect_same_training(mesh, {Replicate(), Shard(0)}, {Replicate(), Shard(0)},
+                           {Replicate(), Shard(1)}, {Replicate(), Replicate()},
+                           {Shard(0), Replicate()}, {{7, 3}},
+                           "clip_grad_norm_ p=" + std::to_string(norm_type), norm_type);
+    }
   });
 }
