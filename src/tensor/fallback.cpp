@@ -21,9 +21,11 @@ namespace tessera {
 namespace {
 
 DTensorImpl* as_dtensor(const at::Tensor& t) {
-  // Only our impl carries PrivateUse1 together with a null storage; confirm cheaply first.
+  // The key check is one bit test; DTensorImpl is final, so an exact type check suffices
+  // (cheaper than dynamic_cast on this hot path).
   if (!t.defined() || !t.key_set().has(c10::DispatchKey::PrivateUse1)) return nullptr;
-  return dynamic_cast<DTensorImpl*>(t.unsafeGetTensorImpl());
+  auto* impl = t.unsafeGetTensorImpl();
+  return typeid(*impl) == typeid(DTensorImpl) ? static_cast<DTensorImpl*>(impl) : nullptr;
 }
 
 // Plain tensors next to distributed ones: 0-dim tensors stay scalars; any other plain tensor
@@ -134,10 +136,11 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
   const size_t base = stack->size() - nargs;
-  torch::jit::Stack args(stack->begin() + base, stack->end());
+  c10::SmallVector<c10::IValue, 8> args(std::make_move_iterator(stack->begin() + base),
+                                        std::make_move_iterator(stack->end()));
   stack->resize(base);
 
-  ops::OpCall call{op, args, std::vector<const DTensorSpec*>(nargs, nullptr)};
+  ops::OpCall call{op, args, c10::SmallVector<const DTensorSpec*, 8>(nargs, nullptr)};
   bool lists = false;
   for (size_t i = 0; i < nargs; ++i) {
     if (args[i].isTensor()) {
@@ -339,7 +342,8 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   // On a miss the output specs are checked against the local results and completed (dtype,
   // replicated shapes) into the cached decision; a hit reuses them as they are.
   const size_t nret = schema.returns().size();
-  torch::jit::Stack results(stack->end() - nret, stack->end());
+  c10::SmallVector<c10::IValue, 4> results(std::make_move_iterator(stack->end() - nret),
+                                           std::make_move_iterator(stack->end()));
   stack->resize(stack->size() - nret);
   std::vector<SpecPtr> final_outputs;
   size_t next_out = 0;

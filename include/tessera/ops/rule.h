@@ -8,6 +8,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <c10/util/SmallVector.h>
 
 #include "tessera/placement/spec.h"
 
@@ -15,8 +16,8 @@ namespace tessera::ops {
 
 struct OpCall {
   const c10::OperatorHandle& op;
-  const torch::jit::Stack& args;          // the op's arguments, distributed tensors still wrapped
-  std::vector<const DTensorSpec*> specs;  // per argument: its spec, or nullptr if not distributed
+  c10::ArrayRef<c10::IValue> args;  // the op's arguments, distributed tensors still wrapped
+  c10::SmallVector<const DTensorSpec*, 8> specs;  // per argument: its spec, or nullptr
   int first_dtensor = -1;                 // index of the first distributed Tensor argument
   // Per argument: the element specs of a Tensor[] argument holding distributed tensors
   // (plain elements are implicitly replicated, see docs/design.md); empty otherwise.
