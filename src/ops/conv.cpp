@@ -38,13 +38,6 @@ SpecPtr with_shape(const DTensorSpec& act, std::vector<int64_t> sizes) {
                                        tables);
 }
 
-// Weight-like tensors: replicated; their gradients: Partial(sum) where the batch is sharded.
-SpecPtr param_grad(const DTensorSpec& act, std::vector<int64_t> sizes) {
-  Placements p = act.placements();
-  for (auto& x : p) x = x.is_shard(0) ? Partial() : Replicate();
-  return std::make_shared<DTensorSpec>(act.mesh(), p, std::move(sizes), act.dtype());
-}
-
 std::vector<int64_t> conv_out_sizes(const std::vector<int64_t>& in, const std::vector<int64_t>& w,
                                     const std::vector<int64_t>& stride, const std::vector<int64_t>& pad,
                                     const std::vector<int64_t>& dil, bool transposed,
@@ -93,9 +86,9 @@ OpPlan convolution_backward_rule(const OpCall& call) {
   if (call.specs[2]) plan.inputs[2] = replicated(*call.specs[2]);
   const auto w = call.specs[2] ? call.specs[2]->sizes() : call.args[2].toTensor().sizes().vec();
   plan.outputs.push_back(act);
-  plan.outputs.push_back(param_grad(*act, w));
+  plan.outputs.push_back(summed_over_shards(*act, w));
   // grad_bias (undefined unless output_mask asks for it) has bias_sizes.
-  plan.outputs.push_back(param_grad(
+  plan.outputs.push_back(summed_over_shards(
       *act, call.args[3].isIntList() ? call.args[3].toIntVector() : std::vector<int64_t>{w[0]}));
   return plan;
 }

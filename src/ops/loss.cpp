@@ -19,32 +19,6 @@ namespace {
 
 constexpr int64_t kNone = 0, kMean = 1, kSum = 2;  // at::Reduction
 
-// `other`'s layout lined up with `ref` (same shard dims; Partial never kept).
-SpecPtr aligned(const DTensorSpec& ref, const DTensorSpec& other) {
-  const int64_t shift = ref.ndim() - other.ndim();
-  Placements p = ref.placements();
-  std::vector<ShardTable> tables(other.ndim());
-  for (auto& x : p) {
-    if (x.is_partial()) x = Replicate();
-    if (!x.is_shard()) continue;
-    const int64_t t = x.dim() - shift;
-    if (t < 0 || other.sizes()[t] != ref.sizes()[x.dim()]) {
-      x = Replicate();
-      continue;
-    }
-    tables[t] = ref.shard_table(x.dim());
-    x = Shard(t);
-  }
-  return std::make_shared<DTensorSpec>(ref.mesh(), p, other.sizes(), other.dtype(), tables);
-}
-
-// 0-dim result of reducing everything of `in`: Partial(sum) where `in` is sharded.
-SpecPtr reduced_scalar(const DTensorSpec& in) {
-  Placements p = in.placements();
-  for (auto& x : p) x = x.is_shard() ? Partial() : Replicate();
-  return std::make_shared<DTensorSpec>(in.mesh(), p, std::vector<int64_t>{}, in.dtype());
-}
-
 // forward(self, target, reduction, ...extra) / backward(grad, self, target, reduction, ...).
 OpPlan loss_rule(const OpCall& call, size_t self_arg, bool backward) {
   const auto& self = *call.specs[self_arg];
@@ -53,14 +27,14 @@ OpPlan loss_rule(const OpCall& call, size_t self_arg, bool backward) {
   OpPlan plan;
   plan.inputs.resize(call.args.size());
   plan.inputs[self_arg] = self_t;
-  if (call.specs[self_arg + 1]) plan.inputs[self_arg + 1] = aligned(*self_t, *call.specs[self_arg + 1]);
+  if (call.specs[self_arg + 1]) plan.inputs[self_arg + 1] = align_to(*self_t, *call.specs[self_arg + 1], false);
   if (backward) {
     const auto& grad = *call.specs[0];
-    plan.inputs[0] = reduction == kNone ? aligned(*self_t, grad)
+    plan.inputs[0] = reduction == kNone ? align_to(*self_t, grad, false)
                                         : replicated(grad);  // a scalar gradient, whole
     plan.outputs.push_back(self_t);
   } else {
-    plan.outputs.push_back(reduction == kNone ? self_t : reduced_scalar(*self_t));
+    plan.outputs.push_back(reduction == kNone ? self_t : summed_over_shards(*self_t, {}));
   }
   if (reduction == kMean) {
     // Run with reduction=sum and divide by the global count.
@@ -94,7 +68,7 @@ OpPlan softmax_layout(const OpCall& call, size_t tensor_arg, size_t dim_arg,
   OpPlan plan;
   plan.inputs.resize(call.args.size());
   for (auto i : inputs)
-    if (call.specs[i]) plan.inputs[i] = aligned(*target, *call.specs[i]);
+    if (call.specs[i]) plan.inputs[i] = align_to(*target, *call.specs[i], false);
   plan.outputs.push_back(target);
   return plan;
 }
@@ -103,6 +77,11 @@ OpPlan softmax_layout(const OpCall& call, size_t tensor_arg, size_t dim_arg,
 OpPlan softmax_rule(const OpCall& call) { return softmax_layout(call, 0, 1, {0}); }
 // _softmax_backward_data(grad_output, output, dim, input_dtype)
 OpPlan softmax_backward_rule(const OpCall& call) { return softmax_layout(call, 1, 2, {0, 1}); }
+
+SpecPtr replicated_scalar(const DTensorSpec& like) {
+  return std::make_shared<DTensorSpec>(like.mesh(), Placements(like.mesh().ndim(), Replicate()),
+                                       std::vector<int64_t>{}, like.dtype());
+}
 
 // NOTE: [nll_loss on shards]
 // The class dim must be whole; batch and spatial dims may stay sharded (target follows).
@@ -141,12 +120,6 @@ NllLayout nll_layout(const OpCall& call, size_t self_arg) {
   return {self_t, target_t, sharded};
 }
 
-SpecPtr scalar_spec(const DTensorSpec& like, bool partial) {
-  Placements p = like.placements();
-  for (auto& x : p) x = partial && x.is_shard() ? Partial() : Replicate();
-  return std::make_shared<DTensorSpec>(like.mesh(), p, std::vector<int64_t>{}, like.dtype());
-}
-
 // nll_loss_forward / nll_loss2d_forward(self, target, weight?, reduction, ignore_index)
 OpPlan nll_rule(const OpCall& call) {
   auto l = nll_layout(call, 0);
@@ -160,10 +133,10 @@ OpPlan nll_rule(const OpCall& call) {
     plan.outputs = {std::make_shared<DTensorSpec>(l.target->mesh(), l.target->placements(),
                                                   l.target->sizes(), l.self->dtype(),
                                                   l.target->shard_tables()),
-                    scalar_spec(*l.self, false)};
+                    replicated_scalar(*l.self)};
     return plan;
   }
-  plan.outputs = {scalar_spec(*l.self, true), scalar_spec(*l.self, reduction == kSum)};
+  plan.outputs = {summed_over_shards(*l.self, {}), reduction == kSum ? summed_over_shards(*l.self, {}) : replicated_scalar(*l.self)};
   if (reduction == kMean) {
     c10::OperatorHandle op = call.op;
     DeviceMesh mesh = l.self->mesh();

@@ -33,12 +33,6 @@ SpecPtr stats_spec(const DTensorSpec& in, int64_t k) {
                                        in.shard_tables());
 }
 
-SpecPtr param_grad(const DTensorSpec& in, const std::vector<int64_t>& sizes) {
-  Placements p = in.placements();
-  for (auto& x : p) x = x.is_shard() ? Partial() : Replicate();
-  return std::make_shared<DTensorSpec>(in.mesh(), p, sizes, in.dtype());
-}
-
 // native_layer_norm(input, normalized_shape, weight?, bias?, eps) -> (out, mean, rstd)
 OpPlan layer_norm_rule(const OpCall& call) {
   const int64_t k = static_cast<int64_t>(call.args[1].toIntList().size());
@@ -67,7 +61,7 @@ OpPlan layer_norm_backward_rule(const OpCall& call) {
     if (call.specs[i]) plan.inputs[i] = stats_spec(*in, k);
   for (size_t i : {5, 6})
     if (call.specs[i]) plan.inputs[i] = replicated(*call.specs[i]);
-  plan.outputs = {in, param_grad(*in, shape), param_grad(*in, shape)};
+  plan.outputs = {in, summed_over_shards(*in, shape), summed_over_shards(*in, shape)};
   return plan;
 }
 

@@ -42,26 +42,6 @@ std::vector<int64_t> broadcast_shape(const std::vector<int64_t>& a, const std::v
   return out;
 }
 
-// The operand's layout that lines up with the reference's: same shard dims where the operand
-// has the full extent, Replicate where it broadcasts.
-SpecPtr align_to(const DTensorSpec& ref, const DTensorSpec& operand, bool keep_partial) {
-  const int64_t shift = ref.ndim() - operand.ndim();
-  Placements p = ref.placements();
-  std::vector<ShardTable> tables(operand.ndim());
-  for (auto& x : p) {
-    if (x.is_partial() && !keep_partial) x = Replicate();
-    if (!x.is_shard()) continue;
-    const int64_t t_in = x.dim() - shift;
-    if (t_in < 0 || operand.sizes()[t_in] != ref.sizes()[x.dim()]) {
-      x = Replicate();
-      continue;
-    }
-    tables[t_in] = ref.shard_table(x.dim());
-    x = Shard(t_in);
-  }
-  return std::make_shared<DTensorSpec>(ref.mesh(), p, operand.sizes(), operand.dtype(), tables);
-}
-
 int out_argument(const c10::FunctionSchema& schema) {
   for (size_t i = 0; i < schema.arguments().size(); ++i) {
     const auto& a = schema.arguments()[i];

@@ -118,6 +118,30 @@ OpPlan replicate_everything(const OpCall& call) {
   return plan;
 }
 
+SpecPtr align_to(const DTensorSpec& ref, const DTensorSpec& operand, bool keep_partial) {
+  const int64_t shift = ref.ndim() - operand.ndim();
+  Placements p = ref.placements();
+  std::vector<ShardTable> tables(operand.ndim());
+  for (auto& x : p) {
+    if (x.is_partial() && !keep_partial) x = Replicate();
+    if (!x.is_shard()) continue;
+    const int64_t t_in = x.dim() - shift;
+    if (t_in < 0 || operand.sizes()[t_in] != ref.sizes()[x.dim()]) {
+      x = Replicate();
+      continue;
+    }
+    tables[t_in] = ref.shard_table(x.dim());
+    x = Shard(t_in);
+  }
+  return std::make_shared<DTensorSpec>(ref.mesh(), p, operand.sizes(), operand.dtype(), tables);
+}
+
+SpecPtr summed_over_shards(const DTensorSpec& like, std::vector<int64_t> sizes) {
+  Placements p = like.placements();
+  for (auto& x : p) x = x.is_shard() ? Partial() : Replicate();
+  return std::make_shared<DTensorSpec>(like.mesh(), p, std::move(sizes), like.dtype());
+}
+
 SpecPtr replicated(const DTensorSpec& like) {
   return std::make_shared<DTensorSpec>(like.mesh(), Placements(like.mesh().ndim(), Replicate()),
                                        like.sizes(), like.dtype());

@@ -143,11 +143,10 @@ OpPlan view_rule(const OpCall& call) {
   return with_local_size_arg(call, view_layout(in, out), 1);
 }
 
-// _reshape_alias(self, size, stride): its strides are global ones; locally it is a view
-// with the local sizes (a copy only if the shard cannot be viewed that way).
-OpPlan reshape_alias_rule(const OpCall& call) {
-  const auto& in = *call.specs[0];
-  auto layout = view_layout(in, infer_size(call.args[1].toIntVector(), in.numel()));
+// The op's local form is a reshape to the output's local sizes: _reshape_alias (its stride
+// argument is a global one) and squeeze (a shard may be size 1 where the global is not, so
+// the local op could drop the wrong dims). A view when the shard allows, else a copy.
+OpPlan reshaped_locally(const OpCall& call, const ViewLayout& layout) {
   OpPlan plan;
   plan.inputs.resize(call.args.size());
   plan.inputs[0] = layout.input;
@@ -159,6 +158,11 @@ OpPlan reshape_alias_rule(const OpCall& call) {
     stack.emplace_back(x.reshape(local));
   };
   return plan;
+}
+
+OpPlan reshape_alias_rule(const OpCall& call) {
+  const auto& in = *call.specs[0];
+  return reshaped_locally(call, view_layout(in, infer_size(call.args[1].toIntVector(), in.numel())));
 }
 
 // expand: new leading dims and size-1 dims broadcast; broadcast dims cannot stay sharded.
@@ -221,24 +225,11 @@ OpPlan squeeze_rule(const OpCall& call) {
   } else {
     for (int64_t t = 0; t < in.ndim(); ++t) drop[t] = in.sizes()[t] == 1;
   }
-  std::vector<int64_t> out, squeeze_dims;
+  std::vector<int64_t> out;
   for (int64_t t = 0; t < in.ndim(); ++t) {
-    if (drop[t]) squeeze_dims.push_back(t);
-    else out.push_back(in.sizes()[t]);
+    if (!drop[t]) out.push_back(in.sizes()[t]);
   }
-  auto layout = view_layout(in, out);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = layout.input;
-  plan.outputs.push_back(layout.output);
-  auto local = layout.output->local_sizes();
-  // Squeeze exactly the globally size-1 dims (a shard may be size 1 where the global isn't).
-  plan.local_kernel = [local](torch::jit::Stack& stack) {
-    auto x = stack[0].toTensor();
-    stack.clear();
-    stack.emplace_back(x.view(local));
-  };
-  return plan;
+  return reshaped_locally(call, view_layout(in, out));
 }
 
 // transpose / t / permute: shard dims follow the permutation; local args are positional.

@@ -65,6 +65,13 @@ OpPlan cheapest(const OpCall& call, const std::vector<Strategy>& candidates);
 SpecPtr same_layout_with_shape(const DTensorSpec& like, std::vector<int64_t> sizes,
                                c10::ScalarType dtype);
 SpecPtr replicated(const DTensorSpec& like);  // every mesh dim Replicate, same shape
+// `operand`'s layout lined up with `ref` (right-aligned dims, as in broadcasting): the same
+// shard dims and tables where the operand has the full extent, Replicate where it
+// broadcasts; Partial kept only when asked.
+SpecPtr align_to(const DTensorSpec& ref, const DTensorSpec& operand, bool keep_partial);
+// A tensor of `sizes` summed over what `like` shards (parameter gradients, fully reduced
+// losses): Partial(sum) on the mesh dims where `like` is sharded, Replicate elsewhere.
+SpecPtr summed_over_shards(const DTensorSpec& like, std::vector<int64_t> sizes);
 // Every distributed input replicated, outputs replicated with data-dependent shapes.
 OpPlan replicate_everything(const OpCall& call);
 // Macro-free registration block for a rule family: `static const RuleRegistrar r{[] {...}};`
