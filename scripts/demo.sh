@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
-bash scripts/build.sh
+TARGETS="tessera-run redistribute_tour" bash scripts/build.sh
 exec ./build/tessera-run -n 4 ./build/examples/redistribute_tour
