@@ -130,8 +130,10 @@ OpPlan with_local_size_arg(const OpCall& call, ViewLayout layout, size_t arg) {
   plan.outputs.push_back(layout.output);
   auto local = layout.output->local_sizes();
   c10::OperatorHandle op = call.op;
-  plan.local_kernel = [op, local, arg](torch::jit::Stack& stack) {
-    stack[arg] = c10::IValue(local);
+  // Built once: the kernel reads the list without keeping or changing it.
+  const c10::IValue local_sizes(local);
+  plan.local_kernel = [op, local_sizes, arg](torch::jit::Stack& stack) {
+    stack[arg] = local_sizes;
     op.callBoxed(&stack);
   };
   return plan;
