@@ -7,6 +7,7 @@
 #include "tessera/placement/spec.h"
 #include "tessera/comm/accounting.h"
 #include "tessera/comm/collectives.h"
+#include "tessera/comm/halo.h"
 #include "tessera/redistribute/redistribute.h"
 #include "tessera/tensor/dtensor_impl.h"
 #include "tessera/tensor/random.h"
