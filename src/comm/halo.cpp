@@ -101,65 +101,55 @@ int64_t rows(const std::vector<Piece>& ps) {
   return r;
 }
 
+// Sends each member m the rows of `src` listed in outgoing[m] (starting at row_of(piece))
+// and hands every received run to place(piece, rows), in the order of incoming[m].
+template <class RowOf, class Place>
+void exchange_rows(const Group& pg, const at::Tensor& src, int64_t dim,
+                   const std::vector<std::vector<Piece>>& outgoing,
+                   const std::vector<std::vector<Piece>>& incoming, RowOf row_of, Place place) {
+  const size_t n = outgoing.size();
+  std::vector<at::Tensor> send;
+  std::vector<std::vector<int64_t>> recv_shapes;
+  for (size_t m = 0; m < n; ++m) {
+    std::vector<at::Tensor> parts;
+    for (const auto& p : outgoing[m]) parts.push_back(src.narrow(dim, row_of(p), p.count));
+    send.push_back(parts.empty() ? at::empty(with_dim(src, dim, 0), src.options())
+                                 : at::cat(parts, dim).contiguous());
+    recv_shapes.push_back(with_dim(src, dim, rows(incoming[m])));
+  }
+  auto blocks = all_to_all_blocks(pg, send, recv_shapes, src.options(), CollectiveKind::SendRecv);
+  for (size_t m = 0; m < n; ++m) {
+    int64_t at_row = 0;
+    for (const auto& p : incoming[m]) {
+      place(p, blocks[m].narrow(dim, at_row, p.count));
+      at_row += p.count;
+    }
+  }
+}
+
 }  // namespace
 
 at::Tensor halo_exchange(const Group& pg, const at::Tensor& x, int64_t dim,
                          const std::vector<int64_t>& sizes, int64_t before, int64_t after,
                          HaloBoundary boundary) {
   TORCH_CHECK(before >= 0 && after >= 0, "tessera: halo_exchange: negative halo");
-  const int64_t me = group_rank(pg);
-  const auto plan = plan_for(me, sizes, before, after, boundary);
-  const int64_t n = static_cast<int64_t>(sizes.size());
-  std::vector<at::Tensor> send;
-  std::vector<std::vector<int64_t>> recv_shapes;
-  for (int64_t m = 0; m < n; ++m) {
-    std::vector<at::Tensor> parts;
-    for (const auto& p : plan.send[m]) parts.push_back(x.narrow(dim, p.local, p.count));
-    send.push_back(parts.empty() ? at::empty(with_dim(x, dim, 0), x.options())
-                                 : at::cat(parts, dim).contiguous());
-    recv_shapes.push_back(with_dim(x, dim, rows(plan.recv[m])));
-  }
-  auto blocks = all_to_all_blocks(pg, send, recv_shapes, x.options(), CollectiveKind::SendRecv);
+  const auto plan = plan_for(group_rank(pg), sizes, before, after, boundary);
   at::Tensor out = at::zeros(with_dim(x, dim, before + x.size(dim) + after), x.options());
   out.narrow(dim, before, x.size(dim)).copy_(x);
-  for (int64_t m = 0; m < n; ++m) {
-    int64_t at_row = 0;
-    for (const auto& p : plan.recv[m]) {
-      out.narrow(dim, p.slot, p.count).copy_(blocks[m].narrow(dim, at_row, p.count));
-      at_row += p.count;
-    }
-  }
+  exchange_rows(pg, x, dim, plan.send, plan.recv, [](const Piece& p) { return p.local; },
+                [&](const Piece& p, const at::Tensor& r) { out.narrow(dim, p.slot, p.count).copy_(r); });
   return out;
 }
 
 at::Tensor halo_exchange_backward(const Group& pg, const at::Tensor& grad_extended, int64_t dim,
                                   const std::vector<int64_t>& sizes, int64_t before,
                                   int64_t after, HaloBoundary boundary) {
-  const int64_t me = group_rank(pg);
-  const auto plan = plan_for(me, sizes, before, after, boundary);
-  const int64_t n = static_cast<int64_t>(sizes.size());
+  const auto plan = plan_for(group_rank(pg), sizes, before, after, boundary);
   const int64_t local = grad_extended.size(dim) - before - after;
-  // Send each halo row's gradient back to the rank the row came from...
-  std::vector<at::Tensor> send;
-  std::vector<std::vector<int64_t>> recv_shapes;
-  for (int64_t m = 0; m < n; ++m) {
-    std::vector<at::Tensor> parts;
-    for (const auto& p : plan.recv[m]) parts.push_back(grad_extended.narrow(dim, p.slot, p.count));
-    send.push_back(parts.empty() ? at::empty(with_dim(grad_extended, dim, 0), grad_extended.options())
-                                 : at::cat(parts, dim).contiguous());
-    recv_shapes.push_back(with_dim(grad_extended, dim, rows(plan.send[m])));
-  }
-  auto blocks = all_to_all_blocks(pg, send, recv_shapes, grad_extended.options(),
-                                  CollectiveKind::SendRecv);
-  // ...and add it into the owner's rows.
+  // Each halo row's gradient goes back to the rank the row came from and is added there.
   at::Tensor grad = grad_extended.narrow(dim, before, local).clone();
-  for (int64_t m = 0; m < n; ++m) {
-    int64_t at_row = 0;
-    for (const auto& p : plan.send[m]) {
-      grad.narrow(dim, p.local, p.count).add_(blocks[m].narrow(dim, at_row, p.count));
-      at_row += p.count;
-    }
-  }
+  exchange_rows(pg, grad_extended, dim, plan.recv, plan.send, [](const Piece& p) { return p.slot; },
+                [&](const Piece& p, const at::Tensor& r) { grad.narrow(dim, p.local, p.count).add_(r); });
   return grad;
 }
 
