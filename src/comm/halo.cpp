@@ -1,6 +1,8 @@
 #include "tessera/comm/halo.h"
 
-#include <numeric>
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -9,81 +11,71 @@ namespace tessera::comm {
 
 namespace {
 
-// One contiguous run of halo rows: `count` rows starting at global row `global` (already
-// wrapped into the domain), placed at row `slot` of the extended shard.
-struct Run {
-  int64_t slot, global, count;
-};
-
-// The halo rows member `m` needs, as runs of in-domain global rows (rows outside a
-// non-periodic domain are left out: they stay zero).
-std::vector<Run> needed_by(int64_t m, const std::vector<int64_t>& offsets,
-                           const std::vector<int64_t>& sizes, int64_t total, int64_t before,
-                           int64_t after, HaloBoundary boundary) {
-  std::vector<Run> runs;
-  auto add = [&](int64_t slot, int64_t first, int64_t count) {
-    for (int64_t k = 0; k < count; ++k) {
-      int64_t g = first + k;
-      if (boundary == HaloBoundary::Periodic) {
-        if (total == 0) continue;
-        g = ((g % total) + total) % total;
-      } else if (g < 0 || g >= total) {
-        continue;
-      }
-      if (!runs.empty() && runs.back().slot + runs.back().count == slot + k &&
-          runs.back().global + runs.back().count == g)
-        ++runs.back().count;
-      else
-        runs.push_back({slot + k, g, 1});
-    }
-  };
-  add(0, offsets[m] - before, before);
-  add(before + sizes[m], offsets[m] + sizes[m], after);
-  return runs;
-}
-
-int64_t owner_of(int64_t g, const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes) {
-  for (size_t i = 0; i < sizes.size(); ++i)
-    if (g >= offsets[i] && g < offsets[i] + sizes[i]) return static_cast<int64_t>(i);
-  TORCH_INTERNAL_ASSERT(false, "row ", g, " has no owner");
-}
-
-// Pieces of `run` split by owner: (owner, slot, local row in the owner's shard, count).
+// Rows of one window that come from one owner: `count` rows placed from `slot` on in the
+// window, read from the owner's local rows starting at `local`.
 struct Piece {
   int64_t owner, slot, local, count;
 };
-std::vector<Piece> pieces_of(const Run& run, const std::vector<int64_t>& offsets,
-                             const std::vector<int64_t>& sizes) {
-  std::vector<Piece> out;
-  int64_t done = 0;
-  while (done < run.count) {
-    const int64_t g = run.global + done;
-    const int64_t o = owner_of(g, offsets, sizes);
-    const int64_t n = std::min(run.count - done, offsets[o] + sizes[o] - g);
-    out.push_back({o, run.slot + done, g - offsets[o], n});
-    done += n;
+
+// The in-domain row that global row g reads, or -1 (a fill row).
+int64_t map_row(int64_t g, int64_t total, HaloBoundary boundary) {
+  if (g >= 0 && g < total) return g;
+  if (total == 0) return -1;
+  switch (boundary) {
+    case HaloBoundary::Zeros: return -1;
+    case HaloBoundary::Periodic: return ((g % total) + total) % total;
+    case HaloBoundary::Replicate: return g < 0 ? 0 : total - 1;
+    case HaloBoundary::Reflect: {
+      if (total == 1) return 0;
+      const int64_t period = 2 * (total - 1);
+      int64_t r = ((g % period) + period) % period;
+      return r < total ? r : period - r;
+    }
   }
-  return out;
+  return -1;
 }
 
 struct Plan {
-  std::vector<std::vector<Piece>> send;  // per member: my rows it needs (slot = its slot)
+  std::vector<std::vector<Piece>> send;  // per member: my rows it needs (slot: in its window)
   std::vector<std::vector<Piece>> recv;  // per member: the rows I need from it
+  std::vector<Piece> local;              // my rows I need myself
+  bool has_fill = false;                 // my window has rows outside the domain
 };
 
-Plan plan_for(int64_t me, const std::vector<int64_t>& sizes, int64_t before, int64_t after,
+Plan plan_for(int64_t me, const std::vector<int64_t>& sizes, const std::vector<Window>& windows,
               HaloBoundary boundary) {
   const int64_t n = static_cast<int64_t>(sizes.size());
-  std::vector<int64_t> offsets(n, 0);
-  for (int64_t i = 1; i < n; ++i) offsets[i] = offsets[i - 1] + sizes[i - 1];
-  const int64_t total = offsets.back() + sizes.back();
-  Plan plan{std::vector<std::vector<Piece>>(n), std::vector<std::vector<Piece>>(n)};
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == n,
+              "tessera: halo exchange: one window per member expected");
+  std::vector<int64_t> ends(n);  // ends[i] = first global row after member i's shard
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) ends[i] = total += sizes[i];
+  Plan plan{std::vector<std::vector<Piece>>(n), std::vector<std::vector<Piece>>(n), {}, false};
   for (int64_t m = 0; m < n; ++m) {
-    for (const auto& run : needed_by(m, offsets, sizes, total, before, after, boundary)) {
-      for (const auto& p : pieces_of(run, offsets, sizes)) {
-        if (p.owner == me) plan.send[m].push_back(p);
-        if (m == me) plan.recv[p.owner].push_back(p);
+    const Window w = windows[m];
+    std::vector<Piece> pieces;
+    for (int64_t slot = 0; slot < w.size(); ++slot) {
+      const int64_t g = map_row(w.lo + slot, total, boundary);
+      if (g < 0) {
+        if (m == me) plan.has_fill = true;
+        continue;
       }
+      // The owner is the first member whose shard ends after g (empty shards never own).
+      const int64_t o = std::upper_bound(ends.begin(), ends.end(), g) - ends.begin();
+      const int64_t local = g - (ends[o] - sizes[o]);
+      if (!pieces.empty()) {
+        auto& last = pieces.back();
+        if (last.owner == o && last.slot + last.count == slot && last.local + last.count == local) {
+          ++last.count;
+          continue;
+        }
+      }
+      pieces.push_back({o, slot, local, 1});
+    }
+    for (const auto& p : pieces) {
+      if (m == me && p.owner == me) plan.local.push_back(p);
+      else if (m == me) plan.recv[p.owner].push_back(p);
+      else if (p.owner == me) plan.send[m].push_back(p);
     }
   }
   return plan;
@@ -97,28 +89,65 @@ std::vector<int64_t> with_dim(const at::Tensor& x, int64_t dim, int64_t size) {
 
 int64_t rows(const std::vector<Piece>& ps) {
   int64_t r = 0;
-  for (auto& p : ps) r += p.count;
+  for (const auto& p : ps) r += p.count;
   return r;
 }
 
-// Sends each member m the rows of `src` listed in outgoing[m] (starting at row_of(piece))
-// and hands every received run to place(piece, rows), in the order of incoming[m].
+bool use_point_to_point(const Group& pg) {
+  static const bool forced_alltoall = [] {
+    const char* v = std::getenv("TESSERA_HALO");
+    return v && std::strcmp(v, "alltoall") == 0;
+  }();
+  // NCCL point-to-point needs grouped launches to avoid ordering deadlocks; its all-to-all
+  // already is one.
+  return !forced_alltoall && pg->getBackendName() == "gloo";
+}
+
+// Sends member m the rows of `src` listed in outgoing[m] (starting at row_of(piece)) and
+// hands each run received from member m to place(piece, rows), in the order of incoming[m].
 template <class RowOf, class Place>
 void exchange_rows(const Group& pg, const at::Tensor& src, int64_t dim,
                    const std::vector<std::vector<Piece>>& outgoing,
                    const std::vector<std::vector<Piece>>& incoming, RowOf row_of, Place place) {
-  const size_t n = outgoing.size();
-  std::vector<at::Tensor> send;
-  std::vector<std::vector<int64_t>> recv_shapes;
-  for (size_t m = 0; m < n; ++m) {
+  if (!pg) return;  // a group of one: everything is local
+  const int64_t n = static_cast<int64_t>(outgoing.size());
+  std::vector<at::Tensor> send(n);
+  std::vector<std::vector<int64_t>> recv_shapes(n);
+  const int64_t row_bytes = src.size(dim) == 0
+                                ? 0
+                                : src.numel() / src.size(dim) * static_cast<int64_t>(src.element_size());
+  int64_t sent = 0, received = 0;
+  for (int64_t m = 0; m < n; ++m) {
     std::vector<at::Tensor> parts;
     for (const auto& p : outgoing[m]) parts.push_back(src.narrow(dim, row_of(p), p.count));
-    send.push_back(parts.empty() ? at::empty(with_dim(src, dim, 0), src.options())
-                                 : at::cat(parts, dim).contiguous());
-    recv_shapes.push_back(with_dim(src, dim, rows(incoming[m])));
+    send[m] = parts.empty() ? at::empty(with_dim(src, dim, 0), src.options())
+                            : (parts.size() == 1 ? parts[0] : at::cat(parts, dim)).contiguous();
+    recv_shapes[m] = with_dim(src, dim, rows(incoming[m]));
+    sent += rows(outgoing[m]) * row_bytes;
+    received += rows(incoming[m]) * row_bytes;
   }
-  auto blocks = all_to_all_blocks(pg, send, recv_shapes, src.options(), CollectiveKind::SendRecv);
-  for (size_t m = 0; m < n; ++m) {
+  std::vector<at::Tensor> blocks(n);
+  if (use_point_to_point(pg)) {
+    record({CollectiveKind::SendRecv, sent, received, n});
+    constexpr int kHaloTag = 0x4a10;
+    std::vector<at::Tensor> none;
+    std::vector<decltype(pg->send(none, 0, 0))> pending;
+    for (int64_t m = 0; m < n; ++m) {
+      if (send[m].numel() == 0) continue;
+      std::vector<at::Tensor> t{send[m]};
+      pending.push_back(pg->send(t, static_cast<int>(m), kHaloTag));
+    }
+    for (int64_t m = 0; m < n; ++m) {
+      blocks[m] = at::empty(recv_shapes[m], src.options());
+      if (blocks[m].numel() == 0) continue;
+      std::vector<at::Tensor> t{blocks[m]};
+      pending.push_back(pg->recv(t, static_cast<int>(m), kHaloTag));
+    }
+    for (auto& w : pending) w->wait();
+  } else {
+    blocks = all_to_all_blocks(pg, send, recv_shapes, src.options(), CollectiveKind::SendRecv);
+  }
+  for (int64_t m = 0; m < n; ++m) {
     int64_t at_row = 0;
     for (const auto& p : incoming[m]) {
       place(p, blocks[m].narrow(dim, at_row, p.count));
@@ -127,30 +156,68 @@ void exchange_rows(const Group& pg, const at::Tensor& src, int64_t dim,
   }
 }
 
+std::vector<Window> uniform_windows(const std::vector<int64_t>& sizes, int64_t before, int64_t after) {
+  TORCH_CHECK(before >= 0 && after >= 0, "tessera: halo_exchange: negative halo");
+  std::vector<Window> w;
+  int64_t offset = 0;
+  for (auto s : sizes) {
+    w.push_back({offset - before, offset + s + after});
+    offset += s;
+  }
+  return w;
+}
+
 }  // namespace
 
-at::Tensor halo_exchange(const Group& pg, const at::Tensor& x, int64_t dim,
-                         const std::vector<int64_t>& sizes, int64_t before, int64_t after,
-                         HaloBoundary boundary) {
-  TORCH_CHECK(before >= 0 && after >= 0, "tessera: halo_exchange: negative halo");
-  const auto plan = plan_for(group_rank(pg), sizes, before, after, boundary);
-  at::Tensor out = at::zeros(with_dim(x, dim, before + x.size(dim) + after), x.options());
-  out.narrow(dim, before, x.size(dim)).copy_(x);
+at::Tensor fetch_window(const Group& pg, const at::Tensor& x, int64_t dim,
+                        const std::vector<int64_t>& sizes, const std::vector<Window>& windows,
+                        HaloBoundary boundary, double fill) {
+  const int64_t me = pg ? group_rank(pg) : 0;
+  TORCH_INTERNAL_ASSERT(sizes[me] == x.size(dim), "fetch_window: local extent ", x.size(dim),
+                        " != table entry ", sizes[me]);
+  const auto plan = plan_for(me, sizes, windows, boundary);
+  const auto shape = with_dim(x, dim, windows[me].size());
+  at::Tensor out = plan.has_fill ? at::full(shape, fill, x.options()) : at::empty(shape, x.options());
+  for (const auto& p : plan.local) out.narrow(dim, p.slot, p.count).copy_(x.narrow(dim, p.local, p.count));
   exchange_rows(pg, x, dim, plan.send, plan.recv, [](const Piece& p) { return p.local; },
                 [&](const Piece& p, const at::Tensor& r) { out.narrow(dim, p.slot, p.count).copy_(r); });
   return out;
 }
 
+at::Tensor fetch_window_backward(const Group& pg, const at::Tensor& grad_window, int64_t dim,
+                                 const std::vector<int64_t>& sizes,
+                                 const std::vector<Window>& windows, HaloBoundary boundary) {
+  const int64_t me = pg ? group_rank(pg) : 0;
+  TORCH_INTERNAL_ASSERT(grad_window.size(dim) == windows[me].size());
+  const auto plan = plan_for(me, sizes, windows, boundary);
+  at::Tensor grad = at::zeros(with_dim(grad_window, dim, sizes[me]), grad_window.options());
+  for (const auto& p : plan.local)
+    grad.narrow(dim, p.local, p.count).add_(grad_window.narrow(dim, p.slot, p.count));
+  // The roles swap: what I received forward, I send back; what I sent, I get back and add.
+  exchange_rows(pg, grad_window, dim, plan.recv, plan.send, [](const Piece& p) { return p.slot; },
+                [&](const Piece& p, const at::Tensor& r) { grad.narrow(dim, p.local, p.count).add_(r); });
+  return grad;
+}
+
+at::Tensor halo_exchange(const Group& pg, const at::Tensor& x, int64_t dim,
+                         const std::vector<int64_t>& sizes, int64_t before, int64_t after,
+                         HaloBoundary boundary) {
+  return fetch_window(pg, x, dim, sizes, uniform_windows(sizes, before, after), boundary);
+}
+
 at::Tensor halo_exchange_backward(const Group& pg, const at::Tensor& grad_extended, int64_t dim,
                                   const std::vector<int64_t>& sizes, int64_t before,
                                   int64_t after, HaloBoundary boundary) {
-  const auto plan = plan_for(group_rank(pg), sizes, before, after, boundary);
-  const int64_t local = grad_extended.size(dim) - before - after;
-  // Each halo row's gradient goes back to the rank the row came from and is added there.
-  at::Tensor grad = grad_extended.narrow(dim, before, local).clone();
-  exchange_rows(pg, grad_extended, dim, plan.recv, plan.send, [](const Piece& p) { return p.slot; },
-                [&](const Piece& p, const at::Tensor& r) { grad.narrow(dim, p.local, p.count).add_(r); });
-  return grad;
+  return fetch_window_backward(pg, grad_extended, dim, sizes, uniform_windows(sizes, before, after),
+                               boundary);
+}
+
+int64_t halo_rows_received(int64_t me, const std::vector<int64_t>& sizes,
+                           const std::vector<Window>& windows, HaloBoundary boundary) {
+  const auto plan = plan_for(me, sizes, windows, boundary);
+  int64_t r = 0;
+  for (const auto& ps : plan.recv) r += rows(ps);
+  return r;
 }
 
 }  // namespace tessera::comm

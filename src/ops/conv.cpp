@@ -1,76 +1,244 @@
-// Convolution and pooling over a batch-sharded input: every sample is independent, so the
-// local op on the local samples is exact. Output keeps the batch sharding; weight and bias
-// gradients are Partial(sum) over the batch-sharded mesh dims (summed over samples).
-// Any other sharding of the activations (channels, spatial dims) is replicated first; the
-// spatial (halo) strategies live with the domain-parallel rules.
+// Convolution (1-D/2-D/3-D, transposed or not) on inputs sharded along batch and spatial dims.
+//
+// Batch sharding alone: every sample is independent, the local op is exact.
+// Spatial sharding: the window path of NOTE: [Window ops on sharded spatial dims]. Forward
+// fetches the input rows the rank's outputs read (halo) and convolves with zero padding.
+// Backward fetches instead the *gradient* rows of every output that reads one of the rank's
+// input rows (the gradient's halo), which gives both the input gradient of the rank's own
+// rows and its exact share of the weight gradient: one exchange per direction, the minimum.
+// Weight and bias gradients are Partial(sum) over the batch and spatial mesh dims.
+// Channel sharding and Partial inputs are replicated first.
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "spatial.h"
 #include "tessera/ops/rule.h"
 
 namespace tessera::ops {
 
 namespace {
 
-// The activation layout: keep Shard(0) (batch) mesh dims, replicate everything else.
-SpecPtr batch_only(const DTensorSpec& s) {
-  Placements p = s.placements();
-  std::vector<ShardTable> tables(s.ndim());
-  for (auto& x : p) {
-    if (x.is_shard(0)) continue;
-    x = Replicate();
-  }
-  if (!s.mesh_dims_sharding(0).empty()) tables[0] = s.shard_table(0);
-  return std::make_shared<DTensorSpec>(s.mesh(), p, s.sizes(), s.dtype(), tables);
+using spatial::Axis;
+using spatial::DimCut;
+using spatial::Window;
+
+struct ConvArgs {
+  std::vector<int64_t> stride, padding, dilation, output_padding, kernel;
+  bool transposed = false;
+  int64_t groups = 1;
+  int64_t out_channels = 0;
+};
+
+std::vector<int64_t> per_dim(std::vector<int64_t> v, size_t n) {
+  if (v.size() == 1 && n > 1) v.assign(n, v[0]);
+  return v;
 }
 
-// Another batch-major tensor of the same batch (grad_output, indices): same batch cut.
-SpecPtr like_batch(const DTensorSpec& act, const DTensorSpec& other) {
-  Placements p = act.placements();
-  std::vector<ShardTable> tables(other.ndim());
-  if (!act.mesh_dims_sharding(0).empty()) tables[0] = act.shard_table(0);
-  return std::make_shared<DTensorSpec>(act.mesh(), p, other.sizes(), other.dtype(), tables);
+// `first` = index of the stride argument (3 forward, 4 backward).
+ConvArgs conv_args(const OpCall& call, size_t first, const std::vector<int64_t>& w, size_t nsp) {
+  ConvArgs a;
+  a.stride = per_dim(call.args[first].toIntVector(), nsp);
+  a.padding = per_dim(call.args[first + 1].toIntVector(), nsp);
+  a.dilation = per_dim(call.args[first + 2].toIntVector(), nsp);
+  a.transposed = call.args[first + 3].toBool();
+  a.output_padding = per_dim(call.args[first + 4].toIntVector(), nsp);
+  a.groups = call.args[first + 5].toInt();
+  a.kernel.assign(w.begin() + 2, w.end());
+  a.out_channels = a.transposed ? w[1] * a.groups : w[0];
+  return a;
 }
 
-SpecPtr with_shape(const DTensorSpec& act, std::vector<int64_t> sizes) {
-  std::vector<ShardTable> tables(sizes.size());
-  if (!act.mesh_dims_sharding(0).empty()) tables[0] = act.shard_table(0);
-  return std::make_shared<DTensorSpec>(act.mesh(), act.placements(), std::move(sizes), act.dtype(),
-                                       tables);
+std::vector<int64_t> spatial_dims(int64_t ndim) {
+  std::vector<int64_t> d;
+  for (int64_t i = 2; i < ndim; ++i) d.push_back(i);
+  return d;
 }
 
-std::vector<int64_t> conv_out_sizes(const std::vector<int64_t>& in, const std::vector<int64_t>& w,
-                                    const std::vector<int64_t>& stride, const std::vector<int64_t>& pad,
-                                    const std::vector<int64_t>& dil, bool transposed,
-                                    const std::vector<int64_t>& out_pad, int64_t groups) {
-  std::vector<int64_t> out = {in[0], transposed ? w[1] * groups : w[0]};
-  const size_t nsp = in.size() - 2;
-  auto at = [](const std::vector<int64_t>& v, size_t i) { return v.size() == 1 ? v[0] : v[i]; };
-  for (size_t i = 0; i < nsp; ++i) {
-    const int64_t k = w[2 + i];
-    if (transposed) {
-      out.push_back((in[2 + i] - 1) * at(stride, i) - 2 * at(pad, i) + at(dil, i) * (k - 1) +
-                    at(out_pad, i) + 1);
+std::vector<Axis> conv_axes(const OpCall& call, const std::vector<int64_t>& in_sizes, const ConvArgs& a) {
+  std::vector<Axis> axes;
+  for (size_t i = 0; i < a.kernel.size(); ++i) {
+    const int64_t in = in_sizes[2 + i], k = a.kernel[i], s = a.stride[i], p = a.padding[i],
+                  d = a.dilation[i];
+    if (a.transposed) {
+      const int64_t out = (in - 1) * s - 2 * p + d * (k - 1) + a.output_padding[i] + 1;
+      axes.push_back(Axis::transposed(in, out, k, s, p, d));
     } else {
-      out.push_back((in[2 + i] + 2 * at(pad, i) - at(dil, i) * (k - 1) - 1) / at(stride, i) + 1);
+      const int64_t span = in + 2 * p - d * (k - 1) - 1;
+      TORCH_CHECK(span >= 0 && s > 0, "tessera: ", call.describe(), ": spatial dim ", 2 + i,
+                  " of size ", in, " (padded ", in + 2 * p, ") is smaller than the dilated kernel ",
+                  d * (k - 1) + 1);
+      axes.push_back(Axis::stencil(in, span / s + 1, k, s, p, d));
     }
   }
-  return out;
+  return axes;
+}
+
+std::vector<int64_t> zeros_like_list(size_t n) { return std::vector<int64_t>(n, 0); }
+
+bool any_empty(const std::vector<DimCut>& cuts, bool outputs) {
+  for (const auto& c : cuts)
+    if ((outputs ? c.my_outputs() : c.my_inputs()).size() == 0) return true;
+  return false;
+}
+
+std::vector<int64_t> local_shape(const at::Tensor& x, int64_t channels,
+                                 const std::vector<DimCut>& cuts, bool outputs) {
+  auto s = x.sizes().vec();
+  s[1] = channels;
+  for (const auto& c : cuts) s[c.dim] = (outputs ? c.my_outputs() : c.my_inputs()).size();
+  return s;
+}
+
+// The outputs that read (stencil) or are written by (transposed) input rows [a, b).
+Window touched_outputs(const Axis& ax, int64_t a, int64_t b) {
+  if (b <= a) return {0, 0};
+  const int64_t reach = ax.dilation * (ax.kernel - 1);
+  int64_t lo, hi;
+  if (ax.kind == Axis::Kind::Transposed) {
+    lo = a * ax.stride - ax.pad;
+    hi = (b - 1) * ax.stride - ax.pad + reach + 1;
+  } else {
+    lo = spatial::ceil_div(a + ax.pad - reach, ax.stride);
+    hi = spatial::floor_div(b - 1 + ax.pad, ax.stride) + 1;
+  }
+  lo = std::max<int64_t>(lo, 0);
+  hi = std::min<int64_t>(hi, ax.out);
+  return hi > lo ? Window{lo, hi} : Window{0, 0};
+}
+
+void conv_forward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
+                         const std::vector<DimCut>& cuts, const ConvArgs& a) {
+  const at::Tensor x = stack[0].toTensor(), w = stack[1].toTensor();
+  const at::Tensor b = stack[2].isTensor() ? stack[2].toTensor() : at::Tensor();
+  const size_t nsp = cuts.size();
+  const at::Tensor win = spatial::fetch(mesh, x, cuts, spatial::HaloBoundary::Zeros);
+  at::Tensor out;
+  if (!a.transposed) {
+    out = any_empty(cuts, true)
+              ? at::zeros(local_shape(x, a.out_channels, cuts, true), x.options())
+              : at::convolution(win, w, b, a.stride, zeros_like_list(nsp), a.dilation, false,
+                                zeros_like_list(nsp), a.groups);
+  } else {
+    bool empty = any_empty(cuts, true);
+    for (int64_t d = 2; d < win.dim(); ++d) empty = empty || win.size(d) == 0;
+    if (empty) {
+      out = at::zeros(local_shape(x, a.out_channels, cuts, true), x.options());
+    } else {
+      // The windowed input's full transposed convolution covers outputs from lo*stride - pad;
+      // keep the rank's own range (outputs no input writes stay zero).
+      out = at::convolution(win, w, {}, a.stride, zeros_like_list(nsp), a.dilation, true,
+                            zeros_like_list(nsp), a.groups);
+      for (const auto& c : cuts) {
+        const Window read = c.axis.reads(c.my_outputs().lo, c.my_outputs().hi);
+        const int64_t start = read.lo * c.axis.stride - c.axis.pad;
+        out = spatial::place(out, c.dim, {start, start + out.size(c.dim)}, c.my_outputs());
+      }
+    }
+    if (b.defined()) {
+      std::vector<int64_t> shape(out.dim(), 1);
+      shape[1] = b.size(0);
+      out = out + b.view(shape);
+    }
+  }
+  stack.clear();
+  stack.emplace_back(out);
+}
+
+void conv_backward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
+                          const std::vector<DimCut>& cuts, const ConvArgs& a) {
+  const at::Tensor g = stack[0].toTensor(), x = stack[1].toTensor(), w = stack[2].toTensor();
+  const auto mask = stack[10].toBoolList();
+  const size_t nsp = cuts.size();
+  // The gradient rows of every output that touches one of each member's input rows.
+  std::vector<std::vector<int64_t>> sizes;
+  std::vector<std::vector<Window>> windows;
+  for (const auto& c : cuts) {
+    sizes.push_back(c.out_sizes);
+    std::vector<Window> ws;
+    for (size_t m = 0; m < c.in_sizes.size(); ++m)
+      ws.push_back(touched_outputs(c.axis, c.in_offset(m), c.in_offset(m) + c.in_sizes[m]));
+    windows.push_back(std::move(ws));
+  }
+  at::Tensor gw = spatial::fetch_ranges(mesh, g, cuts, sizes, windows);
+
+  at::Tensor grad_input, grad_weight, grad_bias;
+  bool empty = false;
+  for (size_t k = 0; k < nsp; ++k)
+    empty = empty || windows[k][cuts[k].me].size() == 0 || cuts[k].my_inputs().size() == 0;
+  if (empty) {
+    if (mask[0]) grad_input = at::zeros_like(x);
+    if (mask[1]) grad_weight = at::zeros_like(w);
+  } else if (!a.transposed) {
+    // My input rows inside the (zero) rows those outputs read: the weight gradient then
+    // counts each (output, input row) pair exactly once across ranks.
+    at::Tensor xe = x;
+    std::vector<Window> reads;
+    for (size_t k = 0; k < nsp; ++k) {
+      const auto& c = cuts[k];
+      const Window t = windows[k][c.me];
+      reads.push_back(c.axis.reads(t.lo, t.hi));
+      xe = spatial::place(xe, c.dim, c.my_inputs(), reads.back());
+    }
+    auto r = at::convolution_backward(gw, xe, w, c10::nullopt, a.stride, zeros_like_list(nsp),
+                                      a.dilation, false, zeros_like_list(nsp), a.groups,
+                                      {mask[0], mask[1], false});
+    grad_input = std::get<0>(r);
+    grad_weight = std::get<1>(r);
+    if (mask[0])
+      for (size_t k = 0; k < nsp; ++k)
+        grad_input = spatial::place(grad_input, cuts[k].dim, reads[k], cuts[k].my_inputs());
+  } else {
+    // Transposed: my input rows write outputs from lo*stride - pad on; lay the fetched
+    // gradient over exactly that range.
+    at::Tensor gf = gw;
+    for (size_t k = 0; k < nsp; ++k) {
+      const auto& c = cuts[k];
+      const Window in = c.my_inputs();
+      const int64_t start = in.lo * c.axis.stride - c.axis.pad;
+      const Window full{start, start + (in.size() - 1) * c.axis.stride +
+                                   c.axis.dilation * (c.axis.kernel - 1) + 1};
+      gf = spatial::place(gf, c.dim, windows[k][c.me], full);
+    }
+    auto r = at::convolution_backward(gf, x, w, c10::nullopt, a.stride, zeros_like_list(nsp),
+                                      a.dilation, true, zeros_like_list(nsp), a.groups,
+                                      {mask[0], mask[1], false});
+    grad_input = std::get<0>(r);
+    grad_weight = std::get<1>(r);
+  }
+  if (mask[2]) {
+    std::vector<int64_t> dims = {0};
+    for (int64_t d = 2; d < g.dim(); ++d) dims.push_back(d);
+    grad_bias = g.sum(dims);
+  }
+  stack.clear();
+  stack.emplace_back(grad_input);
+  stack.emplace_back(grad_weight);
+  stack.emplace_back(grad_bias);
+}
+
+std::vector<int64_t> weight_sizes(const OpCall& call, size_t i) {
+  return call.specs[i] ? call.specs[i]->sizes() : call.args[i].toTensor().sizes().vec();
 }
 
 // convolution(input, weight, bias?, stride, padding, dilation, transposed, output_padding, groups)
 OpPlan convolution_rule(const OpCall& call) {
   const auto& in = *call.specs[0];
-  auto act = batch_only(in);
+  TORCH_CHECK(call.specs[0], "tessera: ", call.describe(), ": the input must be distributed");
+  const auto dims = spatial_dims(in.ndim());
+  const auto w = weight_sizes(call, 1);
+  const auto a = conv_args(call, 3, w, dims.size());
+  auto layout = spatial::window_layout(in, dims);
+  const auto cuts = spatial::make_cuts(*layout, dims, conv_axes(call, in.sizes(), a));
   OpPlan plan;
   plan.inputs.resize(call.args.size());
-  plan.inputs[0] = act;
+  plan.inputs[0] = layout;
   if (call.specs[1]) plan.inputs[1] = replicated(*call.specs[1]);
   if (call.specs[2]) plan.inputs[2] = replicated(*call.specs[2]);
-  const auto& w = call.specs[1] ? call.specs[1]->sizes() : call.args[1].toTensor().sizes().vec();
-  plan.outputs.push_back(with_shape(
-      *act, conv_out_sizes(in.sizes(), w, call.args[3].toIntVector(), call.args[4].toIntVector(),
-                           call.args[5].toIntVector(), call.args[6].toBool(),
-                           call.args[7].toIntVector(), call.args[8].toInt())));
+  plan.outputs.push_back(spatial::output_spec(*layout, cuts, in.dtype(), a.out_channels));
+  if (spatial::any_window_dim_sharded(*layout, dims)) {
+    DeviceMesh mesh = in.mesh();
+    plan.local_kernel = [mesh, cuts, a](torch::jit::Stack& s) { conv_forward_kernel(s, mesh, cuts, a); };
+  }
   return plan;
 }
 
@@ -78,95 +246,31 @@ OpPlan convolution_rule(const OpCall& call) {
 //                      transposed, output_padding, groups, output_mask)
 OpPlan convolution_backward_rule(const OpCall& call) {
   const auto& in = *call.specs[1];
-  auto act = batch_only(in);
+  const auto dims = spatial_dims(in.ndim());
+  const auto w = weight_sizes(call, 2);
+  const auto a = conv_args(call, 4, w, dims.size());
+  auto layout = spatial::window_layout(in, dims);
+  const auto cuts = spatial::make_cuts(*layout, dims, conv_axes(call, in.sizes(), a));
   OpPlan plan;
   plan.inputs.resize(call.args.size());
-  plan.inputs[1] = act;
-  plan.inputs[0] = like_batch(*act, *call.specs[0]);
+  plan.inputs[1] = layout;
+  if (call.specs[0])
+    plan.inputs[0] = spatial::output_spec(*layout, cuts, call.specs[0]->dtype(), a.out_channels);
   if (call.specs[2]) plan.inputs[2] = replicated(*call.specs[2]);
-  const auto w = call.specs[2] ? call.specs[2]->sizes() : call.args[2].toTensor().sizes().vec();
-  plan.outputs.push_back(act);
-  plan.outputs.push_back(summed_over_shards(*act, w));
-  // grad_bias (undefined unless output_mask asks for it) has bias_sizes.
+  plan.outputs.push_back(layout);
+  plan.outputs.push_back(summed_over_shards(*layout, w));
   plan.outputs.push_back(summed_over_shards(
-      *act, call.args[3].isIntList() ? call.args[3].toIntVector() : std::vector<int64_t>{w[0]}));
-  return plan;
-}
-
-// Pooling / adaptive pooling: output sizes come from the local op (batch only differs), so
-// the rule states the layout and the fallback checks the shapes.
-OpPlan pool_rule(const OpCall& call, size_t act_arg, const std::vector<size_t>& batch_args,
-                 size_t outputs, std::vector<int64_t> (*out_sizes)(const OpCall&)) {
-  const auto& in = *call.specs[act_arg];
-  auto act = batch_only(in);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[act_arg] = act;
-  for (auto i : batch_args)
-    if (call.specs[i]) plan.inputs[i] = like_batch(*act, *call.specs[i]);
-  auto sizes = out_sizes(call);
-  for (size_t o = 0; o < outputs; ++o) plan.outputs.push_back(with_shape(*act, sizes));
-  return plan;
-}
-
-std::vector<int64_t> pooled(const OpCall& call) {
-  // max_pool2d_with_indices / avg_pool2d (self, kernel, stride, padding, [dilation,] ceil, ...)
-  const auto& s = call.specs[0]->sizes();
-  auto k = call.args[1].toIntVector();
-  auto st = call.args[2].toIntVector();
-  if (st.empty()) st = k;
-  auto pad = call.args[3].toIntVector();
-  const bool max_pool = call.op.schema().name().find("max_pool") != std::string::npos;
-  std::vector<int64_t> dil = max_pool ? call.args[4].toIntVector() : std::vector<int64_t>{1};
-  const bool ceil = call.args[max_pool ? 5 : 4].toBool();
-  std::vector<int64_t> out(s.begin(), s.end() - static_cast<int64_t>(k.size()));
-  auto at = [](const std::vector<int64_t>& v, size_t i) { return v.size() == 1 ? v[0] : v[i]; };
-  for (size_t i = 0; i < k.size(); ++i) {
-    const int64_t in = s[s.size() - k.size() + i];
-    const int64_t num = in + 2 * at(pad, i) - at(dil, i) * (at(k, i) - 1) - 1 + (ceil ? at(st, i) - 1 : 0);
-    int64_t o = num / at(st, i) + 1;
-    if (ceil && (o - 1) * at(st, i) >= in + at(pad, i)) --o;
-    out.push_back(o);
+      *layout, call.args[3].isIntList() ? call.args[3].toIntVector() : std::vector<int64_t>{a.out_channels}));
+  if (spatial::any_window_dim_sharded(*layout, dims)) {
+    DeviceMesh mesh = in.mesh();
+    plan.local_kernel = [mesh, cuts, a](torch::jit::Stack& s) { conv_backward_kernel(s, mesh, cuts, a); };
   }
-  return out;
+  return plan;
 }
-std::vector<int64_t> adaptive(const OpCall& call) {
-  const auto& s = call.specs[0]->sizes();
-  auto o = call.args[1].toIntVector();
-  std::vector<int64_t> out(s.begin(), s.end() - static_cast<int64_t>(o.size()));
-  out.insert(out.end(), o.begin(), o.end());
-  return out;
-}
-std::vector<int64_t> input_shape(const OpCall& call) {
-  // *_backward(grad_output, self, ...): the gradient has self's shape.
-  return call.specs[1]->sizes();
-}
-
-OpPlan max_pool_rule(const OpCall& c) { return pool_rule(c, 0, {}, 2, pooled); }
-OpPlan avg_pool_rule(const OpCall& c) { return pool_rule(c, 0, {}, 1, pooled); }
-OpPlan adaptive_rule(const OpCall& c) { return pool_rule(c, 0, {}, 1, adaptive); }
-// max_pool2d_with_indices_backward(grad_output, self, ..., indices)
-OpPlan max_pool_backward_rule(const OpCall& c) {
-  return pool_rule(c, 1, {0, c.args.size() - 1}, 1, input_shape);
-}
-// avg_pool2d_backward(grad_output, self, ...), _adaptive_avg_pool2d_backward(grad_output, self)
-OpPlan pool_backward_rule(const OpCall& c) { return pool_rule(c, 1, {0}, 1, input_shape); }
 
 const RuleRegistrar registrar{[] {
   register_rule("aten::convolution", convolution_rule);
   register_rule("aten::convolution_backward", convolution_backward_rule);
-  for (const char* op : {"aten::max_pool2d_with_indices", "aten::max_pool3d_with_indices"})
-    register_rule(op, max_pool_rule);
-  for (const char* op : {"aten::max_pool2d_with_indices_backward",
-                         "aten::max_pool3d_with_indices_backward"})
-    register_rule(op, max_pool_backward_rule);
-  for (const char* op : {"aten::avg_pool2d", "aten::avg_pool3d"}) register_rule(op, avg_pool_rule);
-  for (const char* op : {"aten::avg_pool2d_backward", "aten::avg_pool3d_backward"})
-    register_rule(op, pool_backward_rule);
-  for (const char* op : {"aten::_adaptive_avg_pool2d", "aten::_adaptive_avg_pool3d"})
-    register_rule(op, adaptive_rule);
-  for (const char* op : {"aten::_adaptive_avg_pool2d_backward", "aten::_adaptive_avg_pool3d_backward"})
-    register_rule(op, pool_backward_rule);
 }};
 
 }  // namespace

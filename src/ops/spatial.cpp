@@ -1,0 +1,286 @@
+#include "spatial.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+namespace tessera::ops::spatial {
+
+int64_t floor_div(int64_t a, int64_t b) {
+  int64_t q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
+
+Axis Axis::stencil(int64_t in, int64_t out, int64_t kernel, int64_t stride, int64_t pad,
+                   int64_t dilation) {
+  Axis a;
+  a.kind = Kind::Stencil;
+  a.in = in, a.out = out, a.kernel = kernel, a.stride = stride, a.pad = pad, a.dilation = dilation;
+  return a;
+}
+
+Axis Axis::transposed(int64_t in, int64_t out, int64_t kernel, int64_t stride, int64_t pad,
+                      int64_t dilation) {
+  Axis a = stencil(in, out, kernel, stride, pad, dilation);
+  a.kind = Kind::Transposed;
+  return a;
+}
+
+Axis Axis::nearest(int64_t in, int64_t out, double scale) {
+  Axis a;
+  a.kind = Kind::Nearest;
+  a.in = in, a.out = out, a.scale = scale;
+  return a;
+}
+
+Axis Axis::linear(int64_t in, int64_t out, bool align_corners, double scale) {
+  Axis a;
+  a.kind = Kind::Linear;
+  a.in = in, a.out = out, a.align_corners = align_corners, a.scale = scale;
+  return a;
+}
+
+namespace {
+
+// ATen's nearest source index (float arithmetic, with the exact 1x and 2x cases).
+int64_t nearest_source(int64_t o, int64_t in, int64_t out, double scale) {
+  if (out == in) return o;
+  if (out == 2 * in) return o >> 1;
+  const float s = scale > 0 ? static_cast<float>(1.0 / scale) : static_cast<float>(in) / out;
+  return std::min(static_cast<int64_t>(std::floor(o * s)), in - 1);
+}
+
+// ATen's linear source coordinate (area_pixel_compute_source_index, non-cubic).
+double linear_source(int64_t o, int64_t in, int64_t out, bool align_corners, double scale) {
+  if (align_corners) {
+    const double s = out > 1 ? static_cast<double>(in - 1) / (out - 1) : 0.0;
+    return s * o;
+  }
+  const double s = scale > 0 ? 1.0 / scale : static_cast<double>(in) / out;
+  return std::max(s * (o + 0.5) - 0.5, 0.0);
+}
+
+}  // namespace
+
+Axis::Taps Axis::taps(int64_t o) const {
+  if (kind == Kind::Nearest) {
+    const int64_t i = nearest_source(o, in, out, scale);
+    return {i, i, 1.0, 0.0};
+  }
+  const double src = linear_source(o, in, out, align_corners, scale);
+  const int64_t i0 = std::min(static_cast<int64_t>(src), in - 1);
+  const double l1 = std::min(std::max(src - static_cast<double>(i0), 0.0), 1.0);
+  const int64_t i1 = i0 < in - 1 ? i0 + 1 : i0;
+  return {i0, i1, 1.0 - l1, l1};
+}
+
+int64_t Axis::source_row(int64_t o) const {
+  switch (kind) {
+    case Kind::Stencil: return o * stride - pad + dilation * (kernel - 1) / 2;
+    case Kind::Transposed: return floor_div(o + pad - dilation * (kernel - 1) / 2, stride);
+    case Kind::Nearest: return nearest_source(o, in, out, scale);
+    case Kind::Linear:
+      return static_cast<int64_t>(std::floor(linear_source(o, in, out, align_corners, scale) + 0.5));
+  }
+  return 0;
+}
+
+Window Axis::reads(int64_t lo, int64_t hi) const {
+  if (hi <= lo) return {0, 0};
+  switch (kind) {
+    case Kind::Stencil:
+      return {lo * stride - pad, (hi - 1) * stride - pad + dilation * (kernel - 1) + 1};
+    case Kind::Transposed: {
+      // Inputs i with i*stride - pad + dilation*j in [lo, hi) for some j < kernel; inputs
+      // outside the domain contribute nothing, so the window stays inside it.
+      const int64_t first = std::max<int64_t>(ceil_div(lo + pad - dilation * (kernel - 1), stride), 0);
+      const int64_t last = std::min<int64_t>(floor_div(hi - 1 + pad, stride), in - 1);
+      return last >= first ? Window{first, last + 1} : Window{0, 0};
+    }
+    case Kind::Nearest:
+    case Kind::Linear: {
+      // Source rows are monotone in o.
+      const auto a = taps(lo), b = taps(hi - 1);
+      return {std::min(a.i0, a.i1), std::max(b.i0, b.i1) + 1};
+    }
+  }
+  return {0, 0};
+}
+
+std::string Axis::str() const {
+  std::ostringstream os;
+  static const char* names[] = {"stencil", "transposed", "nearest", "linear"};
+  os << names[static_cast<int>(kind)] << "(in " << in << ", out " << out;
+  if (kind == Kind::Stencil || kind == Kind::Transposed)
+    os << ", kernel " << kernel << ", stride " << stride << ", pad " << pad << ", dilation " << dilation;
+  os << ")";
+  return os.str();
+}
+
+std::vector<int64_t> output_sizes(const Axis& axis, const std::vector<int64_t>& in_sizes) {
+  const int64_t n = static_cast<int64_t>(in_sizes.size());
+  std::vector<int64_t> ends(n);
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) ends[i] = total += in_sizes[i];
+  std::vector<int64_t> out(n, 0);
+  if (total == 0) {
+    out[0] = axis.out;  // no input anywhere: outputs (if any) stay with the first member
+    return out;
+  }
+  for (int64_t o = 0; o < axis.out; ++o) {
+    const int64_t r = std::clamp<int64_t>(axis.source_row(o), 0, total - 1);
+    ++out[std::upper_bound(ends.begin(), ends.end(), r) - ends.begin()];
+  }
+  return out;
+}
+
+std::vector<Window> read_windows(const Axis& axis, const std::vector<int64_t>& out_sizes) {
+  std::vector<Window> w;
+  int64_t offset = 0;
+  for (auto s : out_sizes) {
+    w.push_back(axis.reads(offset, offset + s));
+    offset += s;
+  }
+  return w;
+}
+
+int64_t DimCut::in_offset(int64_t m) const {
+  int64_t o = 0;
+  for (int64_t i = 0; i < m; ++i) o += in_sizes[i];
+  return o;
+}
+int64_t DimCut::out_offset(int64_t m) const {
+  int64_t o = 0;
+  for (int64_t i = 0; i < m; ++i) o += out_sizes[i];
+  return o;
+}
+
+SpecPtr window_layout(const DTensorSpec& s, const std::vector<int64_t>& window_dims,
+                      bool keep_others) {
+  Placements p = s.placements();
+  std::vector<ShardTable> tables(s.ndim());
+  auto is_window = [&](int64_t d) {
+    return std::find(window_dims.begin(), window_dims.end(), d) != window_dims.end();
+  };
+  std::vector<bool> taken(s.ndim(), false);
+  for (size_t m = 0; m < p.size(); ++m) {
+    if (!p[m].is_shard()) {
+      p[m] = Replicate();
+      continue;
+    }
+    const int64_t d = p[m].dim();
+    const bool keep = is_window(d) ? !taken[d] : (keep_others || d == 0);
+    if (!keep) {
+      p[m] = Replicate();
+      continue;
+    }
+    if (is_window(d)) taken[d] = true;
+  }
+  for (int64_t d = 0; d < s.ndim(); ++d) {
+    const auto md = s.mesh_dims_sharding(d);
+    if (md.empty()) continue;
+    if (!is_window(d)) {
+      if (keep_others || d == 0) tables[d] = s.shard_table(d);
+    } else if (taken[d]) {
+      // Keep the outermost mesh dim's level of the nested table.
+      std::vector<int64_t> levels;
+      for (auto m : md) levels.push_back(s.mesh().size(m));
+      tables[d] = marginalize(s.shard_table(d), levels, 1);
+    }
+  }
+  return std::make_shared<DTensorSpec>(s.mesh(), p, s.sizes(), s.dtype(), tables);
+}
+
+bool any_window_dim_sharded(const DTensorSpec& s, const std::vector<int64_t>& window_dims) {
+  for (auto d : window_dims)
+    if (!s.mesh_dims_sharding(d).empty()) return true;
+  return false;
+}
+
+std::vector<DimCut> make_cuts(const DTensorSpec& layout, const std::vector<int64_t>& window_dims,
+                              const std::vector<Axis>& axes) {
+  std::vector<DimCut> cuts;
+  const auto& coord = layout.mesh().coordinate();
+  for (size_t k = 0; k < window_dims.size(); ++k) {
+    DimCut c;
+    c.dim = window_dims[k];
+    c.axis = axes[k];
+    const auto md = layout.mesh_dims_sharding(c.dim);
+    TORCH_INTERNAL_ASSERT(md.size() <= 1, "window dim sharded over several mesh dims");
+    if (md.empty()) {
+      c.in_sizes = {layout.sizes()[c.dim]};
+    } else {
+      c.mesh_dim = md[0];
+      c.in_sizes = layout.shard_table(c.dim);
+      c.me = coord.empty() ? 0 : coord[md[0]];
+    }
+    c.out_sizes = output_sizes(c.axis, c.in_sizes);
+    cuts.push_back(std::move(c));
+  }
+  return cuts;
+}
+
+SpecPtr output_spec(const DTensorSpec& layout, const std::vector<DimCut>& cuts,
+                    c10::ScalarType dtype, int64_t channels) {
+  auto sizes = layout.sizes();
+  auto tables = layout.shard_tables();
+  tables.resize(sizes.size());
+  if (channels >= 0) sizes[1] = channels;
+  for (const auto& c : cuts) {
+    sizes[c.dim] = c.axis.out;
+    if (c.cut()) tables[c.dim] = c.out_sizes;
+  }
+  return std::make_shared<DTensorSpec>(layout.mesh(), layout.placements(), sizes, dtype, tables);
+}
+
+at::Tensor fetch(const DeviceMesh& mesh, const at::Tensor& x, const std::vector<DimCut>& cuts,
+                 HaloBoundary boundary, double fill) {
+  at::Tensor y = x;
+  for (const auto& c : cuts) {
+    const auto windows = read_windows(c.axis, c.out_sizes);
+    y = comm::fetch_window(c.cut() ? mesh.group(c.mesh_dim) : comm::Group(), y, c.dim, c.in_sizes,
+                           windows, boundary, fill);
+  }
+  return y;
+}
+
+at::Tensor fetch_backward(const DeviceMesh& mesh, const at::Tensor& grad_window,
+                          const std::vector<DimCut>& cuts, HaloBoundary boundary) {
+  at::Tensor g = grad_window;
+  for (auto it = cuts.rbegin(); it != cuts.rend(); ++it) {
+    const auto& c = *it;
+    const auto windows = read_windows(c.axis, c.out_sizes);
+    g = comm::fetch_window_backward(c.cut() ? mesh.group(c.mesh_dim) : comm::Group(), g, c.dim,
+                                    c.in_sizes, windows, boundary);
+  }
+  return g;
+}
+
+at::Tensor fetch_ranges(const DeviceMesh& mesh, const at::Tensor& x, const std::vector<DimCut>& cuts,
+                        const std::vector<std::vector<int64_t>>& sizes,
+                        const std::vector<std::vector<Window>>& windows) {
+  at::Tensor y = x;
+  for (size_t k = 0; k < cuts.size(); ++k) {
+    const auto& c = cuts[k];
+    y = comm::fetch_window(c.cut() ? mesh.group(c.mesh_dim) : comm::Group(), y, c.dim, sizes[k],
+                           windows[k], HaloBoundary::Zeros);
+  }
+  return y;
+}
+
+at::Tensor place(const at::Tensor& x, int64_t dim, Window from, Window to) {
+  TORCH_INTERNAL_ASSERT(x.size(dim) == from.size());
+  if (from.lo == to.lo && from.hi == to.hi) return x;
+  auto shape = x.sizes().vec();
+  shape[dim] = to.size();
+  at::Tensor out = at::zeros(shape, x.options());
+  const int64_t lo = std::max(from.lo, to.lo), hi = std::min(from.hi, to.hi);
+  if (hi > lo) out.narrow(dim, lo - to.lo, hi - lo).copy_(x.narrow(dim, lo - from.lo, hi - lo));
+  return out;
+}
+
+}  // namespace tessera::ops::spatial
