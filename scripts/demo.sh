@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
-TARGETS="tessera-run redistribute_tour" bash scripts/build.sh
-exec ./build/tessera-run -n 4 ./build/examples/redistribute_tour
+TARGETS="tessera-run domain_demo" bash scripts/build.sh
+exec ./build/tessera-run -n 4 ./build/examples/domain_demo --out domain_demo.png

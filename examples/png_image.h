@@ -1,0 +1,35 @@
+#pragma once
+// A minimal 8-bit RGB image and a PNG writer (libpng), enough for the examples' pictures.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+struct Rgb {
+  uint8_t r = 0, g = 0, b = 0;
+};
+
+struct RgbImage {
+  RgbImage(int width, int height, Rgb fill = {});
+
+  int width() const { return width_; }
+  int height() const { return height_; }
+  bool contains(int x, int y) const { return x >= 0 && y >= 0 && x < width_ && y < height_; }
+
+  Rgb get(int x, int y) const;
+  void set(int x, int y, Rgb color);  // ignores pixels outside the image
+  // Mixes `color` over the pixel with opacity alpha in [0, 1] (for translucent overlays).
+  void blend(int x, int y, Rgb color, double alpha);
+  // Fills the half-open rectangle [x0, x1) x [y0, y1), clipped to the image.
+  void fill_rect(int x0, int y0, int x1, int y1, Rgb color, double alpha = 1.0);
+
+  // Row-major, 3 bytes per pixel.
+  const uint8_t* row(int y) const { return pixels_.data() + 3 * static_cast<size_t>(width_) * y; }
+
+ private:
+  int width_;
+  int height_;
+  std::vector<uint8_t> pixels_;
+};
+
+// Writes `image` as an 8-bit RGB PNG; throws std::runtime_error naming the path on failure.
+void write_png(const std::string& path, const RgbImage& image);
