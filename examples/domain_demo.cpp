@@ -304,7 +304,7 @@ int run(int argc, char** argv) {
   const auto whole_input = full_tensor(input);
   const auto whole_target = full_tensor(target);
   if (rank == 0) {
-    const int scale = static_cast<int>(std::max<int64_t>(1, 256 / size));
+    const int scale = static_cast<int>((256 + size - 1) / size);  // panels at least 256 px wide
     const auto image = draw_panels({whole_input[0][0], prediction[0][0], whole_target[0][0]},
                                    spec(input).shard_table(2), spec(input).shard_table(3), scale);
     write_png(out_path, image);
