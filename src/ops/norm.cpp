@@ -1,9 +1,30 @@
+// Normalisation: layer_norm, group_norm and batch_norm (instance_norm decomposes into
+// batch_norm), forward and backward.
+//
 // layer_norm: statistics over the trailing normalized dims. Leading (batch/sequence) dims may
 // stay sharded; a sharded normalized dim is replicated first. weight/bias are replicated;
 // their gradients sum over the leading dims, so they are Partial(sum) where those are
 // sharded.
+//
+// NOTE: [Normalising sharded activations]
+// group_norm and batch_norm take [N, C, *spatial] activations that may stay sharded on the
+// batch dim and on any spatial dim (domain parallelism: uneven and empty shards included).
+// Their statistics span dims that are sharded, so the local kernels compute local sums and
+// all-reduce them over the mesh dims that shard those dims, dividing by *global* counts:
+//   group_norm: per (n, group) over channels-in-group x spatial: all-reduce over the mesh
+//     dims sharding spatial dims (a sample's statistics never cross batch shards).
+//   batch_norm: per channel over batch x spatial: all-reduce over the mesh dims sharding the
+//     batch or a spatial dim.
+// Mean first, then the sum of squared deviations (two passes: as accurate as one device).
+// The backward all-reduces the two per-statistic gradient sums in one message; weight/bias
+// gradients come out of those sums already reduced (Replicate) where the input gradient
+// needed them, and as local Partial(sum) terms otherwise. Partial inputs and a sharded
+// channel dim are replicated first, except that batch_norm keeps a sharded channel dim
+// (statistics are per channel) unless it must update running stats in place.
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "tessera/comm/collectives.h"
 #include "tessera/ops/rule.h"
 
 namespace tessera::ops {
@@ -65,9 +86,406 @@ OpPlan layer_norm_backward_rule(const OpCall& call) {
   return plan;
 }
 
+// ---- shared by group_norm and batch_norm --------------------------------------------------
+
+// `s` without Partial and with only the tensor dims `keep` accepts still sharded.
+template <class Keep>
+SpecPtr keep_sharded(const DTensorSpec& s, Keep keep) {
+  Placements p = s.placements();
+  auto tables = s.shard_tables();
+  for (auto& x : p)
+    if (x.is_partial() || (x.is_shard() && !keep(x.dim()))) x = Replicate();
+  for (int64_t t = 0; t < s.ndim(); ++t) {
+    bool still = false;
+    for (auto& x : p) still = still || x.is_shard(t);
+    if (!still) tables[t].clear();
+  }
+  return std::make_shared<DTensorSpec>(s.mesh(), p, s.sizes(), s.dtype(), tables);
+}
+
+// Mesh dims of `s` that shard a tensor dim `pick` accepts.
+template <class Pick>
+std::vector<int64_t> mesh_dims_sharding(const DTensorSpec& s, Pick pick) {
+  std::vector<int64_t> dims;
+  for (int64_t m = 0; m < s.mesh().ndim(); ++m)
+    if (s.placement(m).is_shard() && pick(s.placement(m).dim())) dims.push_back(m);
+  return dims;
+}
+
+// A [sizes[0], ...] tensor laid out like `x`'s dim `t` on its dim 0: Shard(0) with x's table
+// where x shards t; elsewhere `other` (Replicate, or Partial for unreduced sums).
+SpecPtr along_dim(const DTensorSpec& x, int64_t t, std::vector<int64_t> sizes,
+                  c10::ScalarType dtype, Placement other = Replicate()) {
+  Placements p(x.mesh().ndim(), Replicate());
+  std::vector<ShardTable> tables(sizes.size());
+  for (int64_t m = 0; m < x.mesh().ndim(); ++m) {
+    if (x.placement(m).is_shard(t)) {
+      p[m] = Shard(0);
+      tables[0] = x.shard_table(t);
+    } else if (x.placement(m).is_shard()) {
+      p[m] = other;
+    }
+  }
+  return std::make_shared<DTensorSpec>(x.mesh(), p, std::move(sizes), dtype, tables);
+}
+
+at::Tensor sum_over(const DeviceMesh& mesh, const std::vector<int64_t>& dims, at::Tensor t) {
+  for (auto d : dims) t = comm::all_reduce(mesh.group(d), t, PartialOp::Sum);
+  return t;
+}
+
+at::Tensor tensor_or_undefined(const c10::IValue& v) {
+  return v.isTensor() ? v.toTensor() : at::Tensor();
+}
+
+// [C] -> [1, C, 1, ...] to broadcast over an ndim-dim activation.
+at::Tensor per_channel_view(const at::Tensor& v, int64_t ndim) {
+  std::vector<int64_t> shape(ndim, 1);
+  shape[1] = v.numel();
+  return v.reshape(shape);
+}
+
+int64_t product(at::IntArrayRef s, size_t from) {
+  int64_t p = 1;
+  for (size_t i = from; i < s.size(); ++i) p *= s[i];
+  return p;
+}
+
+// ---- group_norm ---------------------------------------------------------------------------
+
+struct GroupNormLayout {
+  SpecPtr input;   // batch and spatial shards kept
+  SpecPtr stats;   // [N, group]: the input's batch sharding
+  std::vector<int64_t> spatial_mesh_dims;  // all-reduce over these
+  double count;    // elements per (n, group), global
+};
+
+GroupNormLayout group_norm_layout(const OpCall& call, const DTensorSpec& in, int64_t group) {
+  TORCH_CHECK(in.ndim() >= 2, "tessera: ", call.describe(), ": group_norm needs [N, C, ...]");
+  TORCH_CHECK(group > 0 && in.sizes()[1] % group == 0, "tessera: ", call.describe(),
+              ": the channels must divide into ", group, " groups");
+  GroupNormLayout l;
+  l.input = keep_sharded(in, [](int64_t t) { return t != 1; });
+  l.stats = along_dim(*l.input, 0, {in.sizes()[0], group}, in.dtype());
+  l.spatial_mesh_dims = mesh_dims_sharding(*l.input, [](int64_t t) { return t >= 2; });
+  l.count = static_cast<double>(in.sizes()[1] / group) *
+            static_cast<double>(product(in.sizes(), 2));
+  return l;
+}
+
+// native_group_norm(input, weight?, bias?, N, C, HxW, group, eps) -> (out, mean, rstd)
+// N and HxW are global; the kernel works from the local shard's sizes.
+OpPlan group_norm_rule(const OpCall& call) {
+  const int64_t group = call.args[6].toInt();
+  auto l = group_norm_layout(call, *call.specs[0], group);
+  OpPlan plan;
+  plan.inputs.resize(call.args.size());
+  plan.inputs[0] = l.input;
+  for (size_t i : {1, 2})
+    if (call.specs[i]) plan.inputs[i] = replicated(*call.specs[i]);
+  plan.outputs = {l.input, l.stats, l.stats};
+  DeviceMesh mesh = l.input->mesh();
+  plan.local_kernel = [mesh, dims = l.spatial_mesh_dims, count = l.count,
+                       group](torch::jit::Stack& s) {
+    const at::Tensor x = s[0].toTensor();
+    const at::Tensor w = tensor_or_undefined(s[1]), b = tensor_or_undefined(s[2]);
+    const double eps = s[7].toDouble();
+    const int64_t n = x.size(0), c = x.size(1);
+    const at::Tensor xg = x.reshape({n, group, (c / group) * product(x.sizes(), 2)});
+    const at::Tensor mean = sum_over(mesh, dims, xg.sum(-1)).div(count);
+    const at::Tensor xc = xg - mean.unsqueeze(-1);
+    const at::Tensor var = sum_over(mesh, dims, (xc * xc).sum(-1)).div(count);
+    const at::Tensor rstd = (var.clamp_min(0) + eps).rsqrt();
+    at::Tensor out = (xc * rstd.unsqueeze(-1)).reshape(x.sizes());
+    if (w.defined()) out = out * per_channel_view(w, x.dim());
+    if (b.defined()) out = out + per_channel_view(b, x.dim());
+    s.clear();
+    s.emplace_back(std::move(out));
+    s.emplace_back(mean);
+    s.emplace_back(rstd);
+  };
+  return plan;
+}
+
+// native_group_norm_backward(grad_out, input, mean, rstd, weight?, N, C, HxW, group,
+//                            output_mask) -> (grad_input, grad_weight, grad_bias)
+OpPlan group_norm_backward_rule(const OpCall& call) {
+  const int64_t group = call.args[8].toInt();
+  const auto mask = call.args[9].toBoolList();
+  auto l = group_norm_layout(call, *call.specs[1], group);
+  const bool need_input = mask.get(0);
+  OpPlan plan;
+  plan.inputs.resize(call.args.size());
+  plan.inputs[1] = l.input;
+  plan.inputs[0] = same_layout_with_shape(*l.input, l.input->sizes(), call.specs[0]->dtype());
+  for (size_t i : {2, 3})
+    if (call.specs[i]) plan.inputs[i] = l.stats;
+  if (call.specs[4]) plan.inputs[4] = replicated(*call.specs[4]);
+  // Once the input gradient has all-reduced the per-sample sums over space, the parameter
+  // gradients are whole there and only sum over batch shards.
+  const std::vector<int64_t> c{l.input->sizes()[1]};
+  SpecPtr param_grad = summed_over_shards(*l.input, c);
+  if (need_input) {
+    Placements p(l.input->mesh().ndim(), Replicate());
+    for (int64_t m = 0; m < l.input->mesh().ndim(); ++m)
+      if (l.input->placement(m).is_shard(0)) p[m] = Partial();
+    param_grad = std::make_shared<DTensorSpec>(l.input->mesh(), p, c, l.input->dtype());
+  }
+  plan.outputs = {l.input, param_grad, param_grad};
+  DeviceMesh mesh = l.input->mesh();
+  const bool need_weight = mask.get(1), need_bias = mask.get(2);
+  plan.local_kernel = [mesh, dims = l.spatial_mesh_dims, count = l.count, group, need_input,
+                       need_weight, need_bias](torch::jit::Stack& s) {
+    const at::Tensor dy = s[0].toTensor(), x = s[1].toTensor();
+    const at::Tensor mean = s[2].toTensor(), rstd = s[3].toTensor();
+    const at::Tensor w = tensor_or_undefined(s[4]);
+    const int64_t n = x.size(0), c = x.size(1), d = c / group, hw = product(x.sizes(), 2);
+    const at::Tensor dy3 = dy.reshape({n, c, hw}), x3 = x.reshape({n, c, hw});
+    at::Tensor ds = (dy3 * x3).sum(-1), db = dy3.sum(-1);  // [n, C] over local space
+    if (need_input) {
+      auto both = sum_over(mesh, dims, at::stack({ds, db}));
+      ds = both[0];
+      db = both[1];
+    }
+    at::Tensor gx, gw, gb;
+    const at::Tensor mean3 = mean.unsqueeze(-1), rstd3 = rstd.unsqueeze(-1);
+    if (need_input) {
+      // dx = rstd*gamma*dy + c2*x + c3 per (n, group), from the group's whole sums.
+      const at::Tensor gamma = w.defined() ? w.reshape({1, group, d}) : at::ones({1, group, d}, x.options());
+      const at::Tensor dsg = (ds.reshape({n, group, d}) * gamma).sum(-1);
+      const at::Tensor dbg = (db.reshape({n, group, d}) * gamma).sum(-1);
+      const at::Tensor c2 = (dbg * mean - dsg) * rstd.pow(3) / count;
+      const at::Tensor c3 = -c2 * mean - dbg * rstd / count;
+      const at::Tensor c1 = rstd3 * gamma;  // [n, group, d]
+      gx = (c1.unsqueeze(-1) * dy.reshape({n, group, d, hw}) +
+            c2.reshape({n, group, 1, 1}) * x.reshape({n, group, d, hw}) +
+            c3.reshape({n, group, 1, 1}))
+               .reshape(x.sizes());
+    }
+    if (need_weight)
+      gw = ((ds.reshape({n, group, d}) - db.reshape({n, group, d}) * mean3) * rstd3)
+               .sum(0)
+               .reshape({c});
+    if (need_bias) gb = db.sum(0);
+    s.clear();
+    s.emplace_back(gx);
+    s.emplace_back(gw);
+    s.emplace_back(gb);
+  };
+  return plan;
+}
+
+// ---- batch_norm ---------------------------------------------------------------------------
+
+// Where each batch-norm variant keeps its arguments (-1: absent).
+struct BnForm {
+  int running_mean, running_var;
+  int training;        // argument index, or -1: fixed by the op (`fixed_training`)
+  bool fixed_training;
+  int momentum, eps;
+  bool reserve;        // a fourth result (cuDNN's workspace; empty on CPU)
+};
+
+// native_batch_norm / _native_batch_norm_legit(input, weight?, bias?, running_mean,
+//   running_var, training, momentum, eps)
+constexpr BnForm kNativeBn{3, 4, 5, false, 6, 7, false};
+// _native_batch_norm_legit.no_stats(input, weight?, bias?, training, momentum, eps)
+constexpr BnForm kLegitNoStats{-1, -1, 3, false, 4, 5, false};
+// _native_batch_norm_legit_no_training(input, weight?, bias?, running_mean, running_var,
+//   momentum, eps)
+constexpr BnForm kLegitNoTraining{3, 4, -1, false, 5, 6, false};
+// _batch_norm_with_update / _batch_norm_no_update(input, weight?, bias?, running_mean,
+//   running_var, momentum, eps) -> (out, save_mean, save_invstd, reserve)
+constexpr BnForm kWithUpdate{3, 4, -1, true, 5, 6, true};
+constexpr BnForm kNoUpdate{3, 4, -1, false, 5, 6, true};
+
+struct BatchNormLayout {
+  SpecPtr input;
+  std::vector<int64_t> reduce_mesh_dims;  // mesh dims sharding the batch or a spatial dim
+  double count;                           // elements per channel, global
+};
+
+BatchNormLayout batch_norm_layout(const OpCall& call, const DTensorSpec& in, bool keep_channel) {
+  TORCH_CHECK(in.ndim() >= 2, "tessera: ", call.describe(), ": batch_norm needs [N, C, ...]");
+  BatchNormLayout l;
+  l.input = keep_sharded(in, [keep_channel](int64_t t) { return t != 1 || keep_channel; });
+  l.reduce_mesh_dims = mesh_dims_sharding(*l.input, [](int64_t t) { return t != 1; });
+  l.count = in.sizes()[1] == 0 ? 0.0
+                               : static_cast<double>(in.numel()) / static_cast<double>(in.sizes()[1]);
+  return l;
+}
+
+bool is_training(const OpCall& call, const BnForm& f) {
+  return f.training >= 0 ? call.args[f.training].toBool() : f.fixed_training;
+}
+
+OpPlan batch_norm_plan(const OpCall& call, const BnForm& f) {
+  const bool training = is_training(call, f);
+  const DTensorSpec& in = *call.specs[0];
+  const bool has_stats = (f.running_mean >= 0 && call.args[f.running_mean].isTensor() &&
+                          call.args[f.running_mean].toTensor().defined()) ||
+                         (f.running_var >= 0 && call.args[f.running_var].isTensor() &&
+                          call.args[f.running_var].toTensor().defined());
+  // Running stats are updated in place on every rank's whole copy, so they must stay whole:
+  // then the channel dim is replicated too.
+  const bool updates = training && has_stats;
+  auto l = batch_norm_layout(call, in, !updates);
+  const int64_t c = in.sizes()[1];
+  auto channel = along_dim(*l.input, 1, {c}, in.dtype());
+  OpPlan plan;
+  plan.inputs.resize(call.args.size());
+  plan.inputs[0] = l.input;
+  for (int i : {1, 2})
+    if (call.specs[i]) plan.inputs[i] = along_dim(*l.input, 1, {c}, call.specs[i]->dtype());
+  for (int i : {f.running_mean, f.running_var}) {
+    if (i < 0 || !call.specs[i]) continue;
+    TORCH_CHECK(!updates || call.specs[i]->is_replicated(), "tessera: ", call.describe(),
+                ": running_mean/running_var are updated in place in training and must be "
+                "replicated (or plain tensors)");
+    plan.inputs[i] = along_dim(*l.input, 1, {c}, call.specs[i]->dtype());
+  }
+  // Evaluation returns empty save_mean/save_invstd, as one device does.
+  auto saved = training ? channel
+                        : std::make_shared<DTensorSpec>(
+                              in.mesh(), Placements(in.mesh().ndim(), Replicate()),
+                              std::vector<int64_t>{0}, in.dtype());
+  plan.outputs = {l.input, saved, saved};
+  if (f.reserve)
+    plan.outputs.push_back(std::make_shared<DTensorSpec>(
+        in.mesh(), Placements(in.mesh().ndim(), Replicate()), std::vector<int64_t>{0}, at::kByte));
+  DeviceMesh mesh = l.input->mesh();
+  plan.local_kernel = [mesh, dims = l.reduce_mesh_dims, count = l.count, f,
+                       training](torch::jit::Stack& s) {
+    const at::Tensor x = s[0].toTensor();
+    const at::Tensor w = tensor_or_undefined(s[1]), b = tensor_or_undefined(s[2]);
+    at::Tensor rm = f.running_mean >= 0 ? tensor_or_undefined(s[f.running_mean]) : at::Tensor();
+    at::Tensor rv = f.running_var >= 0 ? tensor_or_undefined(s[f.running_var]) : at::Tensor();
+    const double momentum = s[f.momentum].toDouble(), eps = s[f.eps].toDouble();
+    std::vector<int64_t> reduce{0};
+    for (int64_t t = 2; t < x.dim(); ++t) reduce.push_back(t);
+    at::Tensor mean, invstd, save_mean, save_invstd;
+    if (training) {
+      mean = sum_over(mesh, dims, x.sum(reduce)).div(count);
+      const at::Tensor xc = x - per_channel_view(mean, x.dim());
+      const at::Tensor var_sum = sum_over(mesh, dims, (xc * xc).sum(reduce));
+      invstd = (var_sum / count + eps).rsqrt();
+      save_mean = mean;
+      save_invstd = invstd;
+      // As one device: the running variance is unbiased over the global count.
+      if (rm.defined()) rm.mul_(1 - momentum).add_(mean.to(rm.scalar_type()), momentum);
+      if (rv.defined())
+        rv.mul_(1 - momentum).add_((var_sum / (count - 1)).to(rv.scalar_type()), momentum);
+    } else {
+      TORCH_CHECK(rm.defined() && rv.defined(),
+                  "tessera: batch_norm in evaluation needs running_mean and running_var");
+      mean = rm.to(x.scalar_type());
+      invstd = (rv.to(x.scalar_type()) + eps).sqrt().reciprocal();
+      save_mean = at::empty({0}, x.options());
+      save_invstd = at::empty({0}, x.options());
+    }
+    // out = x * alpha + beta per channel, as ATen's CPU kernel computes it.
+    const at::Tensor alpha = w.defined() ? invstd * w : invstd;
+    at::Tensor beta = -mean * alpha;
+    if (b.defined()) beta = beta + b;
+    at::Tensor out = x * per_channel_view(alpha, x.dim()) + per_channel_view(beta, x.dim());
+    s.clear();
+    s.emplace_back(std::move(out));
+    s.emplace_back(save_mean);
+    s.emplace_back(save_invstd);
+    if (f.reserve) s.emplace_back(at::empty({0}, x.options().dtype(at::kByte)));
+  };
+  return plan;
+}
+
+OpPlan native_batch_norm_rule(const OpCall& call) { return batch_norm_plan(call, kNativeBn); }
+OpPlan legit_no_stats_rule(const OpCall& call) { return batch_norm_plan(call, kLegitNoStats); }
+OpPlan legit_no_training_rule(const OpCall& call) { return batch_norm_plan(call, kLegitNoTraining); }
+OpPlan with_update_rule(const OpCall& call) { return batch_norm_plan(call, kWithUpdate); }
+OpPlan no_update_rule(const OpCall& call) { return batch_norm_plan(call, kNoUpdate); }
+
+// native_batch_norm_backward(grad_out, input, weight?, running_mean?, running_var?,
+//   save_mean?, save_invstd?, train, eps, output_mask) and (2.x) batch_norm_backward(...,
+//   update, eps, output_mask, reserve): the same positions; `update` means train.
+OpPlan batch_norm_backward_rule(const OpCall& call) {
+  const bool train = call.args[7].toBool();
+  const auto mask = call.args[9].toBoolList();
+  const DTensorSpec& in = *call.specs[1];
+  auto l = batch_norm_layout(call, in, /*keep_channel=*/true);
+  const int64_t c = in.sizes()[1];
+  const bool need_input = mask.get(0), need_weight = mask.get(1), need_bias = mask.get(2);
+  // In training the input gradient needs the whole-domain sums; then the parameter
+  // gradients come from them too.
+  const bool reduced = train && need_input;
+  OpPlan plan;
+  plan.inputs.resize(call.args.size());
+  plan.inputs[1] = l.input;
+  plan.inputs[0] = same_layout_with_shape(*l.input, l.input->sizes(), call.specs[0]->dtype());
+  for (int i : {2, 3, 4, 5, 6}) {
+    if (!call.specs[i]) continue;
+    const bool per_channel = call.specs[i]->ndim() == 1 && call.specs[i]->sizes()[0] == c;
+    plan.inputs[i] = per_channel ? along_dim(*l.input, 1, {c}, call.specs[i]->dtype())
+                                 : replicated(*call.specs[i]);
+  }
+  auto param_grad = along_dim(*l.input, 1, {c}, in.dtype(), reduced ? Replicate() : Partial());
+  plan.outputs = {l.input, param_grad, param_grad};
+  DeviceMesh mesh = l.input->mesh();
+  plan.local_kernel = [mesh, dims = l.reduce_mesh_dims, count = l.count, train, reduced,
+                       need_input, need_weight, need_bias](torch::jit::Stack& s) {
+    const at::Tensor dy = s[0].toTensor(), x = s[1].toTensor();
+    const at::Tensor w = tensor_or_undefined(s[2]);
+    const double eps = s[8].toDouble();
+    at::Tensor mean, invstd;
+    if (train) {
+      mean = s[5].toTensor();
+      invstd = s[6].toTensor();
+    } else {
+      mean = s[3].toTensor().to(x.scalar_type());
+      invstd = (s[4].toTensor().to(x.scalar_type()) + eps).sqrt().reciprocal();
+    }
+    std::vector<int64_t> reduce{0};
+    for (int64_t t = 2; t < x.dim(); ++t) reduce.push_back(t);
+    const at::Tensor xc = x - per_channel_view(mean, x.dim());
+    at::Tensor sum_dy = dy.sum(reduce), dot = (dy * xc).sum(reduce);
+    if (reduced) {
+      auto both = sum_over(mesh, dims, at::stack({sum_dy, dot}));
+      sum_dy = both[0];
+      dot = both[1];
+    }
+    const at::Tensor scale = w.defined() ? invstd * w : invstd;
+    at::Tensor gx, gw, gb;
+    if (need_input) {
+      if (train) {
+        const at::Tensor k = dot * invstd * invstd / count;
+        gx = (dy - per_channel_view(sum_dy / count, x.dim()) - xc * per_channel_view(k, x.dim())) *
+             per_channel_view(scale, x.dim());
+      } else {
+        gx = dy * per_channel_view(scale, x.dim());
+      }
+    }
+    if (need_weight) gw = dot * invstd;
+    if (need_bias) gb = sum_dy;
+    s.clear();
+    s.emplace_back(gx);
+    s.emplace_back(gw);
+    s.emplace_back(gb);
+  };
+  return plan;
+}
+
 const RuleRegistrar registrar{[] {
   register_rule("aten::native_layer_norm", layer_norm_rule);
   register_rule("aten::native_layer_norm_backward", layer_norm_backward_rule);
+  register_rule("aten::native_group_norm", group_norm_rule);
+  register_rule("aten::native_group_norm_backward", group_norm_backward_rule);
+  register_rule("aten::native_batch_norm", native_batch_norm_rule);
+  register_rule("aten::native_batch_norm_backward", batch_norm_backward_rule);
+  // LibTorch 2.x spellings (rules are looked up by name: absent ops are never asked for).
+  register_rule("aten::_native_batch_norm_legit", native_batch_norm_rule);
+  register_rule("aten::_native_batch_norm_legit.no_stats", legit_no_stats_rule);
+  register_rule("aten::_native_batch_norm_legit_no_training", legit_no_training_rule);
+  register_rule("aten::_batch_norm_with_update", with_update_rule);
+  register_rule("aten::_batch_norm_no_update", no_update_rule);
+  register_rule("aten::batch_norm_backward", batch_norm_backward_rule);
 }};
 
 }  // namespace

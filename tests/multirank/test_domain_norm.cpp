@@ -1,0 +1,355 @@
+// Normalisation on activations sharded along spatial dims (domain parallelism) and the batch
+// dim: seeded randomized differential tests of group_norm, batch_norm (training, with the
+// running statistics, and evaluation) and instance_norm on 1-D and 2-D meshes, with uneven
+// shard tables (empty shards included), nested shardings of one dim, and occasional channel
+// sharding or Partial inputs; forward, running statistics and every gradient against the same
+// code on full tensors in one process (double precision). Also: torch::nn GroupNorm and
+// BatchNorm2d modules (distribute_module) for SGD steps on an H x W decomposition, the
+// communication a spatially sharded norm costs, and the error for sharded running stats.
+// Reproduce a failure with TESSERA_NORM_SEED=<seed> and the printed case.
+#include <cstdlib>
+#include <random>
+
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/optim/sgd.h>
+
+#include "helpers.h"
+
+using namespace tessera;
+namespace nn = torch::nn;
+
+namespace {
+
+using Shape = std::vector<int64_t>;
+using Rng = std::mt19937;
+
+int64_t pick(Rng& rng, int64_t lo, int64_t hi) {
+  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+}
+bool coin(Rng& rng, double p = 0.5) { return std::bernoulli_distribution(p)(rng); }
+
+uint64_t base_seed() {
+  const char* s = std::getenv("TESSERA_NORM_SEED");
+  return s ? std::strtoull(s, nullptr, 10) : 2024;
+}
+
+bool close(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() && at::allclose(a, b, 1e-9, 1e-9, /*equal_nan=*/true);
+}
+double max_diff(const at::Tensor& a, const at::Tensor& b) {
+  return a.sizes() == b.sizes() ? (a - b).abs().max().item<double>() : -1.0;
+}
+at::Tensor whole(const at::Tensor& t) { return is_dtensor(t) ? full_tensor(t) : t; }
+
+enum class Kind { GroupNorm, BatchTrain, BatchEval, Instance };
+enum class Stats { None, Plain, Replicated };  // how the distributed run gets running stats
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::GroupNorm: return "group_norm";
+    case Kind::BatchTrain: return "batch_norm(train)";
+    case Kind::BatchEval: return "batch_norm(eval)";
+    case Kind::Instance: return "instance_norm";
+  }
+  return "?";
+}
+const char* stats_name(Stats s) {
+  return s == Stats::None ? "none" : s == Stats::Plain ? "plain" : "replicated";
+}
+
+struct Case {
+  Kind kind;
+  Shape input;
+  int64_t groups = 1;
+  bool affine = true;
+  double eps = 1e-5, momentum = 0.1;
+  Stats stats = Stats::None;
+  bool use_input_stats = true;  // instance_norm
+  std::string desc;
+};
+
+at::Tensor run(const Case& c, const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+               const at::Tensor& rm, const at::Tensor& rv) {
+  switch (c.kind) {
+    case Kind::GroupNorm: return at::group_norm(x, c.groups, w, b, c.eps);
+    case Kind::BatchTrain: return at::batch_norm(x, w, b, rm, rv, true, c.momentum, c.eps, false);
+    case Kind::BatchEval: return at::batch_norm(x, w, b, rm, rv, false, c.momentum, c.eps, false);
+    case Kind::Instance:
+      return at::instance_norm(x, w, b, rm, rv, c.use_input_stats, c.momentum, c.eps, false);
+  }
+  return {};
+}
+
+// Elements each statistic averages over (kept >= 2 so variances are meaningful).
+int64_t stat_count(const Case& c) {
+  int64_t spatial = 1;
+  for (size_t t = 2; t < c.input.size(); ++t) spatial *= c.input[t];
+  switch (c.kind) {
+    case Kind::GroupNorm: return c.input[1] / c.groups * spatial;
+    case Kind::Instance: return spatial;
+    default: return c.input[0] * spatial;
+  }
+}
+
+Case make_case(Rng& rng, Kind kind) {
+  Case c;
+  c.kind = kind;
+  const int64_t nsp = kind == Kind::Instance ? pick(rng, 1, 3) : (coin(rng, 0.1) ? 0 : pick(rng, 1, 3));
+  const int64_t batch = pick(rng, 1, 4);
+  int64_t channels = pick(rng, 1, 4);
+  if (kind == Kind::GroupNorm) {
+    c.groups = pick(rng, 1, 3);
+    channels = c.groups * pick(rng, 1, 3);
+  }
+  c.input = {batch, channels};
+  for (int64_t i = 0; i < nsp; ++i) c.input.push_back(pick(rng, 1, nsp == 1 ? 12 : nsp == 2 ? 8 : 5));
+  c.affine = coin(rng, 0.75);
+  c.eps = coin(rng) ? 1e-5 : 1e-3;
+  c.momentum = coin(rng) ? 0.1 : 0.37;
+  if (kind == Kind::BatchTrain || kind == Kind::Instance) {
+    const int64_t r = pick(rng, 0, 2);
+    c.stats = r == 0 ? Stats::None : r == 1 ? Stats::Plain : Stats::Replicated;
+  }
+  if (kind == Kind::BatchEval) c.stats = coin(rng) ? Stats::Plain : Stats::Replicated;
+  if (kind == Kind::Instance && c.stats != Stats::None) c.use_input_stats = coin(rng, 0.7);
+  if (stat_count(c) < 2) return make_case(rng, kind);
+  c.desc = std::string(kind_name(kind)) + " input " + shape_str(c.input) +
+           (kind == Kind::GroupNorm ? " groups " + std::to_string(c.groups) : "") +
+           (c.affine ? " affine" : " no-affine") + " eps " + std::to_string(c.eps) + " momentum " +
+           std::to_string(c.momentum) + " running stats " + stats_name(c.stats) +
+           (kind == Kind::Instance ? (c.use_input_stats ? " use_input_stats" : " running-only") : "");
+  return c;
+}
+
+// Each mesh dim shards a random spatial dim (two mesh dims may nest on one), the batch, or
+// now and then the channel dim or nothing, or holds Partial terms.
+Placements random_placements(Rng& rng, const DeviceMesh& mesh, const Shape& input) {
+  const int64_t nsp = static_cast<int64_t>(input.size()) - 2;
+  Placements p;
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    const int64_t r = pick(rng, 0, 19);
+    if (r < 12 && nsp > 0) p.push_back(Shard(2 + pick(rng, 0, nsp - 1)));
+    else if (r < 16) p.push_back(Shard(0));
+    else if (r < 17) p.push_back(Shard(1));
+    else if (r < 18) p.push_back(Partial());
+    else p.push_back(Replicate());
+  }
+  return p;
+}
+
+void check(const DeviceMesh& mesh, const Case& c, const Placements& placements,
+           const std::vector<ShardTable>& tables, uint64_t seed, const std::string& desc) {
+  const auto dbl = at::TensorOptions().dtype(at::kDouble);
+  const Placements rep(mesh.ndim(), Replicate());
+  const int64_t channels = c.input[1];
+  at::Tensor x = test::randn(c.input, seed, at::kDouble).mul_(1.5).add_(0.3).requires_grad_();
+  at::Tensor w, b, dw, db;
+  if (c.affine) {
+    w = (test::randn({channels}, seed + 1, at::kDouble) * 0.5 + 1).requires_grad_();
+    b = test::randn({channels}, seed + 2, at::kDouble).requires_grad_();
+    dw = distribute_tensor(w.detach(), mesh, rep, std::nullopt).requires_grad_();
+    db = distribute_tensor(b.detach(), mesh, rep, std::nullopt).requires_grad_();
+  }
+  at::Tensor rm, rv, drm, drv;
+  if (c.stats != Stats::None) {
+    rm = test::randn({channels}, seed + 3, at::kDouble) * 0.2;
+    rv = at::rand({channels}, test::generator(seed + 4), dbl) + 0.5;
+    drm = c.stats == Stats::Plain ? rm.clone() : distribute_tensor(rm, mesh, rep, std::nullopt);
+    drv = c.stats == Stats::Plain ? rv.clone() : distribute_tensor(rv, mesh, rep, std::nullopt);
+  }
+  at::Tensor dx = test::make_dtensor_from_full(x.detach(), mesh, placements, tables).requires_grad_();
+
+  at::Tensor expected = run(c, x, w, b, rm, rv);
+  at::Tensor got = run(c, dx, dw, db, drm, drv);
+  ASSERT_TRUE(is_dtensor(got)) << desc;
+  at::Tensor got_full = full_tensor(got);
+  ASSERT_TRUE(close(got_full, expected.detach()))
+      << desc << "\n  result " << spec(got).str() << "\n  max |diff| " << max_diff(got_full, expected);
+  if (c.stats != Stats::None) {
+    ASSERT_EQ(is_dtensor(drm), c.stats == Stats::Replicated) << desc;
+    if (is_dtensor(drm)) ASSERT_TRUE(spec(drm).is_replicated()) << desc << ": " << spec(drm).str();
+    ASSERT_TRUE(close(whole(drm), rm)) << desc << ": running_mean, max |diff| " << max_diff(whole(drm), rm);
+    ASSERT_TRUE(close(whole(drv), rv)) << desc << ": running_var, max |diff| " << max_diff(whole(drv), rv);
+  }
+
+  at::Tensor g = test::randn(expected.sizes(), seed + 99, at::kDouble);
+  expected.backward(g);
+  got.backward(distribute_tensor(g, mesh, spec(got).partial_as_replicate().placements(),
+                                 std::nullopt, ShardSizes::Given(spec(got).shard_tables())));
+  ASSERT_TRUE(dx.grad().defined()) << desc << ": no input gradient";
+  ASSERT_TRUE(close(full_tensor(dx.grad()), x.grad()))
+      << desc << ": input gradient, max |diff| " << max_diff(full_tensor(dx.grad()), x.grad());
+  if (c.affine) {
+    ASSERT_TRUE(dw.grad().defined() && db.grad().defined()) << desc << ": no weight/bias gradient";
+    ASSERT_TRUE(close(full_tensor(dw.grad()), w.grad()))
+        << desc << ": weight gradient " << spec(dw.grad()).str() << ", max |diff| "
+        << max_diff(full_tensor(dw.grad()), w.grad());
+    ASSERT_TRUE(close(full_tensor(db.grad()), b.grad()))
+        << desc << ": bias gradient " << spec(db.grad()).str() << ", max |diff| "
+        << max_diff(full_tensor(db.grad()), b.grad());
+  }
+}
+
+void run_cases(const Shape& mesh_shape, int cases_per_kind, uint64_t seed) {
+  int world = 1;
+  for (auto s : mesh_shape) world *= static_cast<int>(s);
+  tessera::testing::run_ranks(world, [&](int) {
+    auto mesh = init_device_mesh("cpu", mesh_shape);
+    Rng rng(static_cast<unsigned>(seed));
+    const Kind kinds[] = {Kind::GroupNorm, Kind::BatchTrain, Kind::BatchEval, Kind::Instance};
+    for (int i = 0; i < 4 * cases_per_kind && !::testing::Test::HasFatalFailure(); ++i) {
+      Case c = make_case(rng, kinds[i % 4]);
+      Placements p = random_placements(rng, mesh, c.input);
+      auto tables = coin(rng, 0.8) ? test::random_tables(rng, mesh, p, c.input)
+                                   : std::vector<ShardTable>{};
+      std::string desc = "seed " + std::to_string(seed) + " case " + std::to_string(i) + " mesh " +
+                         shape_str(mesh_shape) + ": " + c.desc + " placements " + to_string(p);
+      for (size_t t = 0; t < tables.size(); ++t)
+        if (!tables[t].empty()) desc += " t" + std::to_string(t) + "=" + shape_str(tables[t]);
+      try {
+        check(mesh, c, p, tables, seed + static_cast<uint64_t>(i) * 17, desc);
+      } catch (const std::exception& e) {
+        throw std::runtime_error(desc + ": " + e.what());
+      }
+    }
+  });
+}
+
+uint64_t seed_for(const Shape& mesh) {
+  uint64_t seed = base_seed() * 31 + 5;
+  for (auto s : mesh) seed = seed * 10 + static_cast<uint64_t>(s);
+  return seed;
+}
+
+std::string mesh_name(const Shape& shape) {
+  std::string s = "mesh";
+  for (auto d : shape) s += std::to_string(d) + "x";
+  s.pop_back();
+  return s;
+}
+
+}  // namespace
+
+// 4 meshes x 4 kinds x 14 cases = 224 random cases.
+class DomainNorm : public ::testing::TestWithParam<Shape> {};
+TEST_P(DomainNorm, RandomNormalisationsMatchOneDevice) {
+  run_cases(GetParam(), 14, seed_for(GetParam()));
+}
+INSTANTIATE_TEST_SUITE_P(Meshes, DomainNorm,
+                         ::testing::Values(Shape{2}, Shape{3}, Shape{4}, Shape{2, 2}),
+                         [](const auto& info) { return mesh_name(info.param); });
+
+// A spatially sharded norm moves only its statistics: two all-reduces of [N, groups] or [C]
+// per sharding mesh dim forward, one (both gradient sums stacked) backward.
+TEST(DomainNorm, SpatialShardingCommunicatesOnlyStatistics) {
+  const auto x = test::randn({2, 6, 9, 7}, 7, at::kDouble);
+  tessera::testing::run_ranks(4, [&](int) {
+    auto mesh = init_device_mesh("cpu", {2, 2});
+    for (bool batch_norm : {false, true}) {
+      auto dx = distribute_tensor(x, mesh, {Shard(2), Shard(3)}, std::nullopt,
+                                  ShardSizes::Given({{}, {}, {9, 0}, {3, 4}}))
+                    .requires_grad_();
+      at::Tensor out;
+      {
+        CommDebugMode comm;
+        out = batch_norm ? at::batch_norm(dx, {}, {}, {}, {}, true, 0.1, 1e-5, false)
+                         : at::group_norm(dx, 3);
+        EXPECT_EQ(comm.get_total_counts(), 4) << comm.table();
+        EXPECT_EQ(comm.stats(comm::CollectiveKind::AllReduce).calls, 4) << comm.table();
+      }
+      EXPECT_EQ(placements(out), (Placements{Shard(2), Shard(3)}));
+      CommDebugMode comm;
+      out.backward(at::ones_like(out));
+      EXPECT_EQ(comm.get_total_counts(), 2) << comm.table();
+      EXPECT_EQ(comm.stats(comm::CollectiveKind::AllReduce).calls, 2) << comm.table();
+      EXPECT_EQ(placements(dx.grad()), (Placements{Shard(2), Shard(3)}));
+    }
+  });
+}
+
+TEST(DomainNorm, TrainingWithShardedRunningStatsIsRejected) {
+  const auto x = test::randn({4, 4, 6}, 8, at::kDouble);
+  tessera::testing::run_ranks(2, [&](int) {
+    auto mesh = init_device_mesh("cpu", {2});
+    auto dx = distribute_tensor(x, mesh, {Shard(2)}, std::nullopt);
+    auto rm = distribute_tensor(at::zeros({4}, at::kDouble), mesh, {Shard(0)}, std::nullopt);
+    auto rv = distribute_tensor(at::ones({4}, at::kDouble), mesh, {Replicate()}, std::nullopt);
+    try {
+      at::batch_norm(dx, {}, {}, rm, rv, true, 0.1, 1e-5, false);
+      ADD_FAILURE() << "expected an error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("native_batch_norm"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("replicated"), std::string::npos) << e.what();
+    }
+  });
+}
+
+// Unchanged torch::nn modules with every parameter and buffer replicated (distribute_module),
+// input sharded H over one mesh dim and W over the other (one empty shard): losses,
+// parameters and running buffers after SGD steps, then an evaluation forward, equal one
+// device, in double and in float (the modules' default).
+TEST(DomainNorm, GroupNormAndBatchNormModulesTrainOnHxWDecomposition) {
+  for (auto dtype : {at::kDouble, at::kFloat}) {
+    const double tol = dtype == at::kDouble ? 1e-9 : 1e-5;
+    auto near = [tol](const at::Tensor& a, const at::Tensor& b) {
+      return a.sizes() == b.sizes() && at::allclose(a.to(at::kDouble), b.to(at::kDouble), tol, tol);
+    };
+    torch::manual_seed(3);  // on the test thread, before any rank thread exists
+    nn::Sequential proto(nn::GroupNorm(nn::GroupNormOptions(2, 4)), nn::ReLU(),
+                         nn::BatchNorm2d(nn::BatchNorm2dOptions(4).momentum(0.3)));
+    proto->to(dtype);
+    // Non-trivial affine parameters, so their gradients are tested through the whole net.
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : proto->parameters()) p.add_(at::rand(p.sizes(), test::generator(p.numel()), p.options()));
+    }
+    const auto x = test::randn({3, 4, 7, 6}, 31, dtype);
+    const auto y = test::randn({3, 4, 7, 6}, 32, dtype);
+    tessera::testing::run_ranks(4, [&](int) {
+      auto mesh = init_device_mesh("cpu", {2, 2});
+      auto ref = std::dynamic_pointer_cast<nn::SequentialImpl>(proto->clone());
+      auto dist = std::dynamic_pointer_cast<nn::SequentialImpl>(proto->clone());
+      distribute_module(*dist, mesh);  // parameters and buffers replicated
+      const auto sizes = ShardSizes::Given({{}, {}, {5, 2}, {0, 6}});
+      auto dx = distribute_tensor(x, mesh, {Shard(2), Shard(3)}, std::nullopt, sizes);
+      auto dy = distribute_tensor(y, mesh, {Shard(2), Shard(3)}, std::nullopt, sizes);
+      torch::optim::SGD opt_ref(ref->parameters(), torch::optim::SGDOptions(0.1));
+      torch::optim::SGD opt_dist(dist->parameters(), torch::optim::SGDOptions(0.1));
+      const std::string what = dtype == at::kDouble ? "double" : "float";
+      for (int step = 0; step < 2; ++step) {
+        opt_ref.zero_grad();
+        opt_dist.zero_grad();
+        auto loss_ref = at::mse_loss(ref->forward(x), y);
+        auto loss_dist = at::mse_loss(dist->forward(dx), dy);
+        loss_ref.backward();
+        loss_dist.backward();
+        opt_ref.step();
+        opt_dist.step();
+        ASSERT_NEAR(loss_ref.item<double>(), loss_dist.item<double>(), tol) << what << " step " << step;
+      }
+      auto pa = ref->named_parameters(), pb = dist->named_parameters();
+      for (const auto& item : pa) {
+        auto got = *pb.find(item.key());
+        ASSERT_TRUE(is_dtensor(got)) << item.key();
+        EXPECT_TRUE(near(full_tensor(got).detach(), item.value().detach()))
+            << what << " parameter " << item.key();
+      }
+      auto ba = ref->named_buffers(), bb = dist->named_buffers();
+      ASSERT_EQ(ba.size(), 3u);
+      for (const auto& item : ba) {
+        auto got = *bb.find(item.key());
+        ASSERT_TRUE(is_dtensor(got)) << item.key();
+        EXPECT_TRUE(spec(got).is_replicated()) << item.key() << " " << spec(got).str();
+        EXPECT_TRUE(near(full_tensor(got), item.value()))
+            << what << " buffer " << item.key() << " max |diff| "
+            << max_diff(full_tensor(got).to(at::kDouble), item.value().to(at::kDouble));
+      }
+      ref->eval();
+      dist->eval();
+      EXPECT_TRUE(near(full_tensor(dist->forward(dx)).detach(), ref->forward(x).detach()))
+          << what << " evaluation forward";
+    });
+  }
+}
