@@ -138,6 +138,24 @@ std::vector<int64_t> output_sizes(const Axis& axis, const std::vector<int64_t>& 
   return out;
 }
 
+std::vector<int64_t> input_sizes_for(const Axis& axis, const std::vector<int64_t>& out_sizes) {
+  // Member m's inputs start where the first output after the previous members points.
+  const int64_t n = static_cast<int64_t>(out_sizes.size());
+  std::vector<int64_t> in(n, 0);
+  int64_t out_start = 0, prev = 0;
+  for (int64_t m = 0; m < n; ++m) {
+    const int64_t out_end = out_start + out_sizes[m];
+    int64_t end = axis.in;
+    if (m + 1 < n && out_end < axis.out)
+      end = std::clamp<int64_t>(axis.source_row(out_end), prev, axis.in);
+    in[m] = end - prev;
+    prev = end;
+    out_start = out_end;
+  }
+  if (output_sizes(axis, in) != out_sizes) return {};
+  return in;
+}
+
 std::vector<Window> read_windows(const Axis& axis, const std::vector<int64_t>& out_sizes) {
   std::vector<Window> w;
   int64_t offset = 0;

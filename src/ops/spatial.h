@@ -66,6 +66,9 @@ struct Axis {
 
 // Output sizes per member when member m holds in_sizes[m] input rows.
 std::vector<int64_t> output_sizes(const Axis& axis, const std::vector<int64_t>& in_sizes);
+// An input table whose outputs are exactly `out_sizes` (for backward ops that get only the
+// output's layout), or an empty table when none exists.
+std::vector<int64_t> input_sizes_for(const Axis& axis, const std::vector<int64_t>& out_sizes);
 // Every member's window: the input rows its outputs read.
 std::vector<Window> read_windows(const Axis& axis, const std::vector<int64_t>& out_sizes);
 

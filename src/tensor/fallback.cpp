@@ -2,6 +2,7 @@
 //
 // Per call: find the distributed arguments, apply the op's sharding rule, redistribute the
 // inputs the rule asks for, run the op on the local shards, wrap the results.
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
 
@@ -118,7 +119,7 @@ bool shapes_matter(const c10::TypePtr& type) {
   }
 }
 
-void hash_value(const c10::IValue& v, Key& key) {
+void hash_value(const c10::IValue& v, Key& key, bool floats) {
   if (v.isNone()) key.push_back(0x9e37);
   else if (v.isInt()) key.push_back(static_cast<size_t>(v.toInt()) * 3 + 1);
   else if (v.isBool()) key.push_back(v.toBool() ? 0x51 : 0x50);
@@ -128,6 +129,21 @@ void hash_value(const c10::IValue& v, Key& key) {
   } else if (v.isBoolList()) {
     key.push_back(0xb001 + v.toBoolList().size());
     for (bool b : v.toBoolList()) key.push_back(b);
+  } else if (floats && v.isDouble()) {
+    // Only for rules that read them (interpolation scales): optimizer scalars change every
+    // step and must not defeat the cache.
+    double d = v.toDouble();
+    uint64_t bits;
+    std::memcpy(&bits, &d, sizeof bits);
+    key.push_back(0xd0b1e);
+    key.push_back(static_cast<size_t>(bits));
+  } else if (floats && v.isDoubleList()) {
+    key.push_back(0xd0b70 + v.toDoubleList().size());
+    for (double d : v.toDoubleList()) {
+      uint64_t bits;
+      std::memcpy(&bits, &d, sizeof bits);
+      key.push_back(static_cast<size_t>(bits));
+    }
   } else if (v.isString()) key.push_back(std::hash<std::string>()(v.toStringRef()));
   else key.push_back(0x7f);  // other optional/list payloads: only their presence
 }
@@ -200,6 +216,7 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   // The decision key: see NOTE: [Decision cache].
   Key key;
   key.push_back(reinterpret_cast<size_t>(&schema));
+  const bool floats = ops::rule_reads_floats(op);
   for (size_t i = 0; i < nargs; ++i) {
     if (args[i].isTensor()) {
       const DTensorSpec* sp = nullptr;
@@ -234,7 +251,7 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       }
       args[i] = std::move(admitted);
     } else if (shapes_matter(schema.arguments()[i].type())) {
-      hash_value(args[i], key);
+      hash_value(args[i], key, floats);
     } else {
       key.push_back(2);
     }

@@ -131,6 +131,164 @@ Case conv_case(Rng& rng) {
   return c;
 }
 
+
+// A batched input [N, C, spatial...] with nsp spatial dims of the given sizes.
+Shape batched(Rng& rng, const std::vector<int64_t>& spatial) {
+  Shape s = {pick(rng, 1, 2), pick(rng, 1, 3)};
+  s.insert(s.end(), spatial.begin(), spatial.end());
+  return s;
+}
+std::vector<int64_t> trailing_dims(const Shape& s, int64_t n) {
+  std::vector<int64_t> d;
+  for (int64_t i = static_cast<int64_t>(s.size()) - n; i < static_cast<int64_t>(s.size()); ++i) d.push_back(i);
+  return d;
+}
+
+Case pool_case(Rng& rng) {
+  Case c;
+  const int64_t nsp = pick(rng, 1, 3);
+  const bool max = coin(rng);
+  const bool ceil = coin(rng, 0.3), include_pad = coin(rng);
+  std::vector<int64_t> k, s, p, d, sizes;
+  for (int64_t i = 0; i < nsp; ++i) {
+    k.push_back(pick(rng, 1, nsp == 3 ? 3 : 4));
+    s.push_back(pick(rng, 1, 3));
+    p.push_back(pick(rng, 0, k.back() / 2));
+    d.push_back(max ? pick(rng, 1, 2) : 1);
+    // (3-D pooling also wants the unpadded input to cover the kernel; max pooling too, or
+    // a window may hold padding only, for which ATen returns an index outside the input.)
+    const int64_t span = d.back() * (k.back() - 1) + 1;
+    const int64_t min_in = std::max<int64_t>(1, nsp == 3 || max ? span : span - 2 * p.back());
+    sizes.push_back(pick(rng, min_in, min_in + (nsp == 3 ? 5 : 11)));
+  }
+  const int64_t divisor = (!max && nsp > 1 && coin(rng, 0.2)) ? pick(rng, 1, 5) : 0;
+  const bool indices = max && nsp > 1 && coin(rng, 0.2);
+  c.input = batched(rng, sizes);
+  c.window_dims = trailing_dims(c.input, nsp);
+  c.desc = std::string(indices ? "max_pool_indices" : max ? "max_pool" : "avg_pool") +
+           std::to_string(nsp) + "d in " + shape_str(c.input) + " kernel " + shape_str(k) +
+           " stride " + shape_str(s) + " pad " + shape_str(p) + " dil " + shape_str(d) +
+           (ceil ? " ceil" : "") + (max ? "" : include_pad ? " count_pad" : " exclude_pad") +
+           (divisor ? " divisor " + std::to_string(divisor) : "");
+  c.exact_grad = !indices;
+  c.fn = [=](const at::Tensor& x, const std::vector<at::Tensor>&) -> at::Tensor {
+    c10::optional<int64_t> div = divisor ? c10::optional<int64_t>(divisor) : c10::nullopt;
+    if (indices) {
+      auto r = nsp == 2 ? at::max_pool2d_with_indices(x, k, s, p, d, ceil)
+                        : at::max_pool3d_with_indices(x, k, s, p, d, ceil);
+      return std::get<1>(r).to(at::kDouble);
+    }
+    switch (nsp) {
+      case 1: return max ? at::max_pool1d(x, k, s, p, d, ceil) : at::avg_pool1d(x, k, s, p, ceil, include_pad);
+      case 2: return max ? at::max_pool2d(x, k, s, p, d, ceil) : at::avg_pool2d(x, k, s, p, ceil, include_pad, div);
+      default: return max ? at::max_pool3d(x, k, s, p, d, ceil) : at::avg_pool3d(x, k, s, p, ceil, include_pad, div);
+    }
+  };
+  // ATen rejects a last window that starts in the right padding; resample such shapes.
+  for (int64_t i = 0; i < nsp; ++i) {
+    const int64_t num = sizes[i] + 2 * p[i] - d[i] * (k[i] - 1) - 1 + (ceil ? s[i] - 1 : 0);
+    if (num < 0) return pool_case(rng);
+  }
+  return c;
+}
+
+Case adaptive_case(Rng& rng) {
+  Case c;
+  const int64_t nsp = pick(rng, 2, 3);
+  std::vector<int64_t> out, sizes;
+  for (int64_t i = 0; i < nsp; ++i) {
+    out.push_back(pick(rng, 1, 3));
+    // Mostly divisible sizes (the window path), sometimes not (spatial dims replicated).
+    sizes.push_back(coin(rng, 0.8) ? out.back() * pick(rng, 1, 4) : pick(rng, 1, 9));
+  }
+  c.input = batched(rng, sizes);
+  c.window_dims = trailing_dims(c.input, nsp);
+  c.desc = "adaptive_avg_pool" + std::to_string(nsp) + "d in " + shape_str(c.input) + " out " + shape_str(out);
+  c.fn = [=](const at::Tensor& x, const std::vector<at::Tensor>&) {
+    return nsp == 2 ? at::adaptive_avg_pool2d(x, out) : at::adaptive_avg_pool3d(x, out);
+  };
+  return c;
+}
+
+Case upsample_case(Rng& rng) {
+  Case c;
+  const int64_t nsp = pick(rng, 1, 3);
+  const bool linear = coin(rng), align = coin(rng);
+  const bool by_scale = coin(rng), vec = coin(rng);
+  static const double kScales[] = {0.5, 1.0, 1.5, 2.0, 2.5, 3.0};
+  std::vector<int64_t> sizes, out;
+  std::vector<double> scales;
+  for (int64_t i = 0; i < nsp; ++i) {
+    sizes.push_back(pick(rng, 1, nsp == 3 ? 5 : 9));
+    const double sc = kScales[pick(rng, 0, 5)];
+    scales.push_back(sc);
+    out.push_back(by_scale ? std::max<int64_t>(1, static_cast<int64_t>(std::floor(sizes.back() * sc)))
+                           : pick(rng, 1, 2 * sizes.back() + 2));
+  }
+  if (by_scale)
+    for (int64_t i = 0; i < nsp; ++i)
+      if (static_cast<int64_t>(std::floor(sizes[i] * scales[i])) < 1) return upsample_case(rng);
+  c.input = batched(rng, sizes);
+  c.window_dims = trailing_dims(c.input, nsp);
+  c.desc = std::string(linear ? (align ? "linear_align" : "linear") : "nearest") + std::to_string(nsp) +
+           "d in " + shape_str(c.input) + " out " + shape_str(out) + (by_scale ? " by scale" : "") +
+           (vec ? " (vec)" : "");
+  c.fn = [=](const at::Tensor& x, const std::vector<at::Tensor>&) -> at::Tensor {
+    auto sc = [&](int64_t i) { return by_scale ? c10::optional<double>(scales[i]) : c10::nullopt; };
+    if (vec) {
+      c10::optional<at::ArrayRef<double>> sf;
+      c10::optional<at::IntArrayRef> os;
+      if (by_scale) sf = at::ArrayRef<double>(scales); else os = at::IntArrayRef(out);
+      switch (nsp) {
+        case 1: return linear ? at::upsample_linear1d(x, os, align, sf) : at::upsample_nearest1d(x, os, sf);
+        case 2: return linear ? at::upsample_bilinear2d(x, os, align, sf) : at::upsample_nearest2d(x, os, sf);
+        default: return linear ? at::upsample_trilinear3d(x, os, align, sf) : at::upsample_nearest3d(x, os, sf);
+      }
+    }
+    switch (nsp) {
+      case 1: return linear ? at::upsample_linear1d(x, out, align, sc(0)) : at::upsample_nearest1d(x, out, sc(0));
+      case 2: return linear ? at::upsample_bilinear2d(x, out, align, sc(0), sc(1))
+                            : at::upsample_nearest2d(x, out, sc(0), sc(1));
+      default: return linear ? at::upsample_trilinear3d(x, out, align, sc(0), sc(1), sc(2))
+                             : at::upsample_nearest3d(x, out, sc(0), sc(1), sc(2));
+    }
+  };
+  return c;
+}
+
+Case pad_case(Rng& rng) {
+  Case c;
+  const int64_t nsp = pick(rng, 1, 3);
+  const int mode = static_cast<int>(pick(rng, 0, 3));  // constant, reflect, replicate, circular
+  static const char* kModes[] = {"constant", "reflect", "replicate", "circular"};
+  std::vector<int64_t> sizes, pad;
+  for (int64_t i = 0; i < nsp; ++i) sizes.push_back(pick(rng, 1, nsp == 3 ? 5 : 9));
+  for (int64_t i = nsp; i-- > 0;) {  // pairs from the last dim backwards
+    for (int side = 0; side < 2; ++side) {
+      const int64_t n = sizes[i];
+      switch (mode) {
+        case 0: pad.push_back(pick(rng, -std::min<int64_t>((n - 1) / 2, 2), 3)); break;  // keeps >= 1 row
+        case 1: pad.push_back(pick(rng, 0, std::min<int64_t>(n - 1, 3))); break;
+        case 2: pad.push_back(pick(rng, 0, 3)); break;
+        default: pad.push_back(pick(rng, 0, std::min<int64_t>(n, 3))); break;
+      }
+    }
+  }
+  const double value = static_cast<double>(pick(rng, -2, 2));
+  c.input = batched(rng, sizes);
+  c.window_dims = trailing_dims(c.input, nsp);
+  c.desc = std::string("pad_") + kModes[mode] + " in " + shape_str(c.input) + " pad " + shape_str(pad);
+  c.fn = [=](const at::Tensor& x, const std::vector<at::Tensor>&) -> at::Tensor {
+    switch (mode) {
+      case 0: return at::constant_pad_nd(x, pad, value);
+      case 1: return nsp == 1 ? at::reflection_pad1d(x, pad) : nsp == 2 ? at::reflection_pad2d(x, pad) : at::reflection_pad3d(x, pad);
+      case 2: return nsp == 1 ? at::replication_pad1d(x, pad) : nsp == 2 ? at::replication_pad2d(x, pad) : at::replication_pad3d(x, pad);
+      default: return at::_pad_circular(x, pad);
+    }
+  };
+  return c;
+}
+
 // ---- driver -----------------------------------------------------------------------------
 
 using Generator = Case (*)(Rng&);
@@ -198,4 +356,26 @@ TEST_P(DomainConv, RandomConvolutionsMatchOneDevice) {
   run_cases(GetParam(), conv_case, 150, seed_for(GetParam(), 1));
 }
 INSTANTIATE_TEST_SUITE_P(Meshes, DomainConv, kMeshes,
+                         [](const auto& info) { return mesh_name(info.param); });
+
+class DomainPool : public ::testing::TestWithParam<std::vector<int64_t>> {};
+TEST_P(DomainPool, RandomPoolingMatchesOneDevice) {
+  run_cases(GetParam(), pool_case, 90, seed_for(GetParam(), 2));
+  run_cases(GetParam(), adaptive_case, 20, seed_for(GetParam(), 3));
+}
+INSTANTIATE_TEST_SUITE_P(Meshes, DomainPool, kMeshes,
+                         [](const auto& info) { return mesh_name(info.param); });
+
+class DomainUpsample : public ::testing::TestWithParam<std::vector<int64_t>> {};
+TEST_P(DomainUpsample, RandomInterpolationMatchesOneDevice) {
+  run_cases(GetParam(), upsample_case, 60, seed_for(GetParam(), 4));
+}
+INSTANTIATE_TEST_SUITE_P(Meshes, DomainUpsample, kMeshes,
+                         [](const auto& info) { return mesh_name(info.param); });
+
+class DomainPad : public ::testing::TestWithParam<std::vector<int64_t>> {};
+TEST_P(DomainPad, RandomPaddingMatchesOneDevice) {
+  run_cases(GetParam(), pad_case, 60, seed_for(GetParam(), 5));
+}
+INSTANTIATE_TEST_SUITE_P(Meshes, DomainPad, kMeshes,
                          [](const auto& info) { return mesh_name(info.param); });

@@ -47,10 +47,13 @@ struct OpPlan {
 
 using Rule = OpPlan (*)(const OpCall&);
 
-// Registers `rule` for an op ("aten::add.Tensor"). One rule per op.
-void register_rule(const std::string& qualified_name, Rule rule);
+// Registers `rule` for an op ("aten::add.Tensor"). One rule per op. Decisions are cached per
+// op, input specs and integer / bool / string arguments; a rule whose plan depends on
+// floating-point arguments (interpolation scales) says so, and they join its cache key.
+void register_rule(const std::string& qualified_name, Rule rule, bool reads_floating_args = false);
 // The rule of an op, or nullptr. Memoised per operator after the first lookup.
 Rule find_rule(const c10::OperatorHandle& op);
+bool rule_reads_floats(const c10::OperatorHandle& op);
 
 // A candidate: the layouts the inputs would need and the outputs it produces.
 struct Strategy {

@@ -1,0 +1,332 @@
+// Max and average pooling (2-D/3-D; 1-D arrives as 2-D) on inputs sharded along any dims.
+// Pooling acts per channel, so batch and channel shards stay; spatially sharded dims take the
+// window path (NOTE: [Window ops on sharded spatial dims]):
+//  - max: the window is fetched with -inf outside the domain, pooled with zero padding, and
+//    the local argmax turned into the global flat index one device returns. Backward adds
+//    each gradient into the window at its index and sends halo rows home.
+//  - avg: window sums (zero fill) divided by one device's divisor for each output, which
+//    depends on where the window sits against the domain edge (count_include_pad,
+//    ceil_mode overhang, divisor_override). Backward is the adjoint of the same sums.
+// Adaptive average pooling with output sizes that divide the input is average pooling with
+// kernel = stride = in/out; global pooling (1x1) arrives as mean (a reduction: Partial, then
+// Replicate). Other adaptive sizes replicate the spatial dims.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
+
+#include "spatial.h"
+#include "tessera/ops/rule.h"
+
+namespace tessera::ops {
+
+namespace {
+
+using spatial::Axis;
+using spatial::DimCut;
+using spatial::Window;
+
+struct PoolArgs {
+  bool max = true;
+  std::vector<int64_t> kernel, stride, padding, dilation;
+  bool ceil_mode = false, count_include_pad = true;
+  int64_t divisor_override = 0;  // 0: none
+};
+
+std::vector<int64_t> per_dim(std::vector<int64_t> v, size_t n, std::vector<int64_t> fallback = {}) {
+  if (v.empty()) v = std::move(fallback);
+  if (v.size() == 1 && n > 1) v.assign(n, v[0]);
+  return v;
+}
+
+// `first` = index of the kernel_size argument (1 forward, 2 backward).
+PoolArgs pool_args(const OpCall& call, size_t first, bool max, size_t nsp) {
+  PoolArgs a;
+  a.max = max;
+  a.kernel = per_dim(call.args[first].toIntVector(), nsp);
+  a.stride = per_dim(call.args[first + 1].toIntVector(), nsp, a.kernel);
+  a.padding = per_dim(call.args[first + 2].toIntVector(), nsp);
+  if (max) {
+    a.dilation = per_dim(call.args[first + 3].toIntVector(), nsp);
+    a.ceil_mode = call.args[first + 4].toBool();
+  } else {
+    a.dilation.assign(nsp, 1);
+    a.ceil_mode = call.args[first + 3].toBool();
+    a.count_include_pad = call.args[first + 4].toBool();
+    const auto& div = call.args[first + 5];
+    a.divisor_override = div.isInt() ? div.toInt() : 0;
+  }
+  return a;
+}
+
+// ATen's pooling output size (pooling_output_shape).
+int64_t pooled_size(int64_t in, int64_t k, int64_t s, int64_t p, int64_t d, bool ceil) {
+  const int64_t num = in + 2 * p - d * (k - 1) - 1 + (ceil ? s - 1 : 0);
+  int64_t out = spatial::floor_div(num, s) + 1;
+  if (ceil && (out - 1) * s >= in + p) --out;
+  return out;
+}
+
+std::vector<int64_t> window_dims_of(int64_t ndim, size_t nsp) {
+  std::vector<int64_t> d;
+  for (int64_t i = ndim - static_cast<int64_t>(nsp); i < ndim; ++i) d.push_back(i);
+  return d;
+}
+
+std::vector<Axis> pool_axes(const OpCall& call, const std::vector<int64_t>& sizes,
+                            const std::vector<int64_t>& dims, const PoolArgs& a) {
+  std::vector<Axis> axes;
+  for (size_t i = 0; i < dims.size(); ++i) {
+    const int64_t in = sizes[dims[i]];
+    const int64_t span = a.dilation[i] * (a.kernel[i] - 1) + 1;
+    TORCH_CHECK(2 * a.padding[i] <= (a.max ? span : a.kernel[i]), "tessera: ", call.describe(),
+                ": padding ", a.padding[i], " is more than half the kernel size ", span);
+    const int64_t out = pooled_size(in, a.kernel[i], a.stride[i], a.padding[i], a.dilation[i], a.ceil_mode);
+    TORCH_CHECK(out > 0, "tessera: ", call.describe(), ": output size along dim ", dims[i],
+                " would be ", out);
+    axes.push_back(Axis::stencil(in, out, a.kernel[i], a.stride[i], a.padding[i], a.dilation[i]));
+  }
+  return axes;
+}
+
+std::vector<int64_t> window_shape(const at::Tensor& x, const std::vector<DimCut>& cuts) {
+  auto s = x.sizes().vec();
+  for (const auto& c : cuts) s[c.dim] = c.axis.reads(c.my_outputs().lo, c.my_outputs().hi).size();
+  return s;
+}
+std::vector<int64_t> output_shape(const at::Tensor& x, const std::vector<DimCut>& cuts) {
+  auto s = x.sizes().vec();
+  for (const auto& c : cuts) s[c.dim] = c.my_outputs().size();
+  return s;
+}
+bool no_outputs(const std::vector<DimCut>& cuts) {
+  for (const auto& c : cuts)
+    if (c.my_outputs().size() == 0) return true;
+  return false;
+}
+
+// Flat index over the trailing window dims: from `from` coordinates (sizes, origin) to `to`.
+at::Tensor reindex(const at::Tensor& idx, const std::vector<DimCut>& cuts, bool to_global) {
+  const size_t n = cuts.size();
+  std::vector<int64_t> win(n), glob(n), lo(n);
+  for (size_t j = 0; j < n; ++j) {
+    const auto& c = cuts[j];
+    const Window w = c.axis.reads(c.my_outputs().lo, c.my_outputs().hi);
+    win[j] = w.size();
+    glob[j] = c.axis.in;
+    lo[j] = w.lo;
+  }
+  const auto& from = to_global ? win : glob;
+  const auto& to = to_global ? glob : win;
+  std::vector<at::Tensor> coord(n);
+  at::Tensor rem = idx;
+  for (size_t j = n; j-- > 0;) {
+    coord[j] = rem.remainder(from[j]);
+    rem = rem.div(from[j], "floor");
+  }
+  at::Tensor out = at::zeros_like(idx);
+  for (size_t j = 0; j < n; ++j) out = out * to[j] + (to_global ? coord[j] + lo[j] : coord[j] - lo[j]);
+  return out;
+}
+
+// One device's divisor for every local output of average pooling (broadcastable).
+at::Tensor avg_divisor(const std::vector<DimCut>& cuts, const PoolArgs& a, int64_t ndim,
+                       const at::TensorOptions& opts) {
+  if (a.divisor_override) return at::scalar_tensor(static_cast<double>(a.divisor_override), opts);
+  at::Tensor div;
+  for (size_t j = 0; j < cuts.size(); ++j) {
+    const auto& c = cuts[j];
+    const Window mine = c.my_outputs();
+    std::vector<double> v;
+    for (int64_t o = mine.lo; o < mine.hi; ++o) {
+      const int64_t start = o * a.stride[j] - a.padding[j];
+      const int64_t end = std::min(start + a.kernel[j], c.axis.in + a.padding[j]);
+      const int64_t inside = std::min(end, c.axis.in) - std::max<int64_t>(start, 0);
+      v.push_back(static_cast<double>(a.count_include_pad ? end - start : inside));
+    }
+    std::vector<int64_t> shape(ndim, 1);
+    shape[c.dim] = static_cast<int64_t>(v.size());
+    at::Tensor t = at::tensor(v, opts.dtype(at::kDouble)).to(opts.dtype()).view(shape);
+    div = div.defined() ? div * t : t;
+  }
+  return div.clamp_min(1);
+}
+
+at::Tensor local_max_pool(const at::Tensor& win, const PoolArgs& a, at::Tensor& indices) {
+  const std::vector<int64_t> zeros(a.kernel.size(), 0);
+  auto r = a.kernel.size() == 2
+               ? at::max_pool2d_with_indices(win, a.kernel, a.stride, zeros, a.dilation, false)
+               : at::max_pool3d_with_indices(win, a.kernel, a.stride, zeros, a.dilation, false);
+  indices = std::get<1>(r);
+  return std::get<0>(r);
+}
+
+// Window sums (divisor 1) and their adjoint.
+at::Tensor window_sums(const at::Tensor& win, const PoolArgs& a) {
+  const std::vector<int64_t> zeros(a.kernel.size(), 0);
+  return a.kernel.size() == 2 ? at::avg_pool2d(win, a.kernel, a.stride, zeros, false, true, 1)
+                              : at::avg_pool3d(win, a.kernel, a.stride, zeros, false, true, 1);
+}
+at::Tensor window_sums_backward(const at::Tensor& g, const at::Tensor& win_like, const PoolArgs& a) {
+  const std::vector<int64_t> zeros(a.kernel.size(), 0);
+  return a.kernel.size() == 2
+             ? at::avg_pool2d_backward(g, win_like, a.kernel, a.stride, zeros, false, true, 1)
+             : at::avg_pool3d_backward(g, win_like, a.kernel, a.stride, zeros, false, true, 1);
+}
+
+void pool_forward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
+                         const std::vector<DimCut>& cuts, const PoolArgs& a) {
+  const at::Tensor x = stack[0].toTensor();
+  const double fill = a.max ? -std::numeric_limits<double>::infinity() : 0.0;
+  const at::Tensor win = spatial::fetch(mesh, x, cuts, spatial::HaloBoundary::Zeros, fill);
+  stack.clear();
+  if (no_outputs(cuts)) {
+    stack.emplace_back(at::zeros(output_shape(x, cuts), x.options()));
+    if (a.max) stack.emplace_back(at::zeros(output_shape(x, cuts), x.options().dtype(at::kLong)));
+    return;
+  }
+  if (a.max) {
+    at::Tensor idx;
+    at::Tensor out = local_max_pool(win, a, idx);
+    stack.emplace_back(out);
+    stack.emplace_back(reindex(idx, cuts, /*to_global=*/true));
+  } else {
+    stack.emplace_back(window_sums(win, a) / avg_divisor(cuts, a, x.dim(), x.options()));
+  }
+}
+
+// max: (grad_output, self, ..., indices); avg: (grad_output, self, ...)
+void pool_backward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
+                          const std::vector<DimCut>& cuts, const PoolArgs& a) {
+  const at::Tensor g = stack[0].toTensor(), x = stack[1].toTensor();
+  const auto wshape = window_shape(x, cuts);
+  at::Tensor gw;
+  if (no_outputs(cuts)) {
+    gw = at::zeros(wshape, g.options());
+  } else if (a.max) {
+    const at::Tensor idx = reindex(stack.back().toTensor(), cuts, /*to_global=*/false);
+    const int64_t lead = g.dim() - static_cast<int64_t>(cuts.size());
+    auto flat = std::vector<int64_t>(wshape.begin(), wshape.begin() + lead);
+    auto flat_out = flat;
+    flat.push_back(c10::multiply_integers(wshape.begin() + lead, wshape.end()));
+    flat_out.push_back(c10::multiply_integers(g.sizes().begin() + lead, g.sizes().end()));
+    gw = at::zeros(wshape, g.options());
+    gw.view(flat).scatter_add_(lead, idx.reshape(flat_out), g.reshape(flat_out));
+  } else {
+    gw = window_sums_backward(g / avg_divisor(cuts, a, g.dim(), g.options()),
+                              at::empty(wshape, g.options()), a);
+  }
+  at::Tensor grad = spatial::fetch_backward(mesh, gw, cuts, spatial::HaloBoundary::Zeros);
+  stack.clear();
+  stack.emplace_back(grad);
+}
+
+OpPlan pool_plan(const OpCall& call, size_t act, const PoolArgs& a, bool backward) {
+  const auto& in = *call.specs[act];
+  const size_t nsp = a.kernel.size();
+  const auto dims = window_dims_of(in.ndim(), nsp);
+  auto layout = spatial::window_layout(in, dims, /*keep_others=*/true);
+  const auto cuts = spatial::make_cuts(*layout, dims, pool_axes(call, in.sizes(), dims, a));
+  auto out = spatial::output_spec(*layout, cuts, in.dtype());
+  OpPlan plan;
+  plan.inputs.resize(call.args.size());
+  plan.inputs[act] = layout;
+  if (backward) {
+    plan.inputs[0] = spatial::output_spec(*layout, cuts, call.specs[0]->dtype());
+    if (a.max) plan.inputs.back() = spatial::output_spec(*layout, cuts, at::kLong);
+    plan.outputs.push_back(layout);
+  } else {
+    plan.outputs.push_back(out);
+    if (a.max) plan.outputs.push_back(spatial::output_spec(*layout, cuts, at::kLong));
+  }
+  // Without a cut window dim the local op is exact (batch / channel shards only), except
+  // that max pooling's indices are already global along uncut dims: also exact.
+  if (spatial::any_window_dim_sharded(*layout, dims)) {
+    DeviceMesh mesh = in.mesh();
+    if (backward)
+      plan.local_kernel = [mesh, cuts, a](torch::jit::Stack& s) { pool_backward_kernel(s, mesh, cuts, a); };
+    else
+      plan.local_kernel = [mesh, cuts, a](torch::jit::Stack& s) { pool_forward_kernel(s, mesh, cuts, a); };
+  }
+  return plan;
+}
+
+size_t nsp_of(const OpCall& call) {
+  return call.name().find("3d") != std::string::npos ? 3 : 2;
+}
+
+OpPlan max_pool_rule(const OpCall& c) { return pool_plan(c, 0, pool_args(c, 1, true, nsp_of(c)), false); }
+OpPlan max_pool_backward_rule(const OpCall& c) {
+  return pool_plan(c, 1, pool_args(c, 2, true, nsp_of(c)), true);
+}
+OpPlan avg_pool_rule(const OpCall& c) { return pool_plan(c, 0, pool_args(c, 1, false, nsp_of(c)), false); }
+OpPlan avg_pool_backward_rule(const OpCall& c) {
+  return pool_plan(c, 1, pool_args(c, 2, false, nsp_of(c)), true);
+}
+
+// Adaptive average pooling: as average pooling where every output size divides its input.
+// (self, output_size) / backward (grad_output, self).
+OpPlan adaptive_rule(const OpCall& call, bool backward) {
+  const size_t act = backward ? 1 : 0;
+  const auto& in = *call.specs[act];
+  const size_t nsp = nsp_of(call);
+  const auto dims = window_dims_of(in.ndim(), nsp);
+  std::vector<int64_t> out;
+  if (backward) {
+    const auto& g = call.specs[0] ? call.specs[0]->sizes() : call.args[0].toTensor().sizes().vec();
+    out.assign(g.end() - static_cast<int64_t>(nsp), g.end());
+  } else {
+    out = call.args[1].toIntVector();
+  }
+  bool divides = true;
+  PoolArgs a;
+  a.max = false;
+  for (size_t i = 0; i < nsp; ++i) {
+    const int64_t n = in.sizes()[dims[i]];
+    divides = divides && out[i] > 0 && n % out[i] == 0;
+    a.kernel.push_back(out[i] > 0 ? std::max<int64_t>(n / out[i], 1) : 1);
+  }
+  a.stride = a.kernel;
+  a.padding.assign(nsp, 0);
+  a.dilation.assign(nsp, 1);
+  if (divides) return pool_plan(call, act, a, backward);
+  // Uneven bins: keep batch and channel shards, replicate the spatial dims.
+  Placements p = in.placements();
+  auto tables = in.shard_tables();
+  for (auto& x : p)
+    if (x.is_partial() || (x.is_shard() && x.dim() >= dims[0])) x = Replicate();
+  for (auto d : dims) tables[d].clear();
+  auto layout = std::make_shared<DTensorSpec>(in.mesh(), p, in.sizes(), in.dtype(), tables);
+  OpPlan plan;
+  plan.inputs.resize(call.args.size());
+  plan.inputs[act] = layout;
+  auto shape = in.sizes();
+  for (size_t i = 0; i < nsp; ++i) shape[dims[i]] = out[i];
+  if (backward) {
+    plan.inputs[0] = same_layout_with_shape(*layout, shape, call.specs[0]->dtype());
+    plan.outputs.push_back(layout);
+  } else {
+    plan.outputs.push_back(same_layout_with_shape(*layout, shape, in.dtype()));
+  }
+  return plan;
+}
+OpPlan adaptive_forward_rule(const OpCall& c) { return adaptive_rule(c, false); }
+OpPlan adaptive_backward_rule(const OpCall& c) { return adaptive_rule(c, true); }
+
+const RuleRegistrar registrar{[] {
+  for (const char* op : {"aten::max_pool2d_with_indices", "aten::max_pool3d_with_indices"})
+    register_rule(op, max_pool_rule);
+  for (const char* op : {"aten::max_pool2d_with_indices_backward",
+                         "aten::max_pool3d_with_indices_backward"})
+    register_rule(op, max_pool_backward_rule);
+  for (const char* op : {"aten::avg_pool2d", "aten::avg_pool3d"}) register_rule(op, avg_pool_rule);
+  for (const char* op : {"aten::avg_pool2d_backward", "aten::avg_pool3d_backward"})
+    register_rule(op, avg_pool_backward_rule);
+  for (const char* op : {"aten::_adaptive_avg_pool2d", "aten::_adaptive_avg_pool3d"})
+    register_rule(op, adaptive_forward_rule);
+  for (const char* op : {"aten::_adaptive_avg_pool2d_backward", "aten::_adaptive_avg_pool3d_backward"})
+    register_rule(op, adaptive_backward_rule);
+}};
+
+}  // namespace
+
+}  // namespace tessera::ops

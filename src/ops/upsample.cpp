@@ -1,0 +1,209 @@
+// Interpolation (upsample_nearest / linear / bilinear / trilinear, with and without
+// align_corners, by size or scale factor) on inputs sharded along any dims.
+// Batch and channel shards stay. Sharded spatial dims take the window path (NOTE: [Window
+// ops on sharded spatial dims]): each output row reads one (nearest) or two (linear) input
+// rows given by ATen's source-index formulas, so a rank fetches the rows its outputs read
+// and blends them with the same weights; interpolation is separable, so dims are applied one
+// after another. Backward scatters each gradient onto its source rows and sends halo rows
+// home. The backward ops carry only the output's layout: the input table is the one whose
+// outputs give that layout (the forward's, in the usual case).
+#include <optional>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "spatial.h"
+#include "tessera/ops/rule.h"
+
+namespace tessera::ops {
+
+namespace {
+
+using spatial::Axis;
+using spatial::DimCut;
+using spatial::Window;
+
+struct Interp {
+  size_t nsp = 0;
+  bool linear = false, align_corners = false;
+  std::vector<int64_t> in, out;  // spatial sizes
+  std::vector<double> scales;    // per dim; <= 0: none
+};
+
+std::optional<double> opt_double(const c10::IValue& v) {
+  if (v.isNone()) return std::nullopt;
+  return v.toDouble();
+}
+
+// Reads both the per-dim ("scales_h") and the .vec ("scale_factors") forms.
+// Forward: (self, output_size, [align_corners,] scales...) or .vec(self, output_size?,
+// [align_corners,] scale_factors?). Backward: (grad_output, output_size, input_size, ...).
+Interp parse(const OpCall& call, const std::vector<int64_t>& input_shape, bool backward) {
+  Interp p;
+  const std::string& name = call.name();
+  p.linear = name.find("linear") != std::string::npos;
+  p.nsp = name.find("3d") != std::string::npos ? 3 : name.find("2d") != std::string::npos ? 2 : 1;
+  const bool vec = call.op.schema().overload_name() == "vec";
+  size_t i = backward ? 3 : 2;  // after output_size (and input_size)
+  if (p.linear) p.align_corners = call.args[i++].toBool();
+  p.in.assign(input_shape.end() - static_cast<int64_t>(p.nsp), input_shape.end());
+  p.scales.assign(p.nsp, 0.0);
+  if (vec) {
+    const auto& sf = call.args[i];
+    if (!sf.isNone()) {
+      auto f = sf.toDoubleVector();
+      for (size_t d = 0; d < p.nsp; ++d) p.scales[d] = f.size() == 1 ? f[0] : f[d];
+    }
+  } else {
+    for (size_t d = 0; d < p.nsp; ++d)
+      if (auto s = opt_double(call.args[i + d])) p.scales[d] = *s;
+  }
+  const auto& os = call.args[1];
+  if (!os.isNone()) {
+    p.out = os.toIntVector();
+  } else {
+    for (size_t d = 0; d < p.nsp; ++d)
+      p.out.push_back(static_cast<int64_t>(std::floor(static_cast<double>(p.in[d]) * p.scales[d])));
+  }
+  return p;
+}
+
+std::vector<Axis> axes_of(const Interp& p) {
+  std::vector<Axis> axes;
+  for (size_t d = 0; d < p.nsp; ++d)
+    axes.push_back(p.linear ? Axis::linear(p.in[d], p.out[d], p.align_corners, p.scales[d])
+                            : Axis::nearest(p.in[d], p.out[d], p.scales[d]));
+  return axes;
+}
+
+struct Taps {
+  at::Tensor i0, i1, w0, w1;  // window-relative indices and weights of the rank's outputs
+};
+Taps taps_of(const DimCut& c, int64_t ndim, const at::TensorOptions& opts) {
+  const Window mine = c.my_outputs();
+  const Window win = c.axis.reads(mine.lo, mine.hi);
+  std::vector<int64_t> i0, i1;
+  std::vector<double> w0, w1;
+  for (int64_t o = mine.lo; o < mine.hi; ++o) {
+    const auto t = c.axis.taps(o);
+    i0.push_back(t.i0 - win.lo);
+    i1.push_back(t.i1 - win.lo);
+    w0.push_back(t.w0);
+    w1.push_back(t.w1);
+  }
+  std::vector<int64_t> shape(ndim, 1);
+  shape[c.dim] = static_cast<int64_t>(i0.size());
+  auto weights = [&](const std::vector<double>& w) {
+    return at::tensor(w, opts.dtype(at::kDouble)).to(opts.dtype()).view(shape);
+  };
+  return {at::tensor(i0, opts.dtype(at::kLong)), at::tensor(i1, opts.dtype(at::kLong)), weights(w0),
+          weights(w1)};
+}
+
+void forward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh, const std::vector<DimCut>& cuts,
+                    bool linear) {
+  const at::Tensor x = stack[0].toTensor();
+  at::Tensor y = spatial::fetch(mesh, x, cuts, spatial::HaloBoundary::Zeros);
+  for (const auto& c : cuts) {
+    const auto t = taps_of(c, y.dim(), y.options());
+    at::Tensor z = y.index_select(c.dim, t.i0);
+    y = linear ? z * t.w0 + y.index_select(c.dim, t.i1) * t.w1 : z;
+  }
+  stack.clear();
+  stack.emplace_back(y);
+}
+
+void backward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
+                     const std::vector<DimCut>& cuts, bool linear) {
+  at::Tensor g = stack[0].toTensor();
+  for (auto it = cuts.rbegin(); it != cuts.rend(); ++it) {
+    const auto& c = *it;
+    const auto t = taps_of(c, g.dim(), g.options());
+    auto shape = g.sizes().vec();
+    shape[c.dim] = c.axis.reads(c.my_outputs().lo, c.my_outputs().hi).size();
+    at::Tensor h = at::zeros(shape, g.options());
+    h.index_add_(c.dim, t.i0, linear ? g * t.w0 : g);
+    if (linear) h.index_add_(c.dim, t.i1, g * t.w1);
+    g = h;
+  }
+  at::Tensor grad = spatial::fetch_backward(mesh, g, cuts, spatial::HaloBoundary::Zeros);
+  stack.clear();
+  stack.emplace_back(grad);
+}
+
+std::vector<int64_t> spatial_dims(int64_t ndim, size_t nsp) {
+  std::vector<int64_t> d;
+  for (int64_t i = ndim - static_cast<int64_t>(nsp); i < ndim; ++i) d.push_back(i);
+  return d;
+}
+
+OpPlan upsample_rule(const OpCall& call) {
+  const auto& in = *call.specs[0];
+  const Interp p = parse(call, in.sizes(), false);
+  const auto dims = spatial_dims(in.ndim(), p.nsp);
+  auto layout = spatial::window_layout(in, dims, /*keep_others=*/true);
+  const auto cuts = spatial::make_cuts(*layout, dims, axes_of(p));
+  OpPlan plan;
+  plan.inputs.resize(call.args.size());
+  plan.inputs[0] = layout;
+  plan.outputs.push_back(spatial::output_spec(*layout, cuts, in.dtype()));
+  if (spatial::any_window_dim_sharded(*layout, dims)) {
+    DeviceMesh mesh = in.mesh();
+    const bool linear = p.linear;
+    plan.local_kernel = [mesh, cuts, linear](torch::jit::Stack& s) { forward_kernel(s, mesh, cuts, linear); };
+  }
+  return plan;
+}
+
+// (grad_output, output_size, input_size, ...): the input's layout follows from grad_output's.
+OpPlan upsample_backward_rule(const OpCall& call) {
+  const auto& g = *call.specs[0];
+  const auto input_shape = call.args[2].toIntVector();
+  const Interp p = parse(call, input_shape, true);
+  const auto dims = spatial_dims(g.ndim(), p.nsp);
+  const auto axes = axes_of(p);
+  auto glayout = spatial::window_layout(g, dims, /*keep_others=*/true);
+  // The input table per cut dim: the one whose outputs are grad_output's table (if none
+  // exists, the chunk layout, and grad_output is redistributed to match).
+  auto tables = glayout->shard_tables();
+  for (size_t k = 0; k < dims.size(); ++k) {
+    if (tables[dims[k]].empty()) continue;
+    auto t = spatial::input_sizes_for(axes[k], tables[dims[k]]);
+    tables[dims[k]] = t.empty() ? chunk_sizes(p.in[k], static_cast<int64_t>(tables[dims[k]].size())) : t;
+  }
+  auto layout = std::make_shared<DTensorSpec>(g.mesh(), glayout->placements(), input_shape, g.dtype(), tables);
+  const auto cuts = spatial::make_cuts(*layout, dims, axes);
+  OpPlan plan;
+  plan.inputs.resize(call.args.size());
+  plan.inputs[0] = spatial::output_spec(*layout, cuts, g.dtype());
+  plan.outputs.push_back(layout);
+  // Always the local kernel: the op's input_size argument is global, the batch may not be.
+  DeviceMesh mesh = g.mesh();
+  const bool linear = p.linear;
+  plan.local_kernel = [mesh, cuts, linear](torch::jit::Stack& s) { backward_kernel(s, mesh, cuts, linear); };
+  return plan;
+}
+
+const RuleRegistrar registrar{[] {
+  for (const char* op : {"aten::upsample_nearest1d", "aten::upsample_nearest2d",
+                         "aten::upsample_nearest3d", "aten::upsample_linear1d",
+                         "aten::upsample_bilinear2d", "aten::upsample_trilinear3d",
+                         "aten::upsample_nearest1d.vec", "aten::upsample_nearest2d.vec",
+                         "aten::upsample_nearest3d.vec", "aten::upsample_linear1d.vec",
+                         "aten::upsample_bilinear2d.vec", "aten::upsample_trilinear3d.vec"})
+    register_rule(op, upsample_rule, /*reads_floating_args=*/true);
+  for (const char* op : {"aten::upsample_nearest1d_backward", "aten::upsample_nearest2d_backward",
+                         "aten::upsample_nearest3d_backward", "aten::upsample_linear1d_backward",
+                         "aten::upsample_bilinear2d_backward", "aten::upsample_trilinear3d_backward",
+                         "aten::upsample_nearest1d_backward.vec",
+                         "aten::upsample_nearest2d_backward.vec",
+                         "aten::upsample_nearest3d_backward.vec",
+                         "aten::upsample_linear1d_backward.vec",
+                         "aten::upsample_bilinear2d_backward.vec",
+                         "aten::upsample_trilinear3d_backward.vec"})
+    register_rule(op, upsample_backward_rule, /*reads_floating_args=*/true);
+}};
+
+}  // namespace
+
+}  // namespace tessera::ops
