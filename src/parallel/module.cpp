@@ -11,6 +11,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include "tessera/tensor/api.h"
+#include "tessera/tensor/dtensor_impl.h"
 
 namespace tessera {
 
@@ -115,7 +116,22 @@ void replace_parameter(torch::nn::Module& module, const std::string& name, at::T
   TORCH_CHECK(member || !entry->defined(), "tessera: replace_parameter: ", module.name(),
               " keeps \"", name, "\" in a member tessera does not know; its forward() would go on ",
               "using the old tensor. Register an accessor with tessera::register_member_accessor");
-  if (is_param && value.defined()) value = value.detach().requires_grad_(entry->requires_grad());
+  if (is_param && value.defined()) {
+    value = value.detach().requires_grad_(entry->requires_grad());
+    if (value.requires_grad() && is_dtensor(value)) {
+      // A parameter's gradient takes the parameter's own layout as it arrives: a replicated
+      // weight used on sharded activations gets Partial terms, reduced here once (one
+      // all-reduce per mesh dim) instead of each time the optimizer reads the gradient.
+      SpecPtr target = dtensor_impl(value)->spec_ptr();
+      value.register_hook([target](const at::Tensor& g) -> at::Tensor {
+        if (!g.defined() || !is_dtensor(g) || spec(g) == *target) return g;
+        const auto& gs = spec(g);
+        auto want = std::make_shared<DTensorSpec>(target->mesh(), target->placements(), target->sizes(),
+                                                  gs.dtype(), target->shard_tables());
+        return *want == gs ? g : redistribute(g, want);
+      });
+    }
+  }
   *entry = value;
   if (member) *member = value;
 }
