@@ -293,6 +293,7 @@ at::Tensor fetch_ranges(const DeviceMesh& mesh, const at::Tensor& x, const std::
 at::Tensor place(const at::Tensor& x, int64_t dim, Window from, Window to) {
   TORCH_INTERNAL_ASSERT(x.size(dim) == from.size());
   if (from.lo == to.lo && from.hi == to.hi) return x;
+  if (from.lo <= to.lo && to.hi <= from.hi) return x.narrow(dim, to.lo - from.lo, to.size());  // a view
   auto shape = x.sizes().vec();
   shape[dim] = to.size();
   at::Tensor out = at::zeros(shape, x.options());

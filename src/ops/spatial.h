@@ -121,7 +121,8 @@ at::Tensor fetch_ranges(const DeviceMesh& mesh, const at::Tensor& x, const std::
                         const std::vector<std::vector<Window>>& windows);
 
 // x's rows [from.lo, from.hi) along dim placed into rows [to.lo, to.hi) of a tensor of
-// zeros: rows of `to` outside `from` are zero, rows of `from` outside `to` are dropped.
+// zeros: rows of `to` outside `from` are zero, rows of `from` outside `to` are dropped
+// (a view of x when `to` lies inside `from`).
 at::Tensor place(const at::Tensor& x, int64_t dim, Window from, Window to);
 
 }  // namespace tessera::ops::spatial
