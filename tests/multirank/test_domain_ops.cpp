@@ -353,29 +353,29 @@ uint64_t seed_for(const std::vector<int64_t>& mesh, uint64_t salt) {
 
 class DomainConv : public ::testing::TestWithParam<std::vector<int64_t>> {};
 TEST_P(DomainConv, RandomConvolutionsMatchOneDevice) {
-  run_cases(GetParam(), conv_case, 150, seed_for(GetParam(), 1));
+  run_cases(GetParam(), conv_case, 300, seed_for(GetParam(), 1));
 }
 INSTANTIATE_TEST_SUITE_P(Meshes, DomainConv, kMeshes,
                          [](const auto& info) { return mesh_name(info.param); });
 
 class DomainPool : public ::testing::TestWithParam<std::vector<int64_t>> {};
 TEST_P(DomainPool, RandomPoolingMatchesOneDevice) {
-  run_cases(GetParam(), pool_case, 90, seed_for(GetParam(), 2));
-  run_cases(GetParam(), adaptive_case, 20, seed_for(GetParam(), 3));
+  run_cases(GetParam(), pool_case, 150, seed_for(GetParam(), 2));
+  run_cases(GetParam(), adaptive_case, 30, seed_for(GetParam(), 3));
 }
 INSTANTIATE_TEST_SUITE_P(Meshes, DomainPool, kMeshes,
                          [](const auto& info) { return mesh_name(info.param); });
 
 class DomainUpsample : public ::testing::TestWithParam<std::vector<int64_t>> {};
 TEST_P(DomainUpsample, RandomInterpolationMatchesOneDevice) {
-  run_cases(GetParam(), upsample_case, 60, seed_for(GetParam(), 4));
+  run_cases(GetParam(), upsample_case, 100, seed_for(GetParam(), 4));
 }
 INSTANTIATE_TEST_SUITE_P(Meshes, DomainUpsample, kMeshes,
                          [](const auto& info) { return mesh_name(info.param); });
 
 class DomainPad : public ::testing::TestWithParam<std::vector<int64_t>> {};
 TEST_P(DomainPad, RandomPaddingMatchesOneDevice) {
-  run_cases(GetParam(), pad_case, 60, seed_for(GetParam(), 5));
+  run_cases(GetParam(), pad_case, 100, seed_for(GetParam(), 5));
 }
 INSTANTIATE_TEST_SUITE_P(Meshes, DomainPad, kMeshes,
                          [](const auto& info) { return mesh_name(info.param); });
