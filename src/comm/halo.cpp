@@ -39,7 +39,8 @@ struct Plan {
   std::vector<std::vector<Piece>> send;  // per member: my rows it needs (slot: in its window)
   std::vector<std::vector<Piece>> recv;  // per member: the rows I need from it
   std::vector<Piece> local;              // my rows I need myself
-  bool has_fill = false;                 // my window has rows outside the domain
+  std::vector<Window> fill;              // slots of my window outside the domain
+  bool identity = false;                 // my window is exactly my shard
 };
 
 Plan plan_for(int64_t me, const std::vector<int64_t>& sizes, const std::vector<Window>& windows,
@@ -50,14 +51,18 @@ Plan plan_for(int64_t me, const std::vector<int64_t>& sizes, const std::vector<W
   std::vector<int64_t> ends(n);  // ends[i] = first global row after member i's shard
   int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) ends[i] = total += sizes[i];
-  Plan plan{std::vector<std::vector<Piece>>(n), std::vector<std::vector<Piece>>(n), {}, false};
+  Plan plan{std::vector<std::vector<Piece>>(n), std::vector<std::vector<Piece>>(n), {}, {}, false};
+  plan.identity = windows[me].lo == ends[me] - sizes[me] && windows[me].hi == ends[me];
   for (int64_t m = 0; m < n; ++m) {
     const Window w = windows[m];
     std::vector<Piece> pieces;
     for (int64_t slot = 0; slot < w.size(); ++slot) {
       const int64_t g = map_row(w.lo + slot, total, boundary);
       if (g < 0) {
-        if (m == me) plan.has_fill = true;
+        if (m == me) {
+          if (!plan.fill.empty() && plan.fill.back().hi == slot) ++plan.fill.back().hi;
+          else plan.fill.push_back({slot, slot + 1});
+        }
         continue;
       }
       // The owner is the first member whose shard ends after g (empty shards never own).
@@ -177,8 +182,13 @@ at::Tensor fetch_window(const Group& pg, const at::Tensor& x, int64_t dim,
                         " != table entry ", sizes[me]);
   const auto plan = plan_for(me, sizes, windows, boundary);
   const auto shape = with_dim(x, dim, windows[me].size());
-  at::Tensor out = plan.has_fill ? at::full(shape, fill, x.options()) : at::empty(shape, x.options());
-  for (const auto& p : plan.local) out.narrow(dim, p.slot, p.count).copy_(x.narrow(dim, p.local, p.count));
+  // My own shard as it is: no copy (others may still need rows of it).
+  const bool identity = plan.identity && plan.fill.empty();
+  at::Tensor out = identity ? x : at::empty(shape, x.options());
+  if (!identity) {
+    for (const auto& f : plan.fill) out.narrow(dim, f.lo, f.size()).fill_(fill);
+    for (const auto& p : plan.local) out.narrow(dim, p.slot, p.count).copy_(x.narrow(dim, p.local, p.count));
+  }
   exchange_rows(pg, x, dim, plan.send, plan.recv, [](const Piece& p) { return p.local; },
                 [&](const Piece& p, const at::Tensor& r) { out.narrow(dim, p.slot, p.count).copy_(r); });
   return out;
@@ -190,9 +200,14 @@ at::Tensor fetch_window_backward(const Group& pg, const at::Tensor& grad_window,
   const int64_t me = pg ? group_rank(pg) : 0;
   TORCH_INTERNAL_ASSERT(grad_window.size(dim) == windows[me].size());
   const auto plan = plan_for(me, sizes, windows, boundary);
-  at::Tensor grad = at::zeros(with_dim(grad_window, dim, sizes[me]), grad_window.options());
-  for (const auto& p : plan.local)
-    grad.narrow(dim, p.local, p.count).add_(grad_window.narrow(dim, p.slot, p.count));
+  at::Tensor grad;
+  if (plan.identity) {
+    grad = grad_window.clone();  // received halo gradients are added in place below
+  } else {
+    grad = at::zeros(with_dim(grad_window, dim, sizes[me]), grad_window.options());
+    for (const auto& p : plan.local)
+      grad.narrow(dim, p.local, p.count).add_(grad_window.narrow(dim, p.slot, p.count));
+  }
   // The roles swap: what I received forward, I send back; what I sent, I get back and add.
   exchange_rows(pg, grad_window, dim, plan.recv, plan.send, [](const Piece& p) { return p.slot; },
                 [&](const Piece& p, const at::Tensor& r) { grad.narrow(dim, p.local, p.count).add_(r); });
