@@ -100,10 +100,68 @@ Taps taps_of(const DimCut& c, int64_t ndim, const at::TensorOptions& opts) {
           weights(w1)};
 }
 
+// Nearest upsampling by exactly 2 (or 1) along every cut dim, with the rank's outputs
+// starting at twice its window's first row: ATen's own kernel on the window gives the same
+// rows (its 2x and 1x cases are index shifts), so the gather is not needed.
+bool native_nearest(const std::vector<DimCut>& cuts) {
+  for (const auto& c : cuts) {
+    const auto mine = c.my_outputs();
+    const auto win = c.axis.reads(mine.lo, mine.hi);
+    if (c.axis.kind != Axis::Kind::Nearest) return false;
+    if (!c.cut()) {
+      // Whole dims: the window must be the whole input (downsampling may leave rows unread).
+      if (win.lo != 0 || win.hi != c.axis.in) return false;
+      continue;
+    }
+    if (mine.size() == 0) return false;
+    const bool twice = c.axis.out == 2 * c.axis.in && mine.lo == 2 * win.lo && mine.size() == 2 * win.size();
+    const bool same = c.axis.out == c.axis.in && mine.lo == win.lo && mine.size() == win.size();
+    if (!twice && !same) return false;
+  }
+  return true;
+}
+// Uncut dims keep the op's scales (same sizes as one device); cut dims need none.
+std::vector<c10::optional<double>> native_scales(const std::vector<DimCut>& cuts) {
+  std::vector<c10::optional<double>> s;
+  for (const auto& c : cuts)
+    s.push_back(!c.cut() && c.axis.scale > 0 ? c10::optional<double>(c.axis.scale) : c10::nullopt);
+  return s;
+}
+std::vector<int64_t> local_out_sizes(const std::vector<DimCut>& cuts) {
+  std::vector<int64_t> o;
+  for (const auto& c : cuts) o.push_back(c.my_outputs().size());
+  return o;
+}
+at::Tensor nearest_native(const at::Tensor& x, const std::vector<DimCut>& cuts) {
+  const auto sc = native_scales(cuts);
+  const auto out = local_out_sizes(cuts);
+  switch (cuts.size()) {
+    case 1: return at::upsample_nearest1d(x, out, sc[0]);
+    case 2: return at::upsample_nearest2d(x, out, sc[0], sc[1]);
+    default: return at::upsample_nearest3d(x, out, sc[0], sc[1], sc[2]);
+  }
+}
+at::Tensor nearest_native_backward(const at::Tensor& g, const std::vector<int64_t>& window_shape,
+                                   const std::vector<DimCut>& cuts) {
+  const auto sc = native_scales(cuts);
+  const auto out = local_out_sizes(cuts);
+  switch (cuts.size()) {
+    case 1: return at::upsample_nearest1d_backward(g, out, window_shape, sc[0]);
+    case 2: return at::upsample_nearest2d_backward(g, out, window_shape, sc[0], sc[1]);
+    default: return at::upsample_nearest3d_backward(g, out, window_shape, sc[0], sc[1], sc[2]);
+  }
+}
+
 void forward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh, const std::vector<DimCut>& cuts,
                     bool linear) {
   const at::Tensor x = stack[0].toTensor();
   at::Tensor y = spatial::fetch(mesh, x, cuts, spatial::HaloBoundary::Zeros);
+  if (!linear && native_nearest(cuts) && y.numel() > 0) {
+    y = nearest_native(y, cuts);
+    stack.clear();
+    stack.emplace_back(y);
+    return;
+  }
   for (const auto& c : cuts) {
     const auto t = taps_of(c, y.dim(), y.options());
     at::Tensor z = y.index_select(c.dim, t.i0);
@@ -116,6 +174,15 @@ void forward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh, const std:
 void backward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
                      const std::vector<DimCut>& cuts, bool linear) {
   at::Tensor g = stack[0].toTensor();
+  if (!linear && native_nearest(cuts) && g.numel() > 0) {
+    auto shape = g.sizes().vec();
+    for (const auto& c : cuts) shape[c.dim] = c.axis.reads(c.my_outputs().lo, c.my_outputs().hi).size();
+    at::Tensor grad = spatial::fetch_backward(mesh, nearest_native_backward(g, shape, cuts), cuts,
+                                              spatial::HaloBoundary::Zeros);
+    stack.clear();
+    stack.emplace_back(grad);
+    return;
+  }
   for (auto it = cuts.rbegin(); it != cuts.rend(); ++it) {
     const auto& c = *it;
     const auto t = taps_of(c, g.dim(), g.options());
