@@ -1,6 +1,8 @@
 #include "tessera/comm/halo.h"
 
 #include <algorithm>
+#include <functional>
+#include <memory>
 #include <cstdlib>
 #include <cstring>
 
@@ -108,13 +110,20 @@ bool use_point_to_point(const Group& pg) {
   return !forced_alltoall && pg->getBackendName() == "gloo";
 }
 
-// Sends member m the rows of `src` listed in outgoing[m] (starting at row_of(piece)) and
-// hands each run received from member m to place(piece, rows), in the order of incoming[m].
-template <class RowOf, class Place>
-void exchange_rows(const Group& pg, const at::Tensor& src, int64_t dim,
-                   const std::vector<std::vector<Piece>>& outgoing,
-                   const std::vector<std::vector<Piece>>& incoming, RowOf row_of, Place place) {
-  if (!pg) return;  // a group of one: everything is local
+// Rows in flight: received blocks (valid once the pending work has finished).
+struct InFlight {
+  std::vector<at::Tensor> blocks;
+  std::vector<std::function<void()>> waits;
+};
+
+// Starts sending member m the rows of `src` listed in outgoing[m] (starting at
+// row_of(piece)) and receiving the runs listed in incoming[m] into blocks[m].
+template <class RowOf>
+InFlight start_rows(const Group& pg, const at::Tensor& src, int64_t dim,
+                    const std::vector<std::vector<Piece>>& outgoing,
+                    const std::vector<std::vector<Piece>>& incoming, RowOf row_of, int tag) {
+  InFlight f;
+  if (!pg) return f;  // a group of one: everything is local
   const int64_t n = static_cast<int64_t>(outgoing.size());
   std::vector<at::Tensor> send(n);
   std::vector<std::vector<int64_t>> recv_shapes(n);
@@ -131,34 +140,50 @@ void exchange_rows(const Group& pg, const at::Tensor& src, int64_t dim,
     sent += rows(outgoing[m]) * row_bytes;
     received += rows(incoming[m]) * row_bytes;
   }
-  std::vector<at::Tensor> blocks(n);
-  if (use_point_to_point(pg)) {
-    record({CollectiveKind::SendRecv, sent, received, n});
-    constexpr int kHaloTag = 0x4a10;
-    std::vector<at::Tensor> none;
-    std::vector<decltype(pg->send(none, 0, 0))> pending;
-    for (int64_t m = 0; m < n; ++m) {
-      if (send[m].numel() == 0) continue;
-      std::vector<at::Tensor> t{send[m]};
-      pending.push_back(pg->send(t, static_cast<int>(m), kHaloTag));
-    }
-    for (int64_t m = 0; m < n; ++m) {
-      blocks[m] = at::empty(recv_shapes[m], src.options());
-      if (blocks[m].numel() == 0) continue;
-      std::vector<at::Tensor> t{blocks[m]};
-      pending.push_back(pg->recv(t, static_cast<int>(m), kHaloTag));
-    }
-    for (auto& w : pending) w->wait();
-  } else {
-    blocks = all_to_all_blocks(pg, send, recv_shapes, src.options(), CollectiveKind::SendRecv);
+  if (!use_point_to_point(pg)) {
+    f.blocks = all_to_all_blocks(pg, send, recv_shapes, src.options(), CollectiveKind::SendRecv);
+    return f;
+  }
+  record({CollectiveKind::SendRecv, sent, received, n});
+  f.blocks.resize(n);
+  for (int64_t m = 0; m < n; ++m) {
+    if (send[m].numel() == 0) continue;
+    std::vector<at::Tensor> t{send[m]};
+    auto work = pg->send(t, static_cast<int>(m), tag);
+    f.waits.emplace_back([work, keep = send[m]]() mutable { work->wait(); });
   }
   for (int64_t m = 0; m < n; ++m) {
+    f.blocks[m] = at::empty(recv_shapes[m], src.options());
+    if (f.blocks[m].numel() == 0) continue;
+    std::vector<at::Tensor> t{f.blocks[m]};
+    auto work = pg->recv(t, static_cast<int>(m), tag);
+    f.waits.emplace_back([work]() mutable { work->wait(); });
+  }
+  return f;
+}
+
+// Waits, then hands each run received from member m to place(piece, rows).
+template <class Place>
+void finish_rows(InFlight& f, int64_t dim, const std::vector<std::vector<Piece>>& incoming, Place place) {
+  for (auto& w : f.waits) w();
+  f.waits.clear();
+  for (size_t m = 0; m < f.blocks.size(); ++m) {
     int64_t at_row = 0;
     for (const auto& p : incoming[m]) {
-      place(p, blocks[m].narrow(dim, at_row, p.count));
+      place(p, f.blocks[m].narrow(dim, at_row, p.count));
       at_row += p.count;
     }
   }
+}
+
+constexpr int kHaloTag = 0x4a10;
+
+template <class RowOf, class Place>
+void exchange_rows(const Group& pg, const at::Tensor& src, int64_t dim,
+                   const std::vector<std::vector<Piece>>& outgoing,
+                   const std::vector<std::vector<Piece>>& incoming, RowOf row_of, Place place) {
+  InFlight f = start_rows(pg, src, dim, outgoing, incoming, row_of, kHaloTag);
+  finish_rows(f, dim, incoming, place);
 }
 
 std::vector<Window> uniform_windows(const std::vector<int64_t>& sizes, int64_t before, int64_t after) {
@@ -173,6 +198,57 @@ std::vector<Window> uniform_windows(const std::vector<int64_t>& sizes, int64_t b
 }
 
 }  // namespace
+
+struct PendingWindow::State {
+  at::Tensor out;
+  int64_t dim = 0;
+  std::vector<std::vector<Piece>> incoming;
+  InFlight flight;
+};
+
+PendingWindow fetch_window_async(const Group& pg, const at::Tensor& x, int64_t dim,
+                                 const std::vector<int64_t>& sizes,
+                                 const std::vector<Window>& windows, HaloBoundary boundary,
+                                 double fill, int tag) {
+  const int64_t me = pg ? group_rank(pg) : 0;
+  TORCH_INTERNAL_ASSERT(sizes[me] == x.size(dim), "fetch_window: local extent ", x.size(dim),
+                        " != table entry ", sizes[me]);
+  auto plan = plan_for(me, sizes, windows, boundary);
+  auto st = std::make_shared<PendingWindow::State>();
+  st->dim = dim;
+  st->flight = start_rows(pg, x, dim, plan.send, plan.recv, [](const Piece& p) { return p.local; },
+                          kHaloTag + 1 + tag);
+  const bool identity = plan.identity && plan.fill.empty();
+  st->out = identity ? x : at::empty(with_dim(x, dim, windows[me].size()), x.options());
+  if (!identity) {
+    for (const auto& f : plan.fill) st->out.narrow(dim, f.lo, f.size()).fill_(fill);
+    for (const auto& p : plan.local)
+      st->out.narrow(dim, p.slot, p.count).copy_(x.narrow(dim, p.local, p.count));
+  }
+  st->incoming = std::move(plan.recv);
+  PendingWindow w;
+  w.state_ = std::move(st);
+  return w;
+}
+
+at::Tensor PendingWindow::wait() {
+  TORCH_CHECK(state_, "tessera: PendingWindow::wait() called twice");
+  auto st = std::move(state_);
+  at::Tensor out = st->out;
+  finish_rows(st->flight, st->dim, st->incoming,
+              [&](const Piece& p, const at::Tensor& r) { out.narrow(st->dim, p.slot, p.count).copy_(r); });
+  return out;
+}
+
+PendingWindow::~PendingWindow() {
+  // Never leave a peer's rows half-sent: complete an exchange nobody waited for.
+  if (state_) {
+    try {
+      wait();
+    } catch (...) {
+    }
+  }
+}
 
 at::Tensor fetch_window(const Group& pg, const at::Tensor& x, int64_t dim,
                         const std::vector<int64_t>& sizes, const std::vector<Window>& windows,

@@ -185,15 +185,21 @@ at::Tensor rim_forward(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const auto group = mesh.group(c.mesh_dim);
   auto slab_pad = a.padding;
   slab_pad[rim.k] = 0;
+  // The halo rows travel while the interior is computed.
+  const std::vector<Window> outs[2] = {rim_outputs(c, rim.pad, true, /*own=*/true),
+                                       rim_outputs(c, rim.pad, false, /*own=*/true)};
+  comm::PendingWindow slabs[2] = {
+      comm::fetch_window_async(group, x, c.dim, c.in_sizes, rows_read(outs[0], rim.pad),
+                               spatial::HaloBoundary::Zeros, 0.0, /*tag=*/0),
+      comm::fetch_window_async(group, x, c.dim, c.in_sizes, rows_read(outs[1], rim.pad),
+                               spatial::HaloBoundary::Zeros, 0.0, /*tag=*/1)};
   at::Tensor out = c.in_sizes[c.me] == 0
                        ? at::zeros(local_shape(x, a.out_channels, cuts, true), x.options())
                        : at::convolution(x, w, b, a.stride, a.padding, a.dilation, false,
                                          a.output_padding, a.groups);
-  for (bool top : {true, false}) {
-    const auto outs = rim_outputs(c, rim.pad, top, /*own=*/true);
-    at::Tensor slab = comm::fetch_window(group, x, c.dim, c.in_sizes, rows_read(outs, rim.pad),
-                                         spatial::HaloBoundary::Zeros);
-    const Window mine = outs[c.me];
+  for (int side : {0, 1}) {
+    at::Tensor slab = slabs[side].wait();
+    const Window mine = outs[side][c.me];
     if (mine.size() == 0) continue;
     at::Tensor fixed = at::convolution(slab, w, b, a.stride, slab_pad, a.dilation, false,
                                        a.output_padding, a.groups);
@@ -211,6 +217,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rim_backward(
   const auto& c = cuts[rim.k];
   const auto group = mesh.group(c.mesh_dim);
   const Window mine = c.my_inputs();
+  // The neighbours' gradient rows near my shard travel while the interior is computed.
+  const std::vector<Window> outs[2] = {rim_outputs(c, rim.pad, true, /*own=*/false),
+                                       rim_outputs(c, rim.pad, false, /*own=*/false)};
+  comm::PendingWindow rims[2] = {
+      comm::fetch_window_async(group, g, c.dim, c.out_sizes, outs[0], spatial::HaloBoundary::Zeros,
+                               0.0, /*tag=*/0),
+      comm::fetch_window_async(group, g, c.dim, c.out_sizes, outs[1], spatial::HaloBoundary::Zeros,
+                               0.0, /*tag=*/1)};
   at::Tensor gi, gw, gb;
   if (mine.size() > 0) {
     const std::vector<int64_t> bias_sizes = {a.out_channels};
@@ -224,11 +238,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rim_backward(
   }
   auto slab_pad = a.padding;
   slab_pad[rim.k] = 0;
-  for (bool top : {true, false}) {
+  for (int side : {0, 1}) {
     // The neighbours' outputs near my shard: their gradient rows, my rows they read.
-    const auto outs = rim_outputs(c, rim.pad, top, /*own=*/false);
-    at::Tensor g_rim = comm::fetch_window(group, g, c.dim, c.out_sizes, outs, spatial::HaloBoundary::Zeros);
-    const Window o = outs[c.me];
+    at::Tensor g_rim = rims[side].wait();
+    const Window o = outs[side][c.me];
     if (o.size() == 0) continue;
     const Window read{o.lo - rim.pad, o.hi + rim.pad};
     at::Tensor x_rim = spatial::place(x, c.dim, mine, read);

@@ -14,6 +14,7 @@
 // Transport: point-to-point send/recv to exactly the members that share rows (default on
 // Gloo), or one all-to-all-v with zero splits elsewhere (NCCL, or TESSERA_HALO=alltoall).
 // Either way each rank sends and receives exactly its halo rows, never its interior.
+#include <memory>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -40,6 +41,28 @@ struct Window {
 at::Tensor fetch_window(const Group& pg, const at::Tensor& x, int64_t dim,
                         const std::vector<int64_t>& sizes, const std::vector<Window>& windows,
                         HaloBoundary boundary, double fill = 0.0);
+
+// The same exchange, left in flight: start it, compute what needs no halo, then wait() for
+// the window. Exchanges in flight at the same time on one group need distinct tags.
+class PendingWindow {
+ public:
+  PendingWindow() = default;
+  PendingWindow(PendingWindow&&) = default;
+  PendingWindow& operator=(PendingWindow&&) = default;
+  ~PendingWindow();
+  at::Tensor wait();
+  struct State;
+
+ private:
+  friend PendingWindow fetch_window_async(const Group&, const at::Tensor&, int64_t,
+                                          const std::vector<int64_t>&, const std::vector<Window>&,
+                                          HaloBoundary, double, int);
+  std::shared_ptr<State> state_;
+};
+PendingWindow fetch_window_async(const Group& pg, const at::Tensor& x, int64_t dim,
+                                 const std::vector<int64_t>& sizes,
+                                 const std::vector<Window>& windows, HaloBoundary boundary,
+                                 double fill = 0.0, int tag = 0);
 
 // The adjoint: given the gradient of this member's window, returns the gradient of its
 // shard. Every window row's gradient goes back to the row's owner and is added there (a row
