@@ -35,6 +35,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <torch/torch.h>
 
+#include "heat_net.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
@@ -190,32 +191,8 @@ struct Recorder : comm::CommObserver {
 };
 
 // ---------------------------------------------------------------------------------------
-// The U-Net of examples/domain_demo.cpp (same layers, same order).
-struct HeatNetImpl : nn::Module {
-  HeatNetImpl() {
-    encode = register_module("encode", nn::Conv2d(nn::Conv2dOptions(1, 8, 3).padding(1)));
-    encode_norm = register_module("encode_norm", nn::GroupNorm(nn::GroupNormOptions(2, 8)));
-    pool = register_module("pool", nn::MaxPool2d(nn::MaxPool2dOptions(2)));
-    coarse = register_module("coarse", nn::Conv2d(nn::Conv2dOptions(8, 16, 3).padding(1)));
-    coarse_norm = register_module("coarse_norm", nn::GroupNorm(nn::GroupNormOptions(4, 16)));
-    upsample = register_module(
-        "upsample", nn::Upsample(nn::UpsampleOptions().scale_factor(std::vector<double>{2, 2})
-                                     .mode(torch::kNearest)));
-    decode = register_module("decode", nn::Conv2d(nn::Conv2dOptions(16 + 8, 8, 3).padding(1)));
-    head = register_module("head", nn::Conv2d(nn::Conv2dOptions(8, 1, 1)));
-  }
-  at::Tensor forward(const at::Tensor& field) {
-    const auto skip = torch::relu(encode_norm(encode(field)));
-    const auto low = torch::relu(coarse_norm(coarse(pool(skip))));
-    const auto merged = torch::cat({upsample(low), skip}, /*dim=*/1);
-    return head(torch::relu(decode(merged)));
-  }
-  nn::Conv2d encode{nullptr}, coarse{nullptr}, decode{nullptr}, head{nullptr};
-  nn::GroupNorm encode_norm{nullptr}, coarse_norm{nullptr};
-  nn::MaxPool2d pool{nullptr};
-  nn::Upsample upsample{nullptr};
-};
-TORCH_MODULE(HeatNet);
+// The U-Net of examples/domain_demo.cpp.
+using heat::HeatNet;
 
 // The 3x3 convolutions of the U-Net: channels in and out, and the resolution they run at
 // (1: full, 2: after pooling). Pooling 2x2 / upsampling x2 on even cuts and the 1x1 head
