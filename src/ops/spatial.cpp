@@ -255,25 +255,101 @@ SpecPtr output_spec(const DTensorSpec& layout, const std::vector<DimCut>& cuts,
   return std::make_shared<DTensorSpec>(layout.mesh(), layout.placements(), sizes, dtype, tables);
 }
 
-at::Tensor fetch(const DeviceMesh& mesh, const at::Tensor& x, const std::vector<DimCut>& cuts,
-                 HaloBoundary boundary, double fill) {
+namespace {
+
+comm::Group group_of(const DeviceMesh& mesh, const DimCut& c) {
+  return c.cut() ? mesh.group(c.mesh_dim) : comm::Group();
+}
+
+// The slots of window w that lie inside a domain of `total` rows.
+Window in_domain(Window w, int64_t total) {
+  const int64_t lo = std::max<int64_t>(0, -w.lo);
+  const int64_t hi = std::max(lo, std::min(w.size(), total - w.lo));
+  return {lo, hi};
+}
+
+// Cut dims first: uncut dims only pad, locally, and padding fetched before a cut dim would
+// travel with it.
+std::vector<size_t> fetch_order(const std::vector<DimCut>& cuts) {
+  std::vector<size_t> order;
+  for (size_t k = 0; k < cuts.size(); ++k)
+    if (cuts[k].cut()) order.push_back(k);
+  for (size_t k = 0; k < cuts.size(); ++k)
+    if (!cuts[k].cut()) order.push_back(k);
+  return order;
+}
+
+// Fetches the windows dim after dim. Under a fill boundary only the in-domain part of the
+// dims already fetched travels: fill cells beyond a domain edge (padding next to a corner)
+// are made by the receiver, so ranks on an edge move exactly their halo too.
+at::Tensor fetch_dims(const DeviceMesh& mesh, const at::Tensor& x, const std::vector<DimCut>& cuts,
+                      const std::vector<std::vector<int64_t>>& sizes,
+                      const std::vector<std::vector<Window>>& windows, HaloBoundary boundary,
+                      double fill) {
   at::Tensor y = x;
-  for (const auto& c : cuts) {
-    const auto windows = read_windows(c.axis, c.out_sizes);
-    y = comm::fetch_window(c.cut() ? mesh.group(c.mesh_dim) : comm::Group(), y, c.dim, c.in_sizes,
-                           windows, boundary, fill);
+  std::vector<std::pair<int64_t, Window>> trims;  // earlier dims with fill slots
+  for (size_t k : fetch_order(cuts)) {
+    const auto& c = cuts[k];
+    const auto group = group_of(mesh, c);
+    if (!c.cut() || trims.empty() || boundary != HaloBoundary::Zeros) {
+      y = comm::fetch_window(group, y, c.dim, sizes[k], windows[k], boundary, fill);
+    } else {
+      at::Tensor core = y;
+      for (const auto& [d, slots] : trims) core = core.narrow(d, slots.lo, slots.size());
+      at::Tensor got = comm::fetch_window(group, core, c.dim, sizes[k], windows[k], boundary, fill);
+      auto shape = y.sizes().vec();
+      shape[c.dim] = windows[k][c.me].size();
+      at::Tensor full = at::full(shape, fill, y.options());
+      at::Tensor inner = full;
+      for (const auto& [d, slots] : trims) inner = inner.narrow(d, slots.lo, slots.size());
+      inner.copy_(got);
+      y = full;
+    }
+    int64_t total = 0;
+    for (auto n : sizes[k]) total += n;
+    const Window w = windows[k][c.me];
+    const Window slots = in_domain(w, total);
+    if (slots.lo > 0 || slots.hi < w.size()) trims.emplace_back(c.dim, slots);
   }
   return y;
 }
 
+}  // namespace
+
+at::Tensor fetch(const DeviceMesh& mesh, const at::Tensor& x, const std::vector<DimCut>& cuts,
+                 HaloBoundary boundary, double fill) {
+  std::vector<std::vector<int64_t>> sizes;
+  std::vector<std::vector<Window>> windows;
+  for (const auto& c : cuts) {
+    sizes.push_back(c.in_sizes);
+    windows.push_back(read_windows(c.axis, c.out_sizes));
+  }
+  return fetch_dims(mesh, x, cuts, sizes, windows, boundary, fill);
+}
+
 at::Tensor fetch_backward(const DeviceMesh& mesh, const at::Tensor& grad_window,
                           const std::vector<DimCut>& cuts, HaloBoundary boundary) {
+  // Under a fill boundary the fill slots' gradients drop out: cut them off first (a view),
+  // then send back with windows clipped to the domain, so they never travel.
   at::Tensor g = grad_window;
-  for (auto it = cuts.rbegin(); it != cuts.rend(); ++it) {
-    const auto& c = *it;
-    const auto windows = read_windows(c.axis, c.out_sizes);
-    g = comm::fetch_window_backward(c.cut() ? mesh.group(c.mesh_dim) : comm::Group(), g, c.dim,
-                                    c.in_sizes, windows, boundary);
+  std::vector<std::vector<Window>> windows;
+  for (const auto& c : cuts) {
+    auto w = read_windows(c.axis, c.out_sizes);
+    if (boundary == HaloBoundary::Zeros) {
+      const int64_t total = c.axis.in;
+      const Window slots = in_domain(w[c.me], total);
+      g = g.narrow(c.dim, slots.lo, slots.size());
+      for (auto& m : w) {
+        const Window s = in_domain(m, total);
+        m = s.size() ? Window{m.lo + s.lo, m.lo + s.hi} : Window{0, 0};
+      }
+    }
+    windows.push_back(std::move(w));
+  }
+  const auto order = fetch_order(cuts);
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    const auto& c = cuts[*it];
+    g = comm::fetch_window_backward(group_of(mesh, c), g, c.dim, c.in_sizes, windows[*it], boundary);
   }
   return g;
 }
@@ -281,13 +357,7 @@ at::Tensor fetch_backward(const DeviceMesh& mesh, const at::Tensor& grad_window,
 at::Tensor fetch_ranges(const DeviceMesh& mesh, const at::Tensor& x, const std::vector<DimCut>& cuts,
                         const std::vector<std::vector<int64_t>>& sizes,
                         const std::vector<std::vector<Window>>& windows) {
-  at::Tensor y = x;
-  for (size_t k = 0; k < cuts.size(); ++k) {
-    const auto& c = cuts[k];
-    y = comm::fetch_window(c.cut() ? mesh.group(c.mesh_dim) : comm::Group(), y, c.dim, sizes[k],
-                           windows[k], HaloBoundary::Zeros);
-  }
-  return y;
+  return fetch_dims(mesh, x, cuts, sizes, windows, HaloBoundary::Zeros, 0.0);
 }
 
 at::Tensor place(const at::Tensor& x, int64_t dim, Window from, Window to) {
