@@ -21,6 +21,8 @@
 // needed them, and as local Partial(sum) terms otherwise. Partial inputs and a sharded
 // channel dim are replicated first, except that batch_norm keeps a sharded channel dim
 // (statistics are per channel) unless it must update running stats in place.
+#include <tuple>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -190,15 +192,31 @@ OpPlan group_norm_rule(const OpCall& call) {
     const at::Tensor x = s[0].toTensor();
     const at::Tensor w = tensor_or_undefined(s[1]), b = tensor_or_undefined(s[2]);
     const double eps = s[7].toDouble();
-    const int64_t n = x.size(0), c = x.size(1);
-    const at::Tensor xg = x.reshape({n, group, (c / group) * product(x.sizes(), 2)});
-    const at::Tensor mean = sum_over(mesh, dims, xg.sum(-1)).div(count);
-    const at::Tensor xc = xg - mean.unsqueeze(-1);
-    const at::Tensor var = sum_over(mesh, dims, (xc * xc).sum(-1)).div(count);
-    const at::Tensor rstd = (var.clamp_min(0) + eps).rsqrt();
-    at::Tensor out = (xc * rstd.unsqueeze(-1)).reshape(x.sizes());
-    if (w.defined()) out = out * per_channel_view(w, x.dim());
-    if (b.defined()) out = out + per_channel_view(b, x.dim());
+    const int64_t n = x.size(0), c = x.size(1), d = c / group;
+    const int64_t local = d * product(x.sizes(), 2);  // elements per (sample, group) here
+    // One pass for the local moments, then the shards' moments combine exactly: the global
+    // mean first, then every shard's squared deviations about it.
+    at::Tensor lmean, lvar;
+    if (local > 0 && n > 0) {
+      std::tie(lvar, lmean) = at::var_mean(x.reshape({n, group, local}), at::IntArrayRef{2},
+                                           /*unbiased=*/false, /*keepdim=*/false);
+    } else {
+      lmean = at::zeros({n, group}, x.options());
+      lvar = at::zeros({n, group}, x.options());
+    }
+    const double weight = static_cast<double>(local);
+    const at::Tensor mean = sum_over(mesh, dims, lmean * weight).div(count);
+    const at::Tensor m2 = sum_over(mesh, dims, (lvar + (lmean - mean).pow(2)) * weight);
+    const at::Tensor rstd = (m2.div(count).clamp_min(0) + eps).rsqrt();
+    // out = x * scale + shift with one scale and shift per (sample, channel): one pass.
+    at::Tensor scale = rstd.unsqueeze(-1).expand({n, group, d}).reshape({n, c});
+    if (w.defined()) scale = scale * w.view({1, c});
+    at::Tensor shift = -mean.unsqueeze(-1).expand({n, group, d}).reshape({n, c}) * scale;
+    if (b.defined()) shift = shift + b.view({1, c});
+    std::vector<int64_t> per_channel(x.dim(), 1);
+    per_channel[0] = n;
+    per_channel[1] = c;
+    at::Tensor out = at::addcmul(shift.view(per_channel), x, scale.view(per_channel));
     s.clear();
     s.emplace_back(std::move(out));
     s.emplace_back(mean);
