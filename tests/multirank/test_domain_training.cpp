@@ -164,6 +164,13 @@ TEST(DomainTraining, ConvSameValidEvenKernelsDilationAndDims) {
                  x1, mesh, {Shard(2)}, {{}, {}, {4, 0, 9}}, "conv1d same, even kernel, dilation 2");
     check_module([&](const at::Tensor& t) { return at::conv2d(t, pick(t, w2), {}, 1, "same", 1); },
                  x2, mesh, {Shard(2)}, {{}, {}, {2, 1, 8}}, "conv2d same, even kernel, thin shard");
+    // One cut dim, stride 1, "same": the interior-and-rim path, with a shard thinner than
+    // the rim and an empty one.
+    at::Tensor w33 = test::randn({3, 2, 3, 3}, 38, at::kDouble), w55 = test::randn({3, 2, 5, 3}, 39, at::kDouble);
+    check_module([&](const at::Tensor& t) { return at::conv2d(t, pick(t, w33), {}, 1, 1); },
+                 x2, mesh, {Shard(2)}, {{}, {}, {4, 1, 6}}, "conv2d 3x3 pad 1, rim path, thin shard");
+    check_module([&](const at::Tensor& t) { return at::conv2d(t, pick(t, w55), {}, 1, at::IntArrayRef{2, 1}); },
+                 x2, mesh, {Shard(2)}, {{}, {}, {0, 5, 6}}, "conv2d 5x3 pad (2, 1), rim path, empty shard");
     check_module([&](const at::Tensor& t) { return at::conv2d(t, pick(t, w2), {}, 1, "valid", 1); },
                  x2, mesh, {Shard(3)}, {{}, {}, {}, {1, 4, 1}}, "conv2d valid");
     check_module([&](const at::Tensor& t) { return at::conv3d(t, pick(t, w3), {}, 2, 1, 1); },
