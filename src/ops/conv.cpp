@@ -31,29 +31,18 @@ struct ConvArgs {
   int64_t out_channels = 0;
 };
 
-std::vector<int64_t> per_dim(std::vector<int64_t> v, size_t n) {
-  if (v.size() == 1 && n > 1) v.assign(n, v[0]);
-  return v;
-}
-
 // `first` = index of the stride argument (3 forward, 4 backward).
 ConvArgs conv_args(const OpCall& call, size_t first, const std::vector<int64_t>& w, size_t nsp) {
   ConvArgs a;
-  a.stride = per_dim(call.args[first].toIntVector(), nsp);
-  a.padding = per_dim(call.args[first + 1].toIntVector(), nsp);
-  a.dilation = per_dim(call.args[first + 2].toIntVector(), nsp);
+  a.stride = spatial::per_dim(call.args[first].toIntVector(), nsp);
+  a.padding = spatial::per_dim(call.args[first + 1].toIntVector(), nsp);
+  a.dilation = spatial::per_dim(call.args[first + 2].toIntVector(), nsp);
   a.transposed = call.args[first + 3].toBool();
-  a.output_padding = per_dim(call.args[first + 4].toIntVector(), nsp);
+  a.output_padding = spatial::per_dim(call.args[first + 4].toIntVector(), nsp);
   a.groups = call.args[first + 5].toInt();
   a.kernel.assign(w.begin() + 2, w.end());
   a.out_channels = a.transposed ? w[1] * a.groups : w[0];
   return a;
-}
-
-std::vector<int64_t> spatial_dims(int64_t ndim) {
-  std::vector<int64_t> d;
-  for (int64_t i = 2; i < ndim; ++i) d.push_back(i);
-  return d;
 }
 
 std::vector<Axis> conv_axes(const OpCall& call, const std::vector<int64_t>& in_sizes, const ConvArgs& a) {
@@ -390,28 +379,41 @@ void conv_backward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
   stack.emplace_back(grad_bias);
 }
 
-std::vector<int64_t> weight_sizes(const OpCall& call, size_t i) {
-  return call.specs[i] ? call.specs[i]->sizes() : call.args[i].toTensor().sizes().vec();
+// What both convolution rules derive from the input's spec and the arguments.
+struct ConvLayout {
+  ConvArgs a;
+  std::vector<int64_t> weight;
+  SpecPtr layout;  // the input's layout for the op
+  std::vector<DimCut> cuts;
+  bool windowed = false;  // some spatial dim is cut: the local kernel runs
+};
+// `input` / `weight` = argument indices, `first` = the stride argument's.
+ConvLayout conv_layout(const OpCall& call, size_t input, size_t weight, size_t first) {
+  TORCH_CHECK(call.specs[input], "tessera: ", call.describe(), ": the input must be distributed");
+  const auto& in = *call.specs[input];
+  const auto dims = spatial::trailing_dims(in.ndim(), static_cast<size_t>(in.ndim() - 2));
+  ConvLayout l;
+  l.weight = call.specs[weight] ? call.specs[weight]->sizes() : call.args[weight].toTensor().sizes().vec();
+  l.a = conv_args(call, first, l.weight, dims.size());
+  l.layout = spatial::window_layout(in, dims);
+  l.cuts = spatial::make_cuts(*l.layout, dims, conv_axes(call, in.sizes(), l.a));
+  l.windowed = spatial::any_window_dim_sharded(*l.layout, dims);
+  return l;
 }
 
 // convolution(input, weight, bias?, stride, padding, dilation, transposed, output_padding, groups)
 OpPlan convolution_rule(const OpCall& call) {
-  const auto& in = *call.specs[0];
-  TORCH_CHECK(call.specs[0], "tessera: ", call.describe(), ": the input must be distributed");
-  const auto dims = spatial_dims(in.ndim());
-  const auto w = weight_sizes(call, 1);
-  const auto a = conv_args(call, 3, w, dims.size());
-  auto layout = spatial::window_layout(in, dims);
-  const auto cuts = spatial::make_cuts(*layout, dims, conv_axes(call, in.sizes(), a));
+  const auto l = conv_layout(call, 0, 1, 3);
   OpPlan plan;
   plan.inputs.resize(call.args.size());
-  plan.inputs[0] = layout;
+  plan.inputs[0] = l.layout;
   if (call.specs[1]) plan.inputs[1] = replicated(*call.specs[1]);
   if (call.specs[2]) plan.inputs[2] = replicated(*call.specs[2]);
-  plan.outputs.push_back(spatial::output_spec(*layout, cuts, in.dtype(), a.out_channels));
-  if (spatial::any_window_dim_sharded(*layout, dims)) {
-    DeviceMesh mesh = in.mesh();
-    plan.local_kernel = [mesh, cuts, a](torch::jit::Stack& s) { conv_forward_kernel(s, mesh, cuts, a); };
+  plan.outputs.push_back(spatial::output_spec(*l.layout, l.cuts, l.layout->dtype(), l.a.out_channels));
+  if (l.windowed) {
+    plan.local_kernel = [mesh = l.layout->mesh(), cuts = l.cuts, a = l.a](torch::jit::Stack& s) {
+      conv_forward_kernel(s, mesh, cuts, a);
+    };
   }
   return plan;
 }
@@ -419,25 +421,21 @@ OpPlan convolution_rule(const OpCall& call) {
 // convolution_backward(grad_out, input, weight, bias_sizes?, stride, padding, dilation,
 //                      transposed, output_padding, groups, output_mask)
 OpPlan convolution_backward_rule(const OpCall& call) {
-  const auto& in = *call.specs[1];
-  const auto dims = spatial_dims(in.ndim());
-  const auto w = weight_sizes(call, 2);
-  const auto a = conv_args(call, 4, w, dims.size());
-  auto layout = spatial::window_layout(in, dims);
-  const auto cuts = spatial::make_cuts(*layout, dims, conv_axes(call, in.sizes(), a));
+  const auto l = conv_layout(call, 1, 2, 4);
   OpPlan plan;
   plan.inputs.resize(call.args.size());
-  plan.inputs[1] = layout;
+  plan.inputs[1] = l.layout;
   if (call.specs[0])
-    plan.inputs[0] = spatial::output_spec(*layout, cuts, call.specs[0]->dtype(), a.out_channels);
+    plan.inputs[0] = spatial::output_spec(*l.layout, l.cuts, call.specs[0]->dtype(), l.a.out_channels);
   if (call.specs[2]) plan.inputs[2] = replicated(*call.specs[2]);
-  plan.outputs.push_back(layout);
-  plan.outputs.push_back(summed_over_shards(*layout, w));
+  plan.outputs.push_back(l.layout);
+  plan.outputs.push_back(summed_over_shards(*l.layout, l.weight));
   plan.outputs.push_back(summed_over_shards(
-      *layout, call.args[3].isIntList() ? call.args[3].toIntVector() : std::vector<int64_t>{a.out_channels}));
-  if (spatial::any_window_dim_sharded(*layout, dims)) {
-    DeviceMesh mesh = in.mesh();
-    plan.local_kernel = [mesh, cuts, a](torch::jit::Stack& s) { conv_backward_kernel(s, mesh, cuts, a); };
+      *l.layout, call.args[3].isIntList() ? call.args[3].toIntVector() : std::vector<int64_t>{l.a.out_channels}));
+  if (l.windowed) {
+    plan.local_kernel = [mesh = l.layout->mesh(), cuts = l.cuts, a = l.a](torch::jit::Stack& s) {
+      conv_backward_kernel(s, mesh, cuts, a);
+    };
   }
   return plan;
 }

@@ -32,21 +32,15 @@ struct PoolArgs {
   int64_t divisor_override = 0;  // 0: none
 };
 
-std::vector<int64_t> per_dim(std::vector<int64_t> v, size_t n, std::vector<int64_t> fallback = {}) {
-  if (v.empty()) v = std::move(fallback);
-  if (v.size() == 1 && n > 1) v.assign(n, v[0]);
-  return v;
-}
-
 // `first` = index of the kernel_size argument (1 forward, 2 backward).
 PoolArgs pool_args(const OpCall& call, size_t first, bool max, size_t nsp) {
   PoolArgs a;
   a.max = max;
-  a.kernel = per_dim(call.args[first].toIntVector(), nsp);
-  a.stride = per_dim(call.args[first + 1].toIntVector(), nsp, a.kernel);
-  a.padding = per_dim(call.args[first + 2].toIntVector(), nsp);
+  a.kernel = spatial::per_dim(call.args[first].toIntVector(), nsp);
+  a.stride = spatial::per_dim(call.args[first + 1].toIntVector(), nsp, a.kernel);
+  a.padding = spatial::per_dim(call.args[first + 2].toIntVector(), nsp);
   if (max) {
-    a.dilation = per_dim(call.args[first + 3].toIntVector(), nsp);
+    a.dilation = spatial::per_dim(call.args[first + 3].toIntVector(), nsp);
     a.ceil_mode = call.args[first + 4].toBool();
   } else {
     a.dilation.assign(nsp, 1);
@@ -64,12 +58,6 @@ int64_t pooled_size(int64_t in, int64_t k, int64_t s, int64_t p, int64_t d, bool
   int64_t out = spatial::floor_div(num, s) + 1;
   if (ceil && (out - 1) * s >= in + p) --out;
   return out;
-}
-
-std::vector<int64_t> window_dims_of(int64_t ndim, size_t nsp) {
-  std::vector<int64_t> d;
-  for (int64_t i = ndim - static_cast<int64_t>(nsp); i < ndim; ++i) d.push_back(i);
-  return d;
 }
 
 std::vector<Axis> pool_axes(const OpCall& call, const std::vector<int64_t>& sizes,
@@ -223,7 +211,7 @@ void pool_backward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
 OpPlan pool_plan(const OpCall& call, size_t act, const PoolArgs& a, bool backward) {
   const auto& in = *call.specs[act];
   const size_t nsp = a.kernel.size();
-  const auto dims = window_dims_of(in.ndim(), nsp);
+  const auto dims = spatial::trailing_dims(in.ndim(), nsp);
   auto layout = spatial::window_layout(in, dims, /*keep_others=*/true);
   const auto cuts = spatial::make_cuts(*layout, dims, pool_axes(call, in.sizes(), dims, a));
   auto out = spatial::output_spec(*layout, cuts, in.dtype());
@@ -269,7 +257,7 @@ OpPlan adaptive_rule(const OpCall& call, bool backward) {
   const size_t act = backward ? 1 : 0;
   const auto& in = *call.specs[act];
   const size_t nsp = nsp_of(call);
-  const auto dims = window_dims_of(in.ndim(), nsp);
+  const auto dims = spatial::trailing_dims(in.ndim(), nsp);
   std::vector<int64_t> out;
   if (backward) {
     const auto& g = call.specs[0] ? call.specs[0]->sizes() : call.args[0].toTensor().sizes().vec();

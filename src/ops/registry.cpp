@@ -10,14 +10,10 @@
 namespace tessera::ops {
 
 namespace {
-struct Entry {
-  Rule rule = nullptr;
-  bool reads_floats = false;
-};
 struct Registry {
   std::shared_mutex mu;
-  std::unordered_map<std::string, Entry> by_name;
-  std::unordered_map<const void*, Entry> by_schema;  // memo: one lookup per operator
+  std::unordered_map<std::string, Rule> by_name;
+  std::unordered_map<const void*, Rule> by_schema;  // memo: one lookup per operator
 };
 Registry& registry() {
   static Registry r;
@@ -28,17 +24,16 @@ std::string qualified(const c10::OperatorName& n) {
 }
 }  // namespace
 
-void register_rule(const std::string& qualified_name, Rule rule, bool reads_floating_args) {
+void register_rule(const std::string& qualified_name, Rule rule) {
   auto& r = registry();
   std::unique_lock<std::shared_mutex> lock(r.mu);
-  auto [it, inserted] = r.by_name.emplace(qualified_name, Entry{rule, reads_floating_args});
-  TORCH_CHECK(inserted || it->second.rule == rule, "tessera: a second sharding rule for ",
+  auto [it, inserted] = r.by_name.emplace(qualified_name, rule);
+  TORCH_CHECK(inserted || it->second == rule, "tessera: a second sharding rule for ",
               qualified_name, "; one rule per op");
   r.by_schema.clear();
 }
 
-namespace {
-Entry find_entry(const c10::OperatorHandle& op) {
+Rule find_rule(const c10::OperatorHandle& op) {
   auto& r = registry();
   const void* key = &op.schema();
   {
@@ -48,14 +43,10 @@ Entry find_entry(const c10::OperatorHandle& op) {
   }
   std::unique_lock<std::shared_mutex> lock(r.mu);
   auto it = r.by_name.find(qualified(op.operator_name()));
-  Entry e = it == r.by_name.end() ? Entry{} : it->second;
-  r.by_schema.emplace(key, e);
-  return e;
+  Rule rule = it == r.by_name.end() ? nullptr : it->second;
+  r.by_schema.emplace(key, rule);
+  return rule;
 }
-}  // namespace
-
-Rule find_rule(const c10::OperatorHandle& op) { return find_entry(op).rule; }
-bool rule_reads_floats(const c10::OperatorHandle& op) { return find_entry(op).reads_floats; }
 
 const std::string& OpCall::name() const { return op.schema().name(); }
 

@@ -15,6 +15,18 @@ int64_t floor_div(int64_t a, int64_t b) {
 }
 int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
 
+std::vector<int64_t> trailing_dims(int64_t ndim, size_t n) {
+  std::vector<int64_t> d;
+  for (int64_t i = ndim - static_cast<int64_t>(n); i < ndim; ++i) d.push_back(i);
+  return d;
+}
+
+std::vector<int64_t> per_dim(std::vector<int64_t> v, size_t n, std::vector<int64_t> if_empty) {
+  if (v.empty()) v = std::move(if_empty);
+  if (v.size() == 1 && n > 1) v.assign(n, v[0]);
+  return v;
+}
+
 Axis Axis::stencil(int64_t in, int64_t out, int64_t kernel, int64_t stride, int64_t pad,
                    int64_t dilation) {
   Axis a;

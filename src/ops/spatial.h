@@ -31,6 +31,10 @@ using comm::Window;
 
 int64_t floor_div(int64_t a, int64_t b);
 int64_t ceil_div(int64_t a, int64_t b);
+// The last n dims of an ndim-dim tensor (the spatial dims of a window op).
+std::vector<int64_t> trailing_dims(int64_t ndim, size_t n);
+// A per-dim argument as ATen spells it (one value for every dim, or none: `if_empty`).
+std::vector<int64_t> per_dim(std::vector<int64_t> v, size_t n, std::vector<int64_t> if_empty = {});
 
 // How one spatial dim of a window op maps input rows [0, in) to output rows [0, out).
 struct Axis {

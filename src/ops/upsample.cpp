@@ -198,16 +198,10 @@ void backward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
   stack.emplace_back(grad);
 }
 
-std::vector<int64_t> spatial_dims(int64_t ndim, size_t nsp) {
-  std::vector<int64_t> d;
-  for (int64_t i = ndim - static_cast<int64_t>(nsp); i < ndim; ++i) d.push_back(i);
-  return d;
-}
-
 OpPlan upsample_rule(const OpCall& call) {
   const auto& in = *call.specs[0];
   const Interp p = parse(call, in.sizes(), false);
-  const auto dims = spatial_dims(in.ndim(), p.nsp);
+  const auto dims = spatial::trailing_dims(in.ndim(), p.nsp);
   auto layout = spatial::window_layout(in, dims, /*keep_others=*/true);
   const auto cuts = spatial::make_cuts(*layout, dims, axes_of(p));
   OpPlan plan;
@@ -227,7 +221,7 @@ OpPlan upsample_backward_rule(const OpCall& call) {
   const auto& g = *call.specs[0];
   const auto input_shape = call.args[2].toIntVector();
   const Interp p = parse(call, input_shape, true);
-  const auto dims = spatial_dims(g.ndim(), p.nsp);
+  const auto dims = spatial::trailing_dims(g.ndim(), p.nsp);
   const auto axes = axes_of(p);
   auto glayout = spatial::window_layout(g, dims, /*keep_others=*/true);
   // The input table per cut dim: the one whose outputs are grad_output's table (if none
@@ -258,7 +252,7 @@ const RuleRegistrar registrar{[] {
                          "aten::upsample_nearest1d.vec", "aten::upsample_nearest2d.vec",
                          "aten::upsample_nearest3d.vec", "aten::upsample_linear1d.vec",
                          "aten::upsample_bilinear2d.vec", "aten::upsample_trilinear3d.vec"})
-    register_rule(op, upsample_rule, /*reads_floating_args=*/true);
+    register_rule(op, upsample_rule);
   for (const char* op : {"aten::upsample_nearest1d_backward", "aten::upsample_nearest2d_backward",
                          "aten::upsample_nearest3d_backward", "aten::upsample_linear1d_backward",
                          "aten::upsample_bilinear2d_backward", "aten::upsample_trilinear3d_backward",
@@ -268,7 +262,7 @@ const RuleRegistrar registrar{[] {
                          "aten::upsample_linear1d_backward.vec",
                          "aten::upsample_bilinear2d_backward.vec",
                          "aten::upsample_trilinear3d_backward.vec"})
-    register_rule(op, upsample_backward_rule, /*reads_floating_args=*/true);
+    register_rule(op, upsample_backward_rule);
 }};
 
 }  // namespace

@@ -125,10 +125,10 @@ void replace_parameter(torch::nn::Module& module, const std::string& name, at::T
       SpecPtr target = dtensor_impl(value)->spec_ptr();
       value.register_hook([target](const at::Tensor& g) -> at::Tensor {
         if (!g.defined() || !is_dtensor(g) || spec(g) == *target) return g;
-        const auto& gs = spec(g);
-        auto want = std::make_shared<DTensorSpec>(target->mesh(), target->placements(), target->sizes(),
-                                                  gs.dtype(), target->shard_tables());
-        return *want == gs ? g : redistribute(g, want);
+        // (in the gradient's own dtype, should it differ from the parameter's)
+        return redistribute(g, std::make_shared<DTensorSpec>(target->mesh(), target->placements(),
+                                                             target->sizes(), g.scalar_type(),
+                                                             target->shard_tables()));
       });
     }
   }

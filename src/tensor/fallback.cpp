@@ -111,12 +111,24 @@ bool shapes_matter(const c10::TypePtr& type) {
     case c10::TypeKind::SymIntType:  // concrete SymInts arrive as ints
     case c10::TypeKind::BoolType:
     case c10::TypeKind::StringType:
+    case c10::TypeKind::FloatType:
     case c10::TypeKind::ListType:
     case c10::TypeKind::OptionalType:
       return true;
     default:
       return false;
   }
+}
+
+// `float`, `float?` and `float[]` arguments (interpolation scales, eps) join the key by
+// value; `Scalar` ones (alpha, lr, momentum: they change every step and only reach kernels)
+// never do, and `Scalar?` by presence only.
+bool declares_float(const c10::TypePtr& type) {
+  if (type->kind() == c10::TypeKind::OptionalType)
+    return declares_float(type->castRaw<c10::OptionalType>()->getElementType());
+  if (type->kind() == c10::TypeKind::ListType)
+    return declares_float(type->castRaw<c10::ListType>()->getElementType());
+  return type->kind() == c10::TypeKind::FloatType;
 }
 
 void hash_value(const c10::IValue& v, Key& key, bool floats) {
@@ -130,8 +142,6 @@ void hash_value(const c10::IValue& v, Key& key, bool floats) {
     key.push_back(0xb001 + v.toBoolList().size());
     for (bool b : v.toBoolList()) key.push_back(b);
   } else if (floats && v.isDouble()) {
-    // Only for rules that read them (interpolation scales): optimizer scalars change every
-    // step and must not defeat the cache.
     double d = v.toDouble();
     uint64_t bits;
     std::memcpy(&bits, &d, sizeof bits);
@@ -216,7 +226,6 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   // The decision key: see NOTE: [Decision cache].
   Key key;
   key.push_back(reinterpret_cast<size_t>(&schema));
-  const bool floats = ops::rule_reads_floats(op);
   for (size_t i = 0; i < nargs; ++i) {
     if (args[i].isTensor()) {
       const DTensorSpec* sp = nullptr;
@@ -251,7 +260,7 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       }
       args[i] = std::move(admitted);
     } else if (shapes_matter(schema.arguments()[i].type())) {
-      hash_value(args[i], key, floats);
+      hash_value(args[i], key, declares_float(schema.arguments()[i].type()));
     } else {
       key.push_back(2);
     }

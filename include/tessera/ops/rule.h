@@ -48,12 +48,11 @@ struct OpPlan {
 using Rule = OpPlan (*)(const OpCall&);
 
 // Registers `rule` for an op ("aten::add.Tensor"). One rule per op. Decisions are cached per
-// op, input specs and integer / bool / string arguments; a rule whose plan depends on
-// floating-point arguments (interpolation scales) says so, and they join its cache key.
-void register_rule(const std::string& qualified_name, Rule rule, bool reads_floating_args = false);
+// op, input specs and int / bool / string / float arguments (never `Scalar` ones: a rule
+// must not depend on them; local kernels read them from their stack).
+void register_rule(const std::string& qualified_name, Rule rule);
 // The rule of an op, or nullptr. Memoised per operator after the first lookup.
 Rule find_rule(const c10::OperatorHandle& op);
-bool rule_reads_floats(const c10::OperatorHandle& op);
 
 // A candidate: the layouts the inputs would need and the outputs it produces.
 struct Strategy {
