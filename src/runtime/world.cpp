@@ -61,7 +61,13 @@ compat::BackendPtr World::new_group(const std::vector<int>& ranks, const std::st
     opts->devices.back() = c10d::ProcessGroupGloo::createDeviceForHostname(ifname);
   }
   opts->threads = 1;
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, group_rank, group_size, opts);
+  auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, group_rank, group_size, opts);
+  // Gloo's constructor returns once this member's side of the full mesh is connected; a peer
+  // may still be finishing its handshake with us. One barrier makes the group complete on
+  // every member, so a member that errors right away (and closes the group) cannot break a
+  // peer's construction.
+  if (group_size > 1) pg->barrier()->wait();
+  return pg;
 }
 
 void init_process_group(const InitOptions& options) {

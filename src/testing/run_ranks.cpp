@@ -25,6 +25,7 @@ void run_ranks(int world_size, const std::function<void(int rank)>& fn, const Ru
   std::mutex mu;
   std::condition_variable cv;
   int finished = 0;
+  int returned = 0;  // ranks whose fn returned normally
   std::vector<bool> done(world_size, false);
   int first_failed = -1;
   std::string first_message;
@@ -38,6 +39,13 @@ void run_ranks(int world_size, const std::function<void(int rank)>& fn, const Ru
       try {
         ScopedWorld scope(std::make_shared<World>(store, r, world_size, options.collective_timeout));
         fn(r);
+        // A rank's groups close with its World, while a peer may still be finishing a last
+        // exchange or a connection handshake with it: leave together (or as soon as a rank
+        // has failed, whose closing groups are what releases its peers).
+        std::unique_lock<std::mutex> lock(mu);
+        ++returned;
+        cv.notify_all();
+        cv.wait(lock, [&] { return returned == world_size || first_failed >= 0; });
       } catch (const c10::Error& e) {
         error = e.what_without_backtrace();
       } catch (const std::exception& e) {
