@@ -200,6 +200,22 @@ TEST(DomainTraining, BadConfigurationsFailOnEveryRank) {
     } catch (const c10::Error& e) {
       EXPECT_NE(std::string(e.what()).find("convolution"), std::string::npos) << e.what();
     }
+    // ... pooling padding wider than half the kernel, circular padding wider than the
+    // domain, and cropping more rows than there are ...
+    auto expect_error = [&](const std::function<void()>& f, const std::string& needle, const char* what) {
+      try {
+        f();
+        ADD_FAILURE() << what << " was accepted";
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      }
+    };
+    expect_error([&] { (void)at::max_pool2d(x, {2, 2}, {2, 2}, {2, 2}); }, "max_pool2d",
+                 "pooling padding wider than half the kernel");
+    expect_error([&] { (void)at::_pad_circular(x, {0, 0, 5, 0}); }, "circular padding",
+                 "circular padding wider than the domain");
+    expect_error([&] { (void)at::constant_pad_nd(x, {0, 0, -3, -2}); }, "constant_pad_nd",
+                 "cropping more rows than the dim has");
     // ... and the ranks are still in step afterwards.
     EXPECT_TRUE(at::allclose(full_tensor(at::max_pool2d(x, {2, 2})), at::max_pool2d(full, {2, 2})));
   });
