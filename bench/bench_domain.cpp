@@ -151,7 +151,7 @@ class CountingAllocator final : public c10::Allocator {
     base_ = base;
     base_free_ = base->raw_deleter();
   }
-  c10::DataPtr allocate(size_t n) const override {
+  c10::DataPtr allocate(size_t n) TESSERA_ALLOCATE_CONST override {
     MemCounter* c = t_counter ? t_counter : &g_untracked;
     void* raw = base_->raw_allocate(n + kHeader);
     auto* h = static_cast<Header*>(raw);
@@ -162,6 +162,11 @@ class CountingAllocator final : public c10::Allocator {
     return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
+#if TESSERA_ALLOCATOR_HAS_COPY_DATA
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+#endif
 
  private:
   struct Header {

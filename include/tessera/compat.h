@@ -1,6 +1,6 @@
 #pragma once
 // Every difference between the LibTorch versions Tessera builds against lives here.
-// Supported: Debian's libtorch 1.13 and pytorch.org LibTorch 2.x.
+// Supported: Debian 12's LibTorch 1.13, Debian 13's LibTorch 2.6, and pytorch.org LibTorch 2.x.
 #include <torch/version.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -25,5 +25,26 @@ using BackendPtr = c10::intrusive_ptr<Backend>;
 #else
 #define TESSERA_NEEDS_AUTOGRAD_FALLTHROUGH 1
 #endif
+
+// c10::Allocator: 2.3 made allocate() non-const and added a pure virtual copy_data(); an
+// allocator written for both declares `allocate(size_t) TESSERA_ALLOCATE_CONST override` and
+// defines copy_data where TESSERA_ALLOCATOR_HAS_COPY_DATA.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+#define TESSERA_ALLOCATE_CONST
+#define TESSERA_ALLOCATOR_HAS_COPY_DATA 1
+#else
+#define TESSERA_ALLOCATE_CONST const
+#define TESSERA_ALLOCATOR_HAS_COPY_DATA 0
+#endif
+
+// A c10::Error with no backtrace in what(): 1.13 takes the backtrace as a string, 2.x as a
+// lazily computed value (nullptr for none).
+inline c10::Error error_without_backtrace(std::string msg) {
+#if TORCH_VERSION_MAJOR >= 2
+  return c10::Error(std::move(msg), nullptr);
+#else
+  return c10::Error(std::move(msg), "");
+#endif
+}
 
 }  // namespace tessera::compat

@@ -166,7 +166,8 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                                         std::make_move_iterator(stack->end()));
   stack->resize(base);
 
-  ops::OpCall call{op, args, c10::SmallVector<const DTensorSpec*, 8>(nargs, nullptr)};
+  ops::OpCall call{op, args, c10::SmallVector<const DTensorSpec*, 8>(nargs, nullptr),
+                   /*first_dtensor=*/-1, /*list_specs=*/{}, /*reference=*/nullptr};
   bool lists = false;
   for (size_t i = 0; i < nargs; ++i) {
     if (args[i].isTensor()) {
@@ -176,7 +177,8 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
         if (!call.reference) call.reference = call.specs[i];
       }
     } else if (args[i].isTensorList()) {
-      for (const at::Tensor& t : args[i].toTensorList()) {
+      for (const c10::IValue& t_elem : args[i].toListRef()) {
+        const at::Tensor& t = t_elem.toTensor();
         if (auto* d = as_dtensor(t)) {
           lists = true;
           if (!call.reference) call.reference = &d->spec();
@@ -238,7 +240,8 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       key.push_back(sp ? sp->hash() : t.defined() ? 0x5ca1a0 + static_cast<size_t>(t.scalar_type()) : 1);
     } else if (lists && args[i].isTensorList()) {
       c10::List<at::Tensor> admitted;
-      for (const at::Tensor& t : args[i].toTensorList()) {
+      for (const c10::IValue& t_elem : args[i].toListRef()) {
+        const at::Tensor& t = t_elem.toTensor();
         const DTensorSpec* sp = nullptr;
         admitted.push_back(admit(t, sp));
         call.list_specs[i].push_back(sp);
@@ -315,7 +318,8 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     if (args[i].isTensorList() && lists) {
       c10::List<at::Tensor> out;
       size_t k = 0;
-      for (const at::Tensor& t : args[i].toTensorList()) {
+      for (const c10::IValue& t_elem : args[i].toListRef()) {
+        const at::Tensor& t = t_elem.toTensor();
         auto* d = as_dtensor(t);
         at::Tensor local = d ? d->local() : t;
         if (d && i < plan.list_inputs.size() && k < plan.list_inputs[i].size() &&
@@ -442,7 +446,8 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       stack->push_back(wrap_unchecked(local, std::move(sp)));
     } else if (v.isTensorList()) {
       c10::List<at::Tensor> out;
-      for (const at::Tensor& local : v.toTensorList()) {
+      for (const c10::IValue& local_elem : v.toListRef()) {
+        const at::Tensor& local = local_elem.toTensor();
         auto sp = output_spec(local);
         ++next_out;
         out.push_back(wrap_unchecked(local, std::move(sp)));

@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include "tessera/compat.h"
 #include "tessera/runtime/world.h"
 
 namespace tessera::testing {
@@ -102,10 +103,10 @@ void run_ranks(int world_size, const std::function<void(int rank)>& fn, const Ru
     std::string others;
     for (int r : failure_order)
       if (r != cause) others += (others.empty() ? "" : ", ") + std::to_string(r);
-    throw c10::Error("rank " + std::to_string(cause) + " of " + std::to_string(world_size) +
-                         " failed: " + errors[cause] +
-                         (others.empty() ? "" : " (ranks " + others + " failed after it)"),
-                     "");
+    throw compat::error_without_backtrace(
+        "rank " + std::to_string(cause) + " of " + std::to_string(world_size) +
+        " failed: " + errors[cause] +
+        (others.empty() ? "" : " (ranks " + others + " failed after it)"));
   }
 }
 
