@@ -28,6 +28,11 @@ fi
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 
+# One run at a time: runs share the root's mounts and its /work/tessera.
+$SUDO mkdir -p "$CACHE"
+exec 9>"$CACHE/.check-debian13.lock"
+flock 9
+
 # --- the root, made once
 if [ ! -f "$ROOT/.tessera-root-ready" ]; then
   if ! command -v debootstrap >/dev/null; then
@@ -73,9 +78,13 @@ $SUDO cp /etc/resolv.conf "$ROOT/etc/resolv.conf" 2>/dev/null || true
 # --- a clean export of the checkout
 $SUDO rm -rf "$ROOT/work/tessera"
 $SUDO mkdir -p "$ROOT/work/tessera"
-git ls-files -z --cached --others --exclude-standard |
-  (while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done) |
-  tar --null -T - -cf - | $SUDO tar -xf - -C "$ROOT/work/tessera"
+if command -v git >/dev/null && git rev-parse --git-dir >/dev/null 2>&1; then
+  git ls-files -z --cached --others --exclude-standard |
+    (while IFS= read -r -d '' f; do [ -e "$f" ] && printf '%s\0' "$f"; done) |
+    tar --null -T - -cf - | $SUDO tar -xf - -C "$ROOT/work/tessera"
+else  # not a git checkout: everything but build folders
+  tar --exclude='./build*' --exclude='./.git' -cf - . | $SUDO tar -xf - -C "$ROOT/work/tessera"
+fi
 # shared/ beside the checkout (reference material some benchmarks read), if present
 if [ -d "$SRC/../shared" ]; then
   $SUDO rm -rf "$ROOT/work/shared"

@@ -19,13 +19,6 @@ using Backend = c10d::ProcessGroup;
 #endif
 using BackendPtr = c10::intrusive_ptr<Backend>;
 
-// LibTorch 2.1 added its own AutogradPrivateUse1 fallthrough; before that we register one.
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
-#define TESSERA_NEEDS_AUTOGRAD_FALLTHROUGH 0
-#else
-#define TESSERA_NEEDS_AUTOGRAD_FALLTHROUGH 1
-#endif
-
 // c10::Allocator: 2.3 made allocate() non-const and added a pure virtual copy_data(); an
 // allocator written for both declares `allocate(size_t) TESSERA_ALLOCATE_CONST override` and
 // defines copy_data where TESSERA_ALLOCATOR_HAS_COPY_DATA.
@@ -36,6 +29,18 @@ using BackendPtr = c10::intrusive_ptr<Backend>;
 #define TESSERA_ALLOCATE_CONST const
 #define TESSERA_ALLOCATOR_HAS_COPY_DATA 0
 #endif
+
+// c10d::TCPStoreOptions::useLibUV exists from 2.2 (and defaults to true from 2.4); a LibTorch
+// built without libuv, as Debian 13's is, refuses it. Sets it where the field exists.
+template <class Options>
+auto set_tcp_store_libuv(Options& options, bool on, int) -> decltype(options.useLibUV = on, bool()) {
+  options.useLibUV = on;
+  return true;
+}
+template <class Options>
+bool set_tcp_store_libuv(Options&, bool, long) {
+  return false;  // 1.13: there is only the classic server
+}
 
 // A c10::Error with no backtrace in what(): 1.13 takes the backtrace as a string, 2.x as a
 // lazily computed value (nullptr for none).

@@ -1,5 +1,8 @@
 #include "tessera/runtime/world.h"
 
+#include <cstdlib>
+#include <string>
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -9,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include "tessera/compat.h"
 #include "tessera/runtime/env.h"
 
 namespace tessera {
@@ -87,7 +91,18 @@ void init_process_group(const InitOptions& options) {
   sopts.numWorkers = info->world_size;
   sopts.waitWorkers = true;
   sopts.timeout = options.timeout;
-  auto store = c10::make_intrusive<c10d::TCPStore>(info->master_addr, sopts);
+  // USE_LIBUV=0 (PyTorch's switch) asks for the classic server; otherwise LibTorch's default is
+  // tried first, and the classic server taken where LibTorch was built without libuv.
+  const char* use_libuv = std::getenv("USE_LIBUV");
+  if (use_libuv && std::string(use_libuv) == "0") compat::set_tcp_store_libuv(sopts, false, 0);
+  c10::intrusive_ptr<c10d::TCPStore> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(info->master_addr, sopts);
+  } catch (const c10::Error& e) {
+    const bool no_libuv = std::string(e.what()).find("without libuv") != std::string::npos;
+    if (!no_libuv || !compat::set_tcp_store_libuv(sopts, false, 0)) throw;
+    store = c10::make_intrusive<c10d::TCPStore>(info->master_addr, sopts);
+  }
   g_world = std::make_shared<World>(store, info->rank, info->world_size, options.timeout);
 }
 

@@ -515,16 +515,21 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor_fallback>());
 }
 
-#if TESSERA_NEEDS_AUTOGRAD_FALLTHROUGH
-// Custom ops with only a CPU kernel must pass through autograd on distributed inputs.
-TORCH_LIBRARY_IMPL(_, AutogradPrivateUse1, m) {
-  m.fallback(torch::CppFunction::makeFallthrough());
+// Custom ops with only a CPU kernel must pass through autograd on distributed inputs, which
+// needs a fallback at AutogradPrivateUse1. LibTorch 1.13 has none, and neither has Debian's
+// 2.6 build (upstream 2.x builds may): asked of the dispatcher, not guessed from the version.
+void ensure_autograd_fallthrough() {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  if (dispatcher.hasBackendFallbackForDispatchKey(c10::DispatchKey::AutogradPrivateUse1)) return;
+  static torch::Library library(torch::Library::IMPL, "_", c10::DispatchKey::AutogradPrivateUse1,
+                                __FILE__, __LINE__);
+  library.fallback(torch::CppFunction::makeFallthrough());
 }
-#endif
 
 void ensure_dispatch_registered() {
   static std::once_flag once;
   std::call_once(once, [] {
+    ensure_autograd_fallthrough();
     register_explicit_kernels();
   });
 }
