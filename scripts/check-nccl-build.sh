@@ -58,13 +58,15 @@ if [ ! -f "$ROOT/.tessera-root-ready" ]; then
     "Package: nvidia-cudnn" "Version: 9.0.0.312~cuda12" \
     "Description: empty stand-in for the cuDNN downloader (no network here)" > cudnn.ctl &&
     equivs-build cudnn.ctl >/dev/null && dpkg -i nvidia-cudnn_*.deb'
-  in_root apt-get install -y -q --no-install-recommends \
-    build-essential cmake ninja-build ccache pkg-config libtorch-cuda-dev libgloo-cuda-dev nvidia-cuda-toolkit \
-    libcli11-dev nlohmann-json3-dev libfmt-dev
   $SUDO touch "$ROOT/.tessera-root-ready"
 else
   mount_root
 fi
+packages="build-essential cmake ninja-build ccache pkg-config libtorch-cuda-dev libgloo-cuda-dev
+  libnccl-dev nvidia-cuda-toolkit libcli11-dev nlohmann-json3-dev libfmt-dev"
+in_root bash -c "for p in $(echo $packages); do
+    dpkg-query -W -f='\${Status}' \$p 2>/dev/null | grep -q 'install ok installed' || exit 1; done" ||
+  in_root apt-get install -y -q --no-install-recommends $packages
 
 $SUDO rm -rf "$ROOT/work/tessera"
 $SUDO mkdir -p "$ROOT/work/tessera"

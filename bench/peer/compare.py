@@ -1,0 +1,173 @@
+"""Runs the peer benchmark: PyTorch's DTensor (bench/peer/dtensor_*.py) and Tessera's
+matching C++ programs (bench/peer/tessera_peer.cpp) one after the other on this machine, and
+prints one side-by-side table per suite (markdown) with ratios.
+
+Normally started through bench/peer/run.sh, which runs it inside the Debian 13 root where
+PyTorch 2.6 and LibTorch 2.6 are both installed. Directly:
+    python3 bench/peer/compare.py [--build build] [--ranks 4] [--iters 20] [--only ops,train]
+                                  [--json results.json]
+
+A suite is a name, the PyTorch command, the Tessera command and how to print its rows; later
+work adds a Suite line (tensor-parallel step, FSDP step, ...) and the programs behind it.
+Each program prints `PEER {json}` lines: suite, case, impl, variant, us, and optionally
+bytes / calls / collectives.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Callable, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class Suite:
+    name: str
+    title: str
+    pytorch: Callable[[argparse.Namespace], List[str]]
+    tessera: Callable[[argparse.Namespace], List[str]]
+    table: Callable[[str, list], str]
+
+
+def run(cmd):
+    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+    env = dict(os.environ, USE_LIBUV="0", OMP_NUM_THREADS="1")
+    # Warnings (e.g. DTensor's "CPU process group does not support alltoall yet", once per
+    # call) are kept out of the table; they are shown if the program fails.
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        raise SystemExit(f"compare: {' '.join(cmd)} failed with exit code {proc.returncode}")
+    out = proc.stdout
+    recs = []
+    for line in out.splitlines():
+        if line.startswith("PEER "):
+            recs.append(json.loads(line[5:]))
+    return recs
+
+
+def fmt_us(us):
+    if us is None:
+        return "-"
+    return f"{us:,.1f}" if us < 1000 else f"{us:,.0f}"
+
+
+def fmt_bytes(b):
+    if b is None:
+        return "-"
+    if b >= 1 << 20:
+        return f"{b / (1 << 20):.2f} MiB"
+    if b >= 1 << 10:
+        return f"{b / (1 << 10):.1f} KiB"
+    return f"{b} B"
+
+
+def pick(recs, impl, case, variant):
+    for r in recs:
+        if r["impl"] == impl and r["case"] == case and r["variant"] == variant:
+            return r
+    return None
+
+
+def cases_of(recs):
+    seen = []
+    for r in recs:
+        if r["case"] not in seen:
+            seen.append(r["case"])
+    return seen
+
+
+def ops_table(title, recs):
+    rows = [f"### {title}", "",
+            "| op | PyTorch plain µs | PyTorch DTensor µs | DTensor / plain | "
+            "Tessera plain µs | Tessera µs | Tessera / plain | Tessera / DTensor |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for case in cases_of(recs):
+        pp, pd = pick(recs, "pytorch", case, "plain"), pick(recs, "pytorch", case, "dist")
+        tp, td = pick(recs, "tessera", case, "plain"), pick(recs, "tessera", case, "dist")
+        ratio = lambda a, b: f"{a['us'] / b['us']:.2f}x" if a and b else "-"
+        rows.append(f"| {case} | {fmt_us(pp and pp['us'])} | {fmt_us(pd and pd['us'])} | "
+                    f"{ratio(pd, pp)} | {fmt_us(tp and tp['us'])} | {fmt_us(td and td['us'])} | "
+                    f"{ratio(td, tp)} | {ratio(td, pd)} |")
+    return "\n".join(rows)
+
+
+def comm_table(title, recs, variants=("dist",)):
+    rows = [f"### {title}", "",
+            "| case | variant | PyTorch µs | Tessera µs | Tessera / PyTorch | PyTorch sent | "
+            "Tessera sent | PyTorch collectives | Tessera collectives |",
+            "|---|---|---:|---:|---:|---:|---:|---|---|"]
+    colls = lambda r: (", ".join(f"{k.split('.')[-1]} {v}" for k, v in
+                                 sorted(r.get("collectives", {}).items())) or "none") if r else "-"
+    for case in cases_of(recs):
+        for variant in variants:
+            p, t = pick(recs, "pytorch", case, variant), pick(recs, "tessera", case, variant)
+            if not p and not t:
+                continue
+            ratio = f"{t['us'] / p['us']:.2f}x" if p and t else "-"
+            rows.append(f"| {case} | {variant} | {fmt_us(p and p['us'])} | "
+                        f"{fmt_us(t and t['us'])} | {ratio} | "
+                        f"{fmt_bytes(p.get('bytes') if p else None)} | "
+                        f"{fmt_bytes(t.get('bytes') if t else None)} | {colls(p)} | {colls(t)} |")
+    return "\n".join(rows)
+
+
+def py(script, *extra):
+    return lambda a: [sys.executable, os.path.join(HERE, script), *extra(a)]
+
+
+def multi(a):
+    return ["--ranks", str(a.ranks), "--iters", str(a.iters)]
+
+
+def tessera_multi(sub):
+    return lambda a: [os.path.join(a.build, "tessera-run"), "-n", str(a.ranks), "--no-prefix",
+                      os.path.join(a.build, "bench", "tessera_peer"), sub, "--iters", str(a.iters)]
+
+
+SUITES = [
+    Suite("ops", "Per-op cost on a 1-rank mesh (no communication)",
+          py("dtensor_ops.py", lambda a: []),
+          lambda a: [os.path.join(a.build, "bench", "tessera_peer"), "ops"],
+          ops_table),
+    Suite("redistribute", "Redistribute on 4 ranks (processes, Gloo over loopback)",
+          py("dtensor_redistribute.py", multi), tessera_multi("redistribute"),
+          comm_table),
+    Suite("train", "One data-parallel MLP training step on 4 ranks (processes, Gloo)",
+          py("dtensor_train.py", multi), tessera_multi("train"),
+          lambda t, r: comm_table(t, r, variants=("plain", "dist", "ddp"))),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--build", default="build", help="Tessera build folder")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--only", default="", help="comma-separated suite names")
+    ap.add_argument("--json", default="", help="also write every record here")
+    a = ap.parse_args()
+    only = [s for s in a.only.split(",") if s]
+    import torch
+
+    header = (f"PyTorch {torch.__version__} (python3-torch), Tessera against LibTorch "
+              f"{torch.__version__.split('+')[0]}; {os.cpu_count()} cores; "
+              f"1 intra-op thread per process")
+    every, out = [], [header, ""]
+    for s in SUITES:
+        if only and s.name not in only:
+            continue
+        recs = run(s.pytorch(a)) + run(s.tessera(a))
+        every += recs
+        out += [s.table(s.title, recs), ""]
+    print("\n".join(out))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(every, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

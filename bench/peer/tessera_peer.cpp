@@ -1,0 +1,235 @@
+// Tessera's side of the peer benchmark (bench/peer/compare.py runs it next to PyTorch's
+// DTensor, bench/peer/dtensor_*.py). Same cases, same timing method, same output lines
+// (`PEER {json}`), so the driver can put both in one table.
+//   ./build/bench/tessera_peer ops                          # 1-rank mesh, per-op cost
+//   ./build/tessera-run -n 4 ./build/bench/tessera_peer redistribute [--iters 20]
+//   ./build/tessera-run -n 4 ./build/bench/tessera_peer train [--iters 20]
+// Multi-rank cases run one process per rank (as PyTorch's side does), Gloo over loopback.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adam.h>
+
+#include "tessera/tessera.h"
+
+using namespace tessera;
+using Clock = std::chrono::steady_clock;
+using json = nlohmann::json;
+
+namespace {
+
+void emit(const std::string& suite, const std::string& name, const std::string& variant,
+          double us, json extra = json::object()) {
+  json rec = {{"suite", suite}, {"case", name}, {"impl", "tessera"}, {"variant", variant},
+              {"us", us}};
+  rec.update(extra);
+  std::printf("PEER %s\n", rec.dump().c_str());
+  std::fflush(stdout);
+}
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median cost of one call in microseconds: batches calibrated to >= 20 ms (as peer_common.py).
+double per_call_us(const std::function<void()>& fn, int batches = 9) {
+  auto t0 = Clock::now();
+  for (int calls = 0; calls < 20 || seconds_since(t0) < 0.05; ++calls) fn();
+  int64_t n = 1;
+  for (;;) {
+    auto t = Clock::now();
+    for (int64_t i = 0; i < n; ++i) fn();
+    if (seconds_since(t) >= 0.02) break;
+    n *= 2;
+  }
+  std::vector<double> samples;
+  for (int b = 0; b < batches; ++b) {
+    auto t = Clock::now();
+    for (int64_t i = 0; i < n; ++i) fn();
+    samples.push_back(seconds_since(t) / static_cast<double>(n) * 1e6);
+  }
+  return median(samples);
+}
+
+// Median over `iters` of one call started together on every rank (after a barrier).
+double step_us(const std::function<void()>& fn, int iters, const comm::Group& pg) {
+  auto barrier = [&] { pg->barrier()->wait(); };
+  for (int i = 0; i < 2; ++i) {
+    barrier();
+    fn();
+  }
+  std::vector<double> samples;
+  for (int i = 0; i < iters; ++i) {
+    barrier();
+    auto t = Clock::now();
+    fn();
+    samples.push_back(seconds_since(t) * 1e6);
+  }
+  return median(samples);
+}
+
+json comm_summary(const CommDebugMode& cdm) {
+  return {{"bytes", cdm.total_bytes_sent()}, {"calls", cdm.get_total_counts()},
+          {"collectives", cdm.get_comm_counts()}};
+}
+
+void per_op_costs() {
+  at::set_num_threads(1);
+  at::manual_seed(0);
+  auto mesh = init_device_mesh("cpu", {1});
+  at::Tensor a = at::randn({8, 8}), b = at::randn({8, 8}), m = at::randn({8, 8});
+  at::Tensor v = at::randn({16}), w = at::randn({16});
+  auto da = distribute_tensor(a, mesh, {Shard(0)});
+  auto db = distribute_tensor(b, mesh, {Shard(0)});
+  auto dm = distribute_tensor(m, mesh, {Replicate()});
+  auto dv = distribute_tensor(v, mesh, {Shard(0)});
+  auto dw = distribute_tensor(w, mesh, {Shard(0)});
+  using Fn = std::function<void()>;
+  const std::vector<std::tuple<std::string, Fn, Fn>> cases = {
+      {"add 8x8", [&] { at::add(a, b); }, [&] { at::add(da, db); }},
+      {"add 16", [&] { at::add(v, w); }, [&] { at::add(dv, dw); }},
+      {"mul scalar 8x8", [&] { a * 2.0; }, [&] { da * 2.0; }},
+      {"sum 8x8", [&] { a.sum(); }, [&] { da.sum(); }},
+      {"mm 8x8", [&] { at::mm(a, m); }, [&] { at::mm(da, dm); }},
+      {"view 8x8", [&] { a.view({64}); }, [&] { da.view({64}); }},
+      {"detach 8x8", [&] { a.detach(); }, [&] { da.detach(); }},
+      {"add_ 8x8", [&] { a.add_(b, 0.0); }, [&] { da.add_(db, 0.0); }},
+  };
+  for (const auto& [name, plain, distributed] : cases) {
+    emit("ops", name, "plain", per_call_us(plain));
+    emit("ops", name, "dist", per_call_us(distributed));
+  }
+  for (bool dist : {false, true}) {
+    std::vector<at::Tensor> params;
+    for (int i = 0; i < 50; ++i) {
+      at::Tensor p = at::randn({16, 16}), g = at::randn({16, 16});
+      if (dist) {
+        p = distribute_tensor(p, mesh, {Replicate()});
+        g = distribute_tensor(g, mesh, {Replicate()});
+      }
+      p = p.detach().requires_grad_();
+      p.mutable_grad() = g;
+      params.push_back(p);
+    }
+    torch::optim::Adam adam(params, torch::optim::AdamOptions(1e-3));
+    adam.step();  // state allocation outside the timing
+    emit("ops", "adam step 50x16x16", dist ? "dist" : "plain",
+         per_call_us([&] { adam.step(); }, 5));
+  }
+}
+
+void redistribute_cases(int iters) {
+  at::set_num_threads(1);
+  at::manual_seed(0);
+  const int world = get_world_size();
+  auto mesh = init_device_mesh("cpu", {world});
+  auto pg = mesh.group(0);
+  const int64_t cols = 256;  // float32 rows of 1 KiB
+  const std::vector<std::pair<std::string, int64_t>> sizes = {{"0.25MiB", 256}, {"4MiB", 4096}};
+  for (const auto& [size, rows] : sizes) {
+    for (const auto& [layout, global_rows] :
+         std::vector<std::pair<std::string, int64_t>>{{"even", rows * world},
+                                                      {"uneven", rows * world - 3}}) {
+      auto full = at::randn({global_rows, cols});
+      auto s0 = distribute_tensor(full, mesh, {Shard(0)});
+      auto rep = distribute_tensor(full, mesh, {Replicate()});
+      auto part = from_local(full / world, mesh, {Partial()});
+      const std::vector<std::tuple<std::string, at::Tensor, Placements>> cases = {
+          {"S(0)->R", s0, {Replicate()}},   {"S(0)->S(1)", s0, {Shard(1)}},
+          {"P->R", part, {Replicate()}},    {"P->S(0)", part, {Shard(0)}},
+          {"R->S(0)", rep, {Shard(0)}},
+      };
+      for (const auto& [name, src, dst] : cases) {
+        auto fn = [&, &src = src, &dst = dst] { redistribute(src, dst); };
+        json comm;
+        {
+          CommDebugMode cdm;
+          fn();
+          comm = comm_summary(cdm);
+        }
+        const double us = step_us(fn, iters, pg);
+        if (get_rank() == 0) emit("redistribute", name + " " + size + " " + layout, "dist", us, comm);
+      }
+    }
+  }
+}
+
+// The peer MLP (same in dtensor_train.py): 64 -> 256 -> 256 -> 16, global batch 128.
+constexpr int64_t kIn = 64, kHidden = 256, kOut = 16, kBatch = 128;
+
+torch::nn::Sequential mlp() {
+  namespace nn = torch::nn;
+  at::manual_seed(0);
+  return nn::Sequential(nn::Linear(kIn, kHidden), nn::ReLU(), nn::Linear(kHidden, kHidden),
+                        nn::ReLU(), nn::Linear(kHidden, kOut));
+}
+
+void train(int iters) {
+  at::set_num_threads(1);
+  const int world = get_world_size(), rank = get_rank();
+  auto mesh = init_device_mesh("cpu", {world});
+  auto pg = mesh.group(0);
+  at::manual_seed(1);
+  at::Tensor x = at::randn({kBatch, kIn}), y = at::randn({kBatch, kOut});
+  auto timed = [&](const std::string& variant, torch::nn::Sequential model, at::Tensor in,
+                   at::Tensor target) {
+    torch::optim::Adam adam(model->parameters(), torch::optim::AdamOptions(1e-3));
+    auto step = [&] {
+      adam.zero_grad();
+      // As in dtensor_train.py (PyTorch's DTensor has no rule for mse_loss).
+      auto loss = (model->forward(in) - target).pow(2).mean();
+      loss.backward();
+      adam.step();
+    };
+    step();  // optimizer state and first decisions outside the timing
+    json comm;
+    {
+      CommDebugMode cdm;
+      step();
+      comm = comm_summary(cdm);
+    }
+    const double us = step_us(step, iters, pg);
+    if (rank == 0) emit("train", "MLP step, data parallel", variant, us, comm);
+  };
+  const int64_t lo = rank * kBatch / world, hi = (rank + 1) * kBatch / world;
+  timed("plain", mlp(), x.slice(0, lo, hi), y.slice(0, lo, hi));  // one rank's share
+  auto model = mlp();
+  distribute_module(*model, mesh);  // parameters replicated
+  timed("dist", model, distribute_tensor(x, mesh, {Shard(0)}),
+        distribute_tensor(y, mesh, {Shard(0)}));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Tessera's side of the peer benchmark (PEER json lines)"};
+  int iters = 20;
+  app.require_subcommand(1);
+  auto* ops_cmd = app.add_subcommand("ops", "per-op cost on a 1-rank mesh");
+  auto* redist_cmd = app.add_subcommand("redistribute", "redistribute on every rank");
+  auto* train_cmd = app.add_subcommand("train", "one data-parallel MLP step");
+  for (auto* c : {redist_cmd, train_cmd}) c->add_option("--iters", iters, "timed iterations");
+  CLI11_PARSE(app, argc, argv);
+  init_process_group();
+  if (*ops_cmd) per_op_costs();
+  if (*redist_cmd) redistribute_cases(iters);
+  if (*train_cmd) train(iters);
+  destroy_process_group();
+  return 0;
+}
