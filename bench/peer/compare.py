@@ -115,7 +115,7 @@ def comm_table(title, recs, variants=("dist",)):
     return "\n".join(rows)
 
 
-def py(script, *extra):
+def py(script, extra):
     return lambda a: [sys.executable, os.path.join(HERE, script), *extra(a)]
 
 

@@ -83,10 +83,13 @@ def _entry(rank, worker, world, port, args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world)
-    try:
-        worker(rank, world, *args)
-    finally:
-        dist.destroy_process_group()
+    worker(rank, world, *args)
+    # Every rank is done; leave without tearing down (a rank could stay blocked in Gloo's
+    # and DDP's teardown after its peers had gone).
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def element_bytes(t):

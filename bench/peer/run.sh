@@ -8,10 +8,10 @@ cd "$(dirname "$0")/../.."
 if ! grep -q '^13' /etc/debian_version 2>/dev/null; then
   exec bash scripts/check-debian13.sh -- bash bench/peer/run.sh "$@"
 fi
-bash scripts/install-deps.sh
+bash scripts/install-deps.sh >&2
 python3 -c 'import torch' 2>/dev/null || {
   export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -q --no-install-recommends python3-torch python3-numpy
+  apt-get install -y -q --no-install-recommends python3-torch python3-numpy >&2
 }
-BUILD_DIR=build-peer TARGETS="tessera-run tessera_peer" bash scripts/build.sh
+BUILD_DIR=build-peer TARGETS="tessera-run tessera_peer" bash scripts/build.sh >&2
 python3 bench/peer/compare.py --build build-peer "$@"
