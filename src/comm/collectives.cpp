@@ -1,7 +1,11 @@
 #include "tessera/comm/collectives.h"
 
+#include <algorithm>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <numeric>
+#include <string>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -112,6 +116,44 @@ std::vector<at::Tensor> exchange(const Group& pg, const std::vector<at::Tensor>&
   return out;
 }
 
+// Flat-buffer collectives: _allgather_base gathers every shard into one buffer and
+// _reduce_scatter_base reduces from one, with no per-block copies. LibTorch 2.x's Gloo has
+// both; 1.13's throws before communicating, identically on every rank. Which one a backend
+// has is learnt on its first call and remembered per backend name.
+enum class FlatOp : uint8_t { AllGather, ReduceScatter };
+
+template <class Run>
+bool try_flat(const Group& pg, FlatOp op, Run&& run) {
+  static std::mutex mu;
+  static std::map<std::pair<std::string, FlatOp>, bool> known;
+  const auto key = std::make_pair(pg->getBackendName(), op);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = known.find(key);
+    if (it != known.end() && !it->second) return false;
+  }
+  try {
+    run();
+  } catch (const c10::Error& e) {
+    // Only "does not support" / "no support for" means the op is missing; anything else is a
+    // real failure, and so is any failure after the op once worked.
+    const bool missing = std::string(e.what_without_backtrace()).find("support") != std::string::npos;
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = known.find(key);
+    if (!missing || (it != known.end() && it->second)) throw;
+    known[key] = false;
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  known[key] = true;
+  return true;
+}
+
+// Gloo reduces these dtypes in _reduce_scatter_base; others take the all-to-all path.
+bool flat_reducible(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kInt || t == at::kLong;
+}
+
 }  // namespace
 
 std::vector<at::Tensor> all_to_all_blocks(const Group& pg, const std::vector<at::Tensor>& send,
@@ -142,6 +184,13 @@ at::Tensor all_gather(const Group& pg, const at::Tensor& x, int64_t dim,
     int64_t recvd = 0;
     for (int i = 0; i < n; ++i) recvd += i == me ? 0 : sizes[i] * row;
     record({CollectiveKind::AllGather, (n - 1) * nbytes(x), recvd, n});
+    if (leading_dims_trivial(shape, dim)) {
+      // Shards gathered back to back along the first non-trivial dim are the result.
+      auto in = as_bytes(x);
+      auto flat = at::empty({n * in.numel()}, in.options());
+      if (try_flat(pg, FlatOp::AllGather, [&] { pg->_allgather_base(flat, in)->wait(); }))
+        return flat.view(x.scalar_type()).view(shape);
+    }
     std::vector<at::Tensor> in{as_bytes(x)};
     std::vector<std::vector<at::Tensor>> out(1);
     for (int i = 0; i < n; ++i) out[0].push_back(at::empty_like(in[0]));
@@ -184,6 +233,26 @@ at::Tensor reduce_scatter(const Group& pg, const at::Tensor& x, int64_t dim,
   const int me = pg->getRank();
   TORCH_INTERNAL_ASSERT(static_cast<int>(sizes.size()) == n);
   if (n == 1) return x;
+  const bool even = std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == sizes[0]; });
+  if (even && x.numel() > 0 && leading_dims_trivial(x.sizes().vec(), dim) &&
+      flat_reducible(x.scalar_type()) && op == PartialOp::Sum) {
+    // 1-D buffers: Gloo splits along dim 0 (and checks it with a fatal assertion); with only
+    // size-1 dims before `dim`, the flat split is the split along `dim`. Sum only: Gloo's
+    // flat reduce-scatter is not relied on for min/max.
+    auto mine = x.sizes().vec();
+    mine[dim] = sizes[me];
+    auto in = x.contiguous().view({-1});
+    auto out = at::empty({in.numel() / n}, x.options());
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    const int64_t b = nbytes(x);
+    bool done = try_flat(pg, FlatOp::ReduceScatter,
+                         [&] { pg->_reduce_scatter_base(out, in, opts)->wait(); });
+    if (done) {
+      record({CollectiveKind::ReduceScatter, b - b / n, b - b / n, n});
+      return out.view(mine);
+    }
+  }
   std::vector<at::Tensor> send;
   int64_t off = 0;
   for (int j = 0; j < n; ++j) {

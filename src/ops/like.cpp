@@ -48,8 +48,7 @@ const RuleRegistrar registrar{[] {
                          "aten::resolve_conj", "aten::resolve_neg"})
     register_rule(op, keep_layout);
   for (const char* op : {"aten::ones_like", "aten::empty_like", "aten::full_like",
-                         "aten::fill_.Scalar", "aten::fill.Scalar", "aten::rand_like",
-                         "aten::randn_like"})
+                         "aten::fill_.Scalar", "aten::fill.Scalar"})
     register_rule(op, fresh_values);
   register_rule("aten::_local_scalar_dense", needs_replicate);
   register_rule("aten::is_nonzero", needs_replicate);

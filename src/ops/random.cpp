@@ -49,7 +49,62 @@ OpPlan fill_rule(const OpCall& call) {
   return plan;
 }
 
+// rand_like / randn_like / randint_like: on one device they are empty_like followed by an
+// in-place fill (uniform_(0, 1), normal_(0, 1), random_(low, high)) from the default
+// generator. The kernel makes that fill on a global-sized buffer, with the thread's
+// generator when one is seeded, and keeps its own block (NOTE: [Random numbers]).
+enum class LikeFill : uint8_t { Uniform, Normal, RandomTo, RandomFromTo };
+
+OpPlan random_like_rule(const OpCall& call, LikeFill fill) {
+  const auto& self = *call.specs[0];
+  auto out = std::make_shared<DTensorSpec>(self.partial_as_replicate());
+  OpPlan plan;
+  plan.inputs.resize(call.args.size());
+  plan.outputs.push_back(out);
+  const auto& schema = call.op.schema();
+  const auto index = [&](const char* name) {
+    auto i = schema.argumentIndexWithName(name);
+    return i ? static_cast<int>(*i) : -1;
+  };
+  const int dtype = index("dtype"), low = index("low"), high = index("high");
+  TORCH_INTERNAL_ASSERT(dtype >= 0 && (fill < LikeFill::RandomTo || high >= 0) &&
+                        (fill != LikeFill::RandomFromTo || low >= 0));
+  const auto global = self.sizes();
+  const auto offsets = out->local_offsets();
+  const auto lengths = out->local_sizes();
+  plan.local_kernel = [fill, dtype, low, high, global, offsets, lengths](torch::jit::Stack& stack) {
+    const at::Tensor local = stack[0].toTensor();
+    auto options = local.options();
+    if (!stack[dtype].isNone()) options = options.dtype(stack[dtype].toScalarType());
+    at::Tensor full = at::empty(global, options);
+    const c10::optional<at::Generator> gen = thread_generator();
+    switch (fill) {
+      case LikeFill::Uniform: full.uniform_(0, 1, gen); break;
+      case LikeFill::Normal: full.normal_(0, 1, gen); break;
+      case LikeFill::RandomTo: full.random_(0, stack[high].toInt(), gen); break;
+      case LikeFill::RandomFromTo:
+        full.random_(stack[low].toInt(), stack[high].toInt(), gen);
+        break;
+    }
+    at::Tensor block = full;
+    for (size_t t = 0; t < global.size(); ++t) block = block.narrow(t, offsets[t], lengths[t]);
+    stack.clear();
+    stack.emplace_back(block.clone(at::MemoryFormat::Contiguous));
+  };
+  return plan;
+}
+OpPlan rand_like_rule(const OpCall& c) { return random_like_rule(c, LikeFill::Uniform); }
+OpPlan randn_like_rule(const OpCall& c) { return random_like_rule(c, LikeFill::Normal); }
+OpPlan randint_like_rule(const OpCall& c) { return random_like_rule(c, LikeFill::RandomTo); }
+OpPlan randint_like_low_rule(const OpCall& c) {
+  return random_like_rule(c, LikeFill::RandomFromTo);
+}
+
 const RuleRegistrar registrar{[] {
+  register_rule("aten::rand_like", rand_like_rule);
+  register_rule("aten::randn_like", randn_like_rule);
+  register_rule("aten::randint_like", randint_like_rule);
+  register_rule("aten::randint_like.low_dtype", randint_like_low_rule);
   for (const char* op : {"aten::bernoulli_.float", "aten::uniform_",
                          "aten::normal_", "aten::random_", "aten::random_.from",
                          "aten::random_.to", "aten::exponential_", "aten::log_normal_",

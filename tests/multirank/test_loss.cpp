@@ -145,6 +145,9 @@ TEST(Loss, DropoutAndRandomFillsDrawWhatOneDeviceDraws) {
   const auto ref_drop = at::dropout(x, 0.3, /*train=*/true);
   const auto ref_uniform = at::empty({7, 6}).uniform_(-2, 3);
   const auto ref_normal = at::empty({7, 6}).normal_(1, 2);
+  const auto ref_rand = at::rand_like(x);
+  const auto ref_randn = at::randn_like(x, at::kDouble);
+  const auto ref_randint = at::randint_like(x, 3, 9);
   for (int world : {1, 2, 3}) {
     tessera::testing::run_ranks(world, [&](int) {
       auto mesh = init_device_mesh("cpu", {world});
@@ -159,6 +162,14 @@ TEST(Loss, DropoutAndRandomFillsDrawWhatOneDeviceDraws) {
       EXPECT_TRUE(at::equal(full_tensor(u), ref_uniform)) << "uniform_, world " << world;
       auto n = distribute_tensor(at::zeros({7, 6}), mesh, {Shard(1)}, std::nullopt).normal_(1, 2);
       EXPECT_TRUE(at::equal(full_tensor(n), ref_normal)) << "normal_ on S(1), world " << world;
+      // The *_like factories too (each rank once drew the same first values locally).
+      auto r = at::rand_like(dx);
+      EXPECT_TRUE(at::equal(full_tensor(r), ref_rand)) << "rand_like, world " << world;
+      auto rn = at::randn_like(dx, at::kDouble);
+      EXPECT_EQ(rn.scalar_type(), at::kDouble);
+      EXPECT_TRUE(at::equal(full_tensor(rn), ref_randn)) << "randn_like, world " << world;
+      auto ri = at::randint_like(distribute_tensor(x, mesh, {Shard(1)}, std::nullopt), 3, 9);
+      EXPECT_TRUE(at::equal(full_tensor(ri), ref_randint)) << "randint_like on S(1), world " << world;
       tessera::clear_manual_seed();
     });
   }
