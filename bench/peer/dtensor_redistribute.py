@@ -4,8 +4,6 @@ chunk-uneven ones (global rows 4k-3: the uneven layout DTensor supports). Report
 median time and the bytes this rank sent. Mirrors `tessera_peer redistribute`.
     python3 bench/peer/dtensor_redistribute.py [--ranks 4] [--iters 20]
 """
-import argparse
-
 import peer_common as pc
 
 import torch
@@ -54,13 +52,5 @@ def worker(rank, world, iters):
                             collectives={str(k): v for k, v in cdm.get_comm_counts().items()})
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--iters", type=int, default=20)
-    a = ap.parse_args()
-    pc.launch(worker, a.ranks, a.iters)
-
-
 if __name__ == "__main__":
-    main()
+    pc.multi_rank_main(worker)

@@ -4,8 +4,6 @@ input, and PyTorch DDP on the same local batches; a plain step on one rank's loc
 for scale. Mirrors `tessera_peer train`.
     python3 bench/peer/dtensor_train.py [--ranks 4] [--iters 20]
 """
-import argparse
-
 import peer_common as pc
 
 import torch
@@ -72,13 +70,5 @@ def worker(rank, world, iters):
     timed(rank, "ddp", ddp, x[local], y[local], iters)
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--iters", type=int, default=20)
-    a = ap.parse_args()
-    pc.launch(worker, a.ranks, a.iters)
-
-
 if __name__ == "__main__":
-    main()
+    pc.multi_rank_main(worker)

@@ -76,6 +76,17 @@ def launch(worker, world, *args):
     mp.spawn(_entry, args=(worker, world, port, args), nprocs=world, join=True)
 
 
+def multi_rank_main(worker):
+    """Command line of the multi-rank programs: --ranks (processes) and --iters."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=20)
+    a = ap.parse_args()
+    launch(worker, a.ranks, a.iters)
+
+
 def _entry(rank, worker, world, port, args):
     import torch
     import torch.distributed as dist
