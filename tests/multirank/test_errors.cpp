@@ -234,12 +234,12 @@ TEST(ErrorsMesh, TensorsOnDifferentMeshes) {
 TEST(ErrorsOps, NoShardingRuleOnShardedInput) {
   on_mesh_fails({2}, [](int, const DeviceMesh& m) {
     auto dt = distribute_tensor(values({6, 3}), m, {Shard(0)});
-    at::cumsum(dt, 0);
-  }, {"aten::cumsum", "(S(0))", "[6, 3]", "no sharding rule"});
+    at::cumprod(dt, 0);
+  }, {"aten::cumprod", "(S(0))", "[6, 3]", "no sharding rule"});
   on_mesh_fails({2, 2}, [](int, const DeviceMesh& m) {
     auto dt = distribute_tensor(values({6, 4}), m, {Replicate(), Shard(1)});
-    at::cumsum(dt, 1);
-  }, {"aten::cumsum", "(R, S(1))", "no sharding rule"});
+    at::cumprod(dt, 1);
+  }, {"aten::cumprod", "(R, S(1))", "no sharding rule"});
 }
 
 TEST(ErrorsRedistribute, PartialTargetRefused) {
