@@ -40,6 +40,10 @@ at::Tensor as_bytes(const at::Tensor& x) {
   return c.view(at::kByte);
 }
 
+bool all_equal(const std::vector<int64_t>& sizes) {
+  return std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == sizes[0]; });
+}
+
 bool leading_dims_trivial(const std::vector<int64_t>& shape, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d)
     if (shape[d] != 1) return false;
@@ -175,7 +179,7 @@ at::Tensor all_gather(const Group& pg, const at::Tensor& x, int64_t dim,
   const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
   shape[dim] = total;
   if (n == 1) return x;
-  const bool even = std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == sizes[0]; });
+  const bool even = all_equal(sizes);
   if (total == 0 || numel_of(shape) == 0) {
     record({CollectiveKind::AllGather, 0, 0, n});
     return at::empty(shape, x.options());
@@ -233,7 +237,7 @@ at::Tensor reduce_scatter(const Group& pg, const at::Tensor& x, int64_t dim,
   const int me = pg->getRank();
   TORCH_INTERNAL_ASSERT(static_cast<int>(sizes.size()) == n);
   if (n == 1) return x;
-  const bool even = std::all_of(sizes.begin(), sizes.end(), [&](int64_t s) { return s == sizes[0]; });
+  const bool even = all_equal(sizes);
   if (even && x.numel() > 0 && leading_dims_trivial(x.sizes().vec(), dim) &&
       flat_reducible(x.scalar_type()) && op == PartialOp::Sum) {
     // 1-D buffers: Gloo splits along dim 0 (and checks it with a fatal assertion); with only

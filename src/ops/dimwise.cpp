@@ -25,38 +25,30 @@ namespace {
 // The input's layout with `dims` whole, as described in NOTE: [Dim-wise ops].
 SpecPtr whole_along(const DTensorSpec& in, const std::vector<int64_t>& dims) {
   const int64_t nd = in.ndim();
-  std::vector<bool> touched(static_cast<size_t>(nd), false);
-  for (int64_t d : dims) touched[static_cast<size_t>(c10::maybe_wrap_dim(d, nd))] = true;
-
+  std::vector<bool> touched(nd, false), sharded(nd, false), changed(nd, false);
+  for (int64_t d : dims) touched[c10::maybe_wrap_dim(d, nd)] = true;
   Placements p = in.placements();
-  std::vector<bool> sharded(static_cast<size_t>(nd), false);
   for (const auto& x : p)
-    if (x.is_shard() && !touched[static_cast<size_t>(x.dim())]) sharded[static_cast<size_t>(x.dim())] = true;
-  std::vector<bool> changed(static_cast<size_t>(nd), false);
+    if (x.is_shard() && !touched[x.dim()]) sharded[x.dim()] = true;
   for (auto& x : p) {
     if (x.is_partial()) x = Replicate();
-    if (!x.is_shard() || !touched[static_cast<size_t>(x.dim())]) continue;
-    changed[static_cast<size_t>(x.dim())] = true;
+    if (!x.is_shard() || !touched[x.dim()]) continue;
+    changed[x.dim()] = true;
     int64_t free_dim = -1;
     for (int64_t t = 0; t < nd; ++t)
-      if (!touched[static_cast<size_t>(t)] && !sharded[static_cast<size_t>(t)] &&
-          (free_dim < 0 || in.sizes()[t] > in.sizes()[free_dim]))
+      if (!touched[t] && !sharded[t] && (free_dim < 0 || in.sizes()[t] > in.sizes()[free_dim]))
         free_dim = t;
     if (free_dim < 0) {
       x = Replicate();
     } else {
       x = Shard(free_dim);
-      sharded[static_cast<size_t>(free_dim)] = true;
-      changed[static_cast<size_t>(free_dim)] = true;
+      sharded[free_dim] = changed[free_dim] = true;
     }
   }
   // Tables survive for dims whose sharding mesh dims did not change; new shards are chunks.
-  std::vector<ShardTable> tables(static_cast<size_t>(nd));
-  for (int64_t t = 0; t < nd; ++t) {
-    bool still = false;
-    for (const auto& x : p) still = still || x.is_shard(t);
-    if (still && !changed[static_cast<size_t>(t)]) tables[static_cast<size_t>(t)] = in.shard_table(t);
-  }
+  std::vector<ShardTable> tables(nd);
+  for (int64_t t = 0; t < nd; ++t)
+    if (sharded[t] && !changed[t]) tables[t] = in.shard_table(t);
   return std::make_shared<DTensorSpec>(in.mesh(), p, in.sizes(), in.dtype(), tables);
 }
 
@@ -72,12 +64,6 @@ OpPlan along(const OpCall& call, const std::vector<int64_t>& dims) {
   return plan;
 }
 
-int64_t int_arg(const OpCall& call, const char* name) {
-  auto i = call.op.schema().argumentIndexWithName(name);
-  TORCH_INTERNAL_ASSERT(i, call.name(), " has no argument ", name);
-  return call.args[*i].toInt();
-}
-
 std::vector<int64_t> every_dim(const OpCall& call) {
   std::vector<int64_t> all(static_cast<size_t>(call.specs[0]->ndim()));
   for (size_t t = 0; t < all.size(); ++t) all[t] = static_cast<int64_t>(t);
@@ -87,14 +73,12 @@ std::vector<int64_t> every_dim(const OpCall& call) {
 // cumsum, logcumsumexp, sort, sort.stable: one `dim`.
 OpPlan along_dim(const OpCall& call) {
   if (call.specs[0]->ndim() == 0) return along(call, {});
-  return along(call, {int_arg(call, "dim")});
+  return along(call, {call.arg("dim").toInt()});
 }
 
 // flip(dims); roll(shifts, dims) with no dims rolls the flattened tensor: every dim whole.
 OpPlan along_dims(const OpCall& call) {
-  auto i = call.op.schema().argumentIndexWithName("dims");
-  TORCH_INTERNAL_ASSERT(i);
-  auto dims = call.args[*i].toIntVector();
+  auto dims = call.arg("dims").toIntVector();
   if (dims.empty()) dims = every_dim(call);
   return along(call, dims);
 }

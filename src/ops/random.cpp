@@ -20,6 +20,13 @@ namespace ops {
 
 namespace {
 
+// This rank's block of a global-sized buffer.
+at::Tensor own_block(at::Tensor full, const std::vector<int64_t>& offsets,
+                     const std::vector<int64_t>& lengths) {
+  for (size_t t = 0; t < offsets.size(); ++t) full = full.narrow(t, offsets[t], lengths[t]);
+  return full;
+}
+
 // In-place fills (self, ..., *, Generator? generator): the op runs on a global-sized buffer.
 OpPlan fill_rule(const OpCall& call) {
   const auto& self = *call.specs[0];
@@ -40,9 +47,7 @@ OpPlan fill_rule(const OpCall& call) {
       if (auto g = thread_generator()) stack[gen_arg] = c10::IValue(*g);
     }
     op.callBoxed(&stack);
-    at::Tensor block = full;
-    for (size_t t = 0; t < global.size(); ++t) block = block.narrow(t, offsets[t], lengths[t]);
-    local.copy_(block);
+    local.copy_(own_block(full, offsets, lengths));
     stack.clear();
     stack.emplace_back(local);
   };
@@ -61,12 +66,8 @@ OpPlan random_like_rule(const OpCall& call, LikeFill fill) {
   OpPlan plan;
   plan.inputs.resize(call.args.size());
   plan.outputs.push_back(out);
-  const auto& schema = call.op.schema();
-  const auto index = [&](const char* name) {
-    auto i = schema.argumentIndexWithName(name);
-    return i ? static_cast<int>(*i) : -1;
-  };
-  const int dtype = index("dtype"), low = index("low"), high = index("high");
+  const int dtype = call.arg_index("dtype"), low = call.arg_index("low"),
+            high = call.arg_index("high");
   TORCH_INTERNAL_ASSERT(dtype >= 0 && (fill < LikeFill::RandomTo || high >= 0) &&
                         (fill != LikeFill::RandomFromTo || low >= 0));
   const auto global = self.sizes();
@@ -86,10 +87,8 @@ OpPlan random_like_rule(const OpCall& call, LikeFill fill) {
         full.random_(stack[low].toInt(), stack[high].toInt(), gen);
         break;
     }
-    at::Tensor block = full;
-    for (size_t t = 0; t < global.size(); ++t) block = block.narrow(t, offsets[t], lengths[t]);
     stack.clear();
-    stack.emplace_back(block.clone(at::MemoryFormat::Contiguous));
+    stack.emplace_back(own_block(full, offsets, lengths).clone(at::MemoryFormat::Contiguous));
   };
   return plan;
 }

@@ -50,6 +50,17 @@ Rule find_rule(const c10::OperatorHandle& op) {
 
 const std::string& OpCall::name() const { return op.schema().name(); }
 
+int OpCall::arg_index(const char* arg_name) const {
+  auto i = op.schema().argumentIndexWithName(arg_name);
+  return i ? static_cast<int>(*i) : -1;
+}
+
+const c10::IValue& OpCall::arg(const char* arg_name) const {
+  const int i = arg_index(arg_name);
+  TORCH_INTERNAL_ASSERT(i >= 0, name(), " has no argument ", arg_name);
+  return args[static_cast<size_t>(i)];
+}
+
 std::string OpCall::describe() const {
   std::string s = qualified(op.operator_name()) + "(";
   bool first = true;

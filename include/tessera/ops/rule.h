@@ -26,6 +26,11 @@ struct OpCall {
 
   const DTensorSpec& first() const { return *reference; }
   const std::string& name() const;
+  // Position of the schema argument `name` (-1 if the op has none): names hold across
+  // LibTorch versions where positions may not. Local kernels' stacks use the same positions.
+  int arg_index(const char* name) const;
+  // The argument `name`; an internal error if the op has none.
+  const c10::IValue& arg(const char* name) const;
   // "aten::add.Tensor(S(0) [8, 4], R [8, 4])": for error messages.
   std::string describe() const;
 };
