@@ -54,8 +54,8 @@ SpecPtr whole_along(const DTensorSpec& in, const std::vector<int64_t>& dims) {
 
 // self is argument 0; every return has self's shape.
 OpPlan along(const OpCall& call, const std::vector<int64_t>& dims) {
-  TORCH_CHECK(call.specs[0] != nullptr, "tessera: ", call.describe(),
-              ": only `self` may be a distributed tensor");
+  // Every op here has `self` as its only tensor argument.
+  TORCH_INTERNAL_ASSERT(call.specs[0] != nullptr, call.describe());
   OpPlan plan;
   plan.inputs.resize(call.args.size());
   plan.inputs[0] = whole_along(*call.specs[0], dims);

@@ -242,6 +242,13 @@ TEST(ErrorsOps, NoShardingRuleOnShardedInput) {
   }, {"aten::cumprod", "(R, S(1))", "no sharding rule"});
 }
 
+TEST(ErrorsOps, TriangleOfOneDimTensor) {
+  on_mesh_fails({2}, [](int, const DeviceMesh& m) {
+    auto dt = distribute_tensor(values({6}), m, {Shard(0)});
+    at::tril(dt);
+  }, {"aten::tril", "S(0)", "[6]", "needs 2 or more dims"});
+}
+
 TEST(ErrorsRedistribute, PartialTargetRefused) {
   on_mesh_fails({2}, [](int, const DeviceMesh& m) {
     auto dt = distribute_tensor(values({4, 2}), m, {Shard(0)});
