@@ -411,7 +411,7 @@ OpPlan convolution_rule(const OpCall& call) {
   if (call.specs[2]) plan.inputs[2] = replicated(*call.specs[2]);
   plan.outputs.push_back(spatial::output_spec(*l.layout, l.cuts, l.layout->dtype(), l.a.out_channels));
   if (l.windowed) {
-    plan.local_kernel = [mesh = l.layout->mesh(), cuts = l.cuts, a = l.a](torch::jit::Stack& s) {
+    plan.stack_kernel = [mesh = l.layout->mesh(), cuts = l.cuts, a = l.a](torch::jit::Stack& s) {
       conv_forward_kernel(s, mesh, cuts, a);
     };
   }
@@ -433,7 +433,7 @@ OpPlan convolution_backward_rule(const OpCall& call) {
   plan.outputs.push_back(summed_over_shards(
       *l.layout, call.args[3].isIntList() ? call.args[3].toIntVector() : std::vector<int64_t>{l.a.out_channels}));
   if (l.windowed) {
-    plan.local_kernel = [mesh = l.layout->mesh(), cuts = l.cuts, a = l.a](torch::jit::Stack& s) {
+    plan.stack_kernel = [mesh = l.layout->mesh(), cuts = l.cuts, a = l.a](torch::jit::Stack& s) {
       conv_backward_kernel(s, mesh, cuts, a);
     };
   }

@@ -119,7 +119,7 @@ OpPlan index_add_rule(const OpCall& call) {
   if (!masked) return plan;
   const int64_t off = self_t->local_offsets()[d], n = self_t->local_sizes()[d];
   c10::OperatorHandle op = call.op;
-  plan.local_kernel = [op, d, off, n](Stack& stack) {
+  plan.stack_kernel = [op, d, off, n](Stack& stack) {
     keep_local_entries(stack, 2, 3, d, off, n);
     op.callBoxed(&stack);
   };
@@ -264,7 +264,7 @@ OpPlan embedding_rule(const OpCall& call) {
   // Vocab-parallel: look up the indices in this shard's range, zero rows for the rest.
   const int64_t off = w_t->local_offsets()[0], n = w_t->local_sizes()[0];
   const auto local = out->local_sizes();
-  plan.local_kernel = [off, n, local](Stack& stack) {
+  plan.stack_kernel = [off, n, local](Stack& stack) {
     auto weight = stack[0].toTensor();
     auto indices = stack[1].toTensor();
     stack.clear();
@@ -322,7 +322,7 @@ OpPlan embedding_backward_rule(const OpCall& call) {
   plan.outputs.push_back(out);
   const int64_t off = out->local_offsets()[0], n = out->local_sizes()[0];
   c10::OperatorHandle op = call.op;
-  plan.local_kernel = [op, masked, off, n](Stack& stack) {
+  plan.stack_kernel = [op, masked, off, n](Stack& stack) {
     if (masked) {
       auto grad = stack[0].toTensor();
       stack[0] = grad.reshape({stack[1].toTensor().numel(), grad.size(-1)});

@@ -20,10 +20,8 @@ OpPlan fresh_values(const OpCall& call) {
 }
 
 OpPlan needs_replicate(const OpCall& call) {
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[call.first_dtensor] = replicated(call.first());
-  plan.outputs.push_back(replicated(call.first()));
+  OpPlan plan = replicate_inputs(call);
+  plan.output(replicated(call.first()));
   return plan;
 }
 

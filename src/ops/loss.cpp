@@ -41,7 +41,7 @@ OpPlan loss_rule(const OpCall& call, size_t self_arg, bool backward) {
     const double count = static_cast<double>(self.numel());
     c10::OperatorHandle op = call.op;
     const size_t red = self_arg + 2;
-    plan.local_kernel = [op, count, red](torch::jit::Stack& stack) {
+    plan.stack_kernel = [op, count, red](torch::jit::Stack& stack) {
       stack[red] = c10::IValue(kSum);
       op.callBoxed(&stack);
       stack.back() = stack.back().toTensor().div(count);
@@ -141,7 +141,7 @@ OpPlan nll_rule(const OpCall& call) {
     c10::OperatorHandle op = call.op;
     DeviceMesh mesh = l.self->mesh();
     auto dims = l.sharded_mesh_dims;
-    plan.local_kernel = [op, mesh, dims](torch::jit::Stack& stack) {
+    plan.stack_kernel = [op, mesh, dims](torch::jit::Stack& stack) {
       stack[3] = c10::IValue(kSum);
       op.callBoxed(&stack);
       at::Tensor total = stack[1].toTensor();

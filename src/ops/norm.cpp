@@ -187,7 +187,7 @@ OpPlan group_norm_rule(const OpCall& call) {
     if (call.specs[i]) plan.inputs[i] = replicated(*call.specs[i]);
   plan.outputs = {l.input, l.stats, l.stats};
   DeviceMesh mesh = l.input->mesh();
-  plan.local_kernel = [mesh, dims = l.spatial_mesh_dims, count = l.count,
+  plan.stack_kernel = [mesh, dims = l.spatial_mesh_dims, count = l.count,
                        group](torch::jit::Stack& s) {
     const at::Tensor x = s[0].toTensor();
     const at::Tensor w = tensor_or_undefined(s[1]), b = tensor_or_undefined(s[2]);
@@ -252,7 +252,7 @@ OpPlan group_norm_backward_rule(const OpCall& call) {
   plan.outputs = {l.input, param_grad, param_grad};
   DeviceMesh mesh = l.input->mesh();
   const bool need_weight = mask.get(1), need_bias = mask.get(2);
-  plan.local_kernel = [mesh, dims = l.spatial_mesh_dims, count = l.count, group, need_input,
+  plan.stack_kernel = [mesh, dims = l.spatial_mesh_dims, count = l.count, group, need_input,
                        need_weight, need_bias](torch::jit::Stack& s) {
     const at::Tensor dy = s[0].toTensor(), x = s[1].toTensor();
     const at::Tensor mean = s[2].toTensor(), rstd = s[3].toTensor();
@@ -372,7 +372,7 @@ OpPlan batch_norm_plan(const OpCall& call, const BnForm& f) {
     plan.outputs.push_back(std::make_shared<DTensorSpec>(
         in.mesh(), Placements(in.mesh().ndim(), Replicate()), std::vector<int64_t>{0}, at::kByte));
   DeviceMesh mesh = l.input->mesh();
-  plan.local_kernel = [mesh, dims = l.reduce_mesh_dims, count = l.count, f,
+  plan.stack_kernel = [mesh, dims = l.reduce_mesh_dims, count = l.count, f,
                        training](torch::jit::Stack& s) {
     const at::Tensor x = s[0].toTensor();
     const at::Tensor w = tensor_or_undefined(s[1]), b = tensor_or_undefined(s[2]);
@@ -447,7 +447,7 @@ OpPlan batch_norm_backward_rule(const OpCall& call) {
   auto param_grad = along_dim(*l.input, 1, {c}, in.dtype(), reduced ? Replicate() : Partial());
   plan.outputs = {l.input, param_grad, param_grad};
   DeviceMesh mesh = l.input->mesh();
-  plan.local_kernel = [mesh, dims = l.reduce_mesh_dims, count = l.count, train, reduced,
+  plan.stack_kernel = [mesh, dims = l.reduce_mesh_dims, count = l.count, train, reduced,
                        need_input, need_weight, need_bias](torch::jit::Stack& s) {
     const at::Tensor dy = s[0].toTensor(), x = s[1].toTensor();
     const at::Tensor w = tensor_or_undefined(s[2]);

@@ -84,7 +84,7 @@ OpPlan pad_rule_with(const OpCall& call, HaloBoundary boundary) {
   // Always the window kernel, even without a cut dim: ATen rejects padding a tensor with an
   // empty dim, which a local shard may have.
   DeviceMesh mesh = in.mesh();
-  plan.local_kernel = [mesh, cuts, boundary](torch::jit::Stack& s) {
+  plan.stack_kernel = [mesh, cuts, boundary](torch::jit::Stack& s) {
     // The fill value is read per call: decisions are cached without it.
     const double value = s.size() > 2 && !s[2].isNone() ? s[2].toScalar().toDouble() : 0.0;
     at::Tensor y = spatial::fetch(mesh, s[0].toTensor(), cuts, boundary, value);
@@ -106,7 +106,7 @@ OpPlan pad_backward_rule_with(const OpCall& call, HaloBoundary boundary) {
   plan.inputs[0] = spatial::output_spec(*layout, cuts, call.specs[0]->dtype());
   plan.outputs.push_back(layout);
   DeviceMesh mesh = in.mesh();
-  plan.local_kernel = [mesh, cuts, boundary](torch::jit::Stack& s) {
+  plan.stack_kernel = [mesh, cuts, boundary](torch::jit::Stack& s) {
     at::Tensor g = spatial::fetch_backward(mesh, s[0].toTensor(), cuts, boundary);
     s.clear();
     s.emplace_back(g);

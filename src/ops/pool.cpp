@@ -231,9 +231,9 @@ OpPlan pool_plan(const OpCall& call, size_t act, const PoolArgs& a, bool backwar
   if (spatial::any_window_dim_sharded(*layout, dims)) {
     DeviceMesh mesh = in.mesh();
     if (backward)
-      plan.local_kernel = [mesh, cuts, a](torch::jit::Stack& s) { pool_backward_kernel(s, mesh, cuts, a); };
+      plan.stack_kernel = [mesh, cuts, a](torch::jit::Stack& s) { pool_backward_kernel(s, mesh, cuts, a); };
     else
-      plan.local_kernel = [mesh, cuts, a](torch::jit::Stack& s) { pool_forward_kernel(s, mesh, cuts, a); };
+      plan.stack_kernel = [mesh, cuts, a](torch::jit::Stack& s) { pool_forward_kernel(s, mesh, cuts, a); };
   }
   return plan;
 }

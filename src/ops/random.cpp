@@ -39,7 +39,7 @@ OpPlan fill_rule(const OpCall& call) {
   const auto offsets = out->local_offsets();
   const auto lengths = out->local_sizes();
   const size_t gen_arg = call.args.size() - 1;
-  plan.local_kernel = [op, global, offsets, lengths, gen_arg](torch::jit::Stack& stack) {
+  plan.stack_kernel = [op, global, offsets, lengths, gen_arg](torch::jit::Stack& stack) {
     at::Tensor local = stack[0].toTensor();
     at::Tensor full = at::empty(global, local.options());
     stack[0] = full;
@@ -66,14 +66,14 @@ OpPlan random_like_rule(const OpCall& call, LikeFill fill) {
   OpPlan plan;
   plan.inputs.resize(call.args.size());
   plan.outputs.push_back(out);
-  const int dtype = call.arg_index("dtype"), low = call.arg_index("low"),
-            high = call.arg_index("high");
+  const int dtype = call.index("dtype"), low = call.index("low"),
+            high = call.index("high");
   TORCH_INTERNAL_ASSERT(dtype >= 0 && (fill < LikeFill::RandomTo || high >= 0) &&
                         (fill != LikeFill::RandomFromTo || low >= 0));
   const auto global = self.sizes();
   const auto offsets = out->local_offsets();
   const auto lengths = out->local_sizes();
-  plan.local_kernel = [fill, dtype, low, high, global, offsets, lengths](torch::jit::Stack& stack) {
+  plan.stack_kernel = [fill, dtype, low, high, global, offsets, lengths](torch::jit::Stack& stack) {
     const at::Tensor local = stack[0].toTensor();
     auto options = local.options();
     if (!stack[dtype].isNone()) options = options.dtype(stack[dtype].toScalarType());

@@ -210,7 +210,7 @@ OpPlan mean_rule(const OpCall& call) {
   const bool keepdim = d.keepdim;
   const bool out_variant = schema.is_mutable();
   // Local sum over the reduced dims divided by the *global* count: exact on uneven shards.
-  plan.local_kernel = [count, dims, keepdim, dtype, out_variant](torch::jit::Stack& stack) {
+  plan.stack_kernel = [count, dims, keepdim, dtype, out_variant](torch::jit::Stack& stack) {
     c10::optional<at::ScalarType> dt;
     if (!dtype.isNone()) dt = dtype.toScalarType();
     at::Tensor s = at::sum(stack.front().toTensor(), dims, keepdim, dt)
@@ -251,7 +251,7 @@ OpPlan extremum(const OpCall& call, Kind kind) {
   OpPlan plan = plan_reduction(call, d, kind);
   const c10::OperatorHandle op = call.op;
   const bool is_max = kind == Kind::Max;
-  plan.local_kernel = [op, d, is_max](torch::jit::Stack& stack) {
+  plan.stack_kernel = [op, d, is_max](torch::jit::Stack& stack) {
     const at::Tensor x = stack.front().toTensor();
     std::vector<int64_t> out_shape;
     bool empty = false;

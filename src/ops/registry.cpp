@@ -1,8 +1,10 @@
+#include <algorithm>
 #include <mutex>
 #include <shared_mutex>
 #include <unordered_map>
 
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include "tessera/ops/rule.h"
 #include "tessera/redistribute/redistribute.h"
@@ -12,8 +14,8 @@ namespace tessera::ops {
 namespace {
 struct Registry {
   std::shared_mutex mu;
-  std::unordered_map<std::string, Rule> by_name;
-  std::unordered_map<const void*, Rule> by_schema;  // memo: one lookup per operator
+  std::unordered_map<std::string, Rule> by_name;  // nodes are stable: memo points into it
+  std::unordered_map<const void*, const Rule*> by_schema;  // memo: one lookup per operator
 };
 Registry& registry() {
   static Registry r;
@@ -22,18 +24,68 @@ Registry& registry() {
 std::string qualified(const c10::OperatorName& n) {
   return n.overload_name.empty() ? n.name : n.name + "." + n.overload_name;
 }
+
+struct PositionKey {
+  const void* schema;
+  std::string name;
+  bool operator==(const PositionKey& o) const { return schema == o.schema && name == o.name; }
+};
+struct PositionHash {
+  size_t operator()(const PositionKey& k) const {
+    return std::hash<const void*>()(k.schema) ^ (std::hash<std::string>()(k.name) << 1);
+  }
+};
+
+// Kernels registered through register_kernel / register_autograd_kernel; each library object
+// must outlive the program's dispatch.
+void register_at(const char* qualified_name, c10::DispatchKey key, torch::CppFunction&& fn) {
+  static std::mutex mu;
+  static std::vector<std::unique_ptr<torch::Library>> libraries;
+  const std::string full(qualified_name);
+  const auto sep = full.find("::");
+  TORCH_CHECK(sep != std::string::npos, "tessera: register_kernel needs a qualified op name ",
+              "such as \"aten::sum\", got \"", full, "\"");
+  std::lock_guard<std::mutex> lock(mu);
+  libraries.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, full.substr(0, sep),
+                                                       key, __FILE__, __LINE__));
+  libraries.back()->impl(full.substr(sep + 2).c_str(), std::move(fn));
+}
 }  // namespace
+
+int arg_position(const c10::FunctionSchema& schema, const char* name) {
+  // Per thread: rank threads never contend, and a hit is one hash of a short string.
+  thread_local std::unordered_map<PositionKey, int, PositionHash> memo;
+  PositionKey key{&schema, name};
+  auto it = memo.find(key);
+  if (it != memo.end()) return it->second;
+  auto i = schema.argumentIndexWithName(name);
+  const int pos = i ? static_cast<int>(*i) : -1;
+  memo.emplace(std::move(key), pos);
+  return pos;
+}
 
 void register_rule(const std::string& qualified_name, Rule rule) {
   auto& r = registry();
   std::unique_lock<std::shared_mutex> lock(r.mu);
-  auto [it, inserted] = r.by_name.emplace(qualified_name, rule);
-  TORCH_CHECK(inserted || it->second == rule, "tessera: a second sharding rule for ",
-              qualified_name, "; one rule per op");
+  auto [it, inserted] = r.by_name.emplace(qualified_name, std::move(rule));
+  TORCH_CHECK(inserted, "tessera: a second sharding rule for ", qualified_name,
+              "; one rule per op");
   r.by_schema.clear();
 }
 
-Rule find_rule(const c10::OperatorHandle& op) {
+int register_rule_for_overloads(const std::string& base, const Rule& rule,
+                                const std::vector<std::string>& skip) {
+  int n = 0;
+  for (const auto& name : c10::Dispatcher::singleton().getAllOpNames()) {
+    if (name.name != base) continue;
+    if (std::find(skip.begin(), skip.end(), name.overload_name) != skip.end()) continue;
+    register_rule(qualified(name), rule);
+    ++n;
+  }
+  return n;
+}
+
+const Rule* find_rule(const c10::OperatorHandle& op) {
   auto& r = registry();
   const void* key = &op.schema();
   {
@@ -43,22 +95,60 @@ Rule find_rule(const c10::OperatorHandle& op) {
   }
   std::unique_lock<std::shared_mutex> lock(r.mu);
   auto it = r.by_name.find(qualified(op.operator_name()));
-  Rule rule = it == r.by_name.end() ? nullptr : it->second;
+  const Rule* rule = it == r.by_name.end() ? nullptr : &it->second;
   r.by_schema.emplace(key, rule);
   return rule;
 }
 
-const std::string& OpCall::name() const { return op.schema().name(); }
-
-int OpCall::arg_index(const char* arg_name) const {
-  auto i = op.schema().argumentIndexWithName(arg_name);
-  return i ? static_cast<int>(*i) : -1;
+std::vector<std::string> registered_rule_names() {
+  auto& r = registry();
+  std::shared_lock<std::shared_mutex> lock(r.mu);
+  std::vector<std::string> names;
+  for (const auto& kv : r.by_name) names.push_back(kv.first);
+  std::sort(names.begin(), names.end());
+  return names;
 }
 
+void register_kernel(const char* qualified_name, torch::CppFunction&& fn) {
+  register_at(qualified_name, c10::DispatchKey::PrivateUse1, std::move(fn));
+}
+
+void register_autograd_kernel(const char* qualified_name, torch::CppFunction&& fn) {
+  register_at(qualified_name, c10::DispatchKey::AutogradPrivateUse1, std::move(fn));
+}
+
+const std::string& OpCall::name() const { return op.schema().name(); }
+
 const c10::IValue& OpCall::arg(const char* arg_name) const {
-  const int i = arg_index(arg_name);
+  const int i = index(arg_name);
   TORCH_INTERNAL_ASSERT(i >= 0, name(), " has no argument ", arg_name);
   return args[static_cast<size_t>(i)];
+}
+
+const DTensorSpec* OpCall::spec(const char* arg_name) const {
+  const int i = index(arg_name);
+  TORCH_INTERNAL_ASSERT(i >= 0, name(), " has no argument ", arg_name);
+  return specs[static_cast<size_t>(i)];
+}
+
+c10::IValue& KernelCall::arg(const char* arg_name) {
+  const int i = index(arg_name);
+  TORCH_INTERNAL_ASSERT(i >= 0 && static_cast<size_t>(i) < stack_.size(), op_.schema().name(),
+                        " has no argument ", arg_name);
+  return stack_[static_cast<size_t>(i)];
+}
+
+void KernelCall::finish(std::initializer_list<c10::IValue> results) {
+  stack_.clear();
+  for (const auto& r : results) stack_.push_back(r);
+}
+
+OpPlan& OpPlan::input(const char* arg_name, SpecPtr spec) {
+  TORCH_INTERNAL_ASSERT(schema_, "OpPlan::input needs a plan made with OpPlan(call)");
+  const int i = arg_position(*schema_, arg_name);
+  TORCH_INTERNAL_ASSERT(i >= 0, schema_->name(), " has no argument ", arg_name);
+  inputs.at(static_cast<size_t>(i)) = std::move(spec);
+  return *this;
 }
 
 std::string OpCall::describe() const {
@@ -107,9 +197,9 @@ OpPlan cheapest(const OpCall& call, const std::vector<Strategy>& candidates) {
       best_cost = cost;
     }
   }
-  OpPlan plan;
-  plan.inputs = candidates[best].inputs;
-  plan.inputs.resize(call.args.size());
+  OpPlan plan(call);
+  for (size_t i = 0; i < candidates[best].inputs.size() && i < plan.inputs.size(); ++i)
+    plan.inputs[i] = candidates[best].inputs[i];
   plan.outputs = candidates[best].outputs;
   return plan;
 }
@@ -120,11 +210,21 @@ SpecPtr same_layout_with_shape(const DTensorSpec& like, std::vector<int64_t> siz
                                        like.shard_tables());
 }
 
-OpPlan replicate_everything(const OpCall& call) {
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
+OpPlan replicate_inputs(const OpCall& call) {
+  OpPlan plan(call);
   for (size_t i = 0; i < call.args.size(); ++i)
     if (call.specs[i]) plan.inputs[i] = replicated(*call.specs[i]);
+  if (!call.list_specs.empty()) {
+    plan.list_inputs.resize(call.args.size());
+    for (size_t i = 0; i < call.list_specs.size(); ++i)
+      for (const auto* sp : call.list_specs[i])
+        plan.list_inputs[i].push_back(sp ? replicated(*sp) : nullptr);
+  }
+  return plan;
+}
+
+OpPlan replicate_everything(const OpCall& call) {
+  OpPlan plan = replicate_inputs(call);
   plan.data_dependent_shapes = true;
   return plan;
 }

@@ -127,7 +127,7 @@ OpPlan slice_rule(const OpCall& call) {
   if (in.mesh_dims_sharding(d).empty()) return plan;
   const auto mine = local_cut(in, d, sel);
   c10::OperatorHandle op = call.op;
-  plan.local_kernel = [op, mine, step](Stack& stack) {
+  plan.stack_kernel = [op, mine, step](Stack& stack) {
     stack[2] = mine.start;
     stack[3] = mine.len ? mine.start + (mine.len - 1) * step + 1 : mine.start;
     op.callBoxed(&stack);
@@ -148,7 +148,7 @@ OpPlan narrow_copy_rule(const OpCall& call) {
   if (in.mesh_dims_sharding(d).empty()) return plan;
   const auto mine = local_cut(in, d, sel);
   c10::OperatorHandle op = call.op;
-  plan.local_kernel = [op, mine](Stack& stack) {
+  plan.stack_kernel = [op, mine](Stack& stack) {
     stack[2] = mine.start;
     stack[3] = mine.len;
     op.callBoxed(&stack);
@@ -196,7 +196,7 @@ OpPlan slice_backward_rule(const OpCall& call) {
   const auto local = out->local_sizes();
   const auto mine = local_cut(*out, d, sel);
   c10::OperatorHandle op = call.op;
-  plan.local_kernel = [op, local, mine, step](Stack& stack) {
+  plan.stack_kernel = [op, local, mine, step](Stack& stack) {
     stack[1] = c10::IValue(local);
     stack[3] = mine.start;
     stack[4] = mine.len ? mine.start + (mine.len - 1) * step + 1 : mine.start;
@@ -229,7 +229,7 @@ OpPlan select_rule(const OpCall& call) {
   const int64_t off = in.local_offsets()[d], n = in.local_sizes()[d];
   const auto local = out->local_sizes();
   c10::OperatorHandle op = call.op;
-  plan.local_kernel = [op, off, n, index, local](Stack& stack) {
+  plan.stack_kernel = [op, off, n, index, local](Stack& stack) {
     if (index >= off && index < off + n) {
       stack[2] = index - off;
       op.callBoxed(&stack);
@@ -254,7 +254,7 @@ OpPlan select_backward_rule(const OpCall& call) {
   auto plan = one_output(call, nullptr, out);
   const auto local = out->local_sizes();
   c10::OperatorHandle op = call.op;
-  plan.local_kernel = [op, local](Stack& stack) {
+  plan.stack_kernel = [op, local](Stack& stack) {
     stack[1] = c10::IValue(local);
     op.callBoxed(&stack);
   };
@@ -279,7 +279,7 @@ OpPlan split_pieces(const OpCall& call, int64_t d, const std::vector<int64_t>& p
               start, ", not ", in.sizes()[d]);
   if (in.mesh_dims_sharding(d).empty()) return plan;
   const bool unsafe = call.name().find("unsafe") != std::string::npos;
-  plan.local_kernel = [local, d, unsafe](Stack& stack) {
+  plan.stack_kernel = [local, d, unsafe](Stack& stack) {
     auto x = stack[0].toTensor();
     stack.clear();
     stack.emplace_back(unsafe ? at::unsafe_split_with_sizes(x, local, d)

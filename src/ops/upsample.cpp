@@ -211,7 +211,7 @@ OpPlan upsample_rule(const OpCall& call) {
   if (spatial::any_window_dim_sharded(*layout, dims)) {
     DeviceMesh mesh = in.mesh();
     const bool linear = p.linear;
-    plan.local_kernel = [mesh, cuts, linear](torch::jit::Stack& s) { forward_kernel(s, mesh, cuts, linear); };
+    plan.stack_kernel = [mesh, cuts, linear](torch::jit::Stack& s) { forward_kernel(s, mesh, cuts, linear); };
   }
   return plan;
 }
@@ -241,7 +241,7 @@ OpPlan upsample_backward_rule(const OpCall& call) {
   // Always the local kernel: the op's input_size argument is global, the batch may not be.
   DeviceMesh mesh = g.mesh();
   const bool linear = p.linear;
-  plan.local_kernel = [mesh, cuts, linear](torch::jit::Stack& s) { backward_kernel(s, mesh, cuts, linear); };
+  plan.stack_kernel = [mesh, cuts, linear](torch::jit::Stack& s) { backward_kernel(s, mesh, cuts, linear); };
   return plan;
 }
 

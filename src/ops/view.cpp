@@ -132,7 +132,7 @@ OpPlan with_local_size_arg(const OpCall& call, ViewLayout layout, size_t arg) {
   c10::OperatorHandle op = call.op;
   // Built once: the kernel reads the list without keeping or changing it.
   const c10::IValue local_sizes(local);
-  plan.local_kernel = [op, local_sizes, arg](torch::jit::Stack& stack) {
+  plan.stack_kernel = [op, local_sizes, arg](torch::jit::Stack& stack) {
     stack[arg] = local_sizes;
     op.callBoxed(&stack);
   };
@@ -154,7 +154,7 @@ OpPlan reshaped_locally(const OpCall& call, const ViewLayout& layout) {
   plan.inputs[0] = layout.input;
   plan.outputs.push_back(layout.output);
   auto local = layout.output->local_sizes();
-  plan.local_kernel = [local](torch::jit::Stack& stack) {
+  plan.stack_kernel = [local](torch::jit::Stack& stack) {
     at::Tensor x = stack[0].toTensor();
     stack.clear();
     stack.emplace_back(x.reshape(local));
@@ -290,7 +290,7 @@ OpPlan new_factory_rule(const OpCall& call) {
   auto local = out->local_sizes();
   const bool strided = call.op.schema().name() == "aten::new_empty_strided";
   c10::OperatorHandle op = call.op;
-  plan.local_kernel = [op, local, strided](torch::jit::Stack& stack) {
+  plan.stack_kernel = [op, local, strided](torch::jit::Stack& stack) {
     stack[1] = c10::IValue(local);
     if (strided) {
       const auto strides = c10::contiguous_strides(local);

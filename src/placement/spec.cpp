@@ -1,3 +1,4 @@
+#include <algorithm>
 #include "tessera/placement/spec.h"
 
 #include <functional>
@@ -198,6 +199,30 @@ DTensorSpec DTensorSpec::partial_as_replicate() const {
   for (auto& x : p)
     if (x.is_partial()) x = Replicate();
   return with_placements(std::move(p), tables_);
+}
+
+DTensorSpec DTensorSpec::replicate_where(
+    const std::function<bool(int64_t, const Placement&)>& pred) const {
+  Placements p = placements_;
+  for (int64_t m = 0; m < static_cast<int64_t>(p.size()); ++m)
+    if (pred(m, p[m])) p[m] = Replicate();
+  auto tables = tables_;
+  for (int64_t t = 0; t < ndim(); ++t) {
+    if (tables[t].empty()) continue;
+    const auto before = mesh_dims_sharding(t);
+    std::vector<int64_t> after;
+    for (int64_t m : before)
+      if (p[m].is_shard(t)) after.push_back(m);
+    if (after.size() == before.size()) continue;
+    if (after.empty() || !std::equal(after.begin(), after.end(), before.begin())) {
+      tables[t].clear();  // unsharded, or not a prefix of the nesting: chunk layout
+      continue;
+    }
+    std::vector<int64_t> level_sizes;
+    for (int64_t m : before) level_sizes.push_back(mesh_.size(m));
+    tables[t] = marginalize(tables[t], level_sizes, after.size());
+  }
+  return with_placements(std::move(p), std::move(tables));
 }
 
 std::string DTensorSpec::str() const {

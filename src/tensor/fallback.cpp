@@ -167,13 +167,12 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   stack->resize(base);
 
   ops::OpCall call{op, args, c10::SmallVector<const DTensorSpec*, 8>(nargs, nullptr),
-                   /*first_dtensor=*/-1, /*list_specs=*/{}, /*reference=*/nullptr};
+                   /*list_specs=*/{}, /*reference=*/nullptr};
   bool lists = false;
   for (size_t i = 0; i < nargs; ++i) {
     if (args[i].isTensor()) {
       if (auto* d = as_dtensor(args[i].toTensor())) {
         call.specs[i] = &d->spec();
-        if (call.first_dtensor < 0) call.first_dtensor = static_cast<int>(i);
         if (!call.reference) call.reference = call.specs[i];
       }
     } else if (args[i].isTensorList()) {
@@ -289,8 +288,8 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   } else {
     ++t_cache.misses;
     fresh = std::make_shared<Decision>();
-    if (ops::Rule rule = ops::find_rule(op)) {
-      fresh->plan = rule(call);
+    if (const ops::Rule* rule = ops::find_rule(op)) {
+      fresh->plan = (*rule)(call);
       // Share spec objects the inputs already carry: later calls then match by pointer.
       auto& in = fresh->plan.inputs;
       for (size_t i = 0; i < in.size() && i < nargs; ++i)
@@ -359,10 +358,13 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     stack->push_back(local);
   }
 
-  if (plan.local_kernel) {
+  if (plan.stack_kernel || plan.local_kernel || plan.distributed_kernel) {
     torch::jit::Stack own(stack->begin() + base, stack->end());
     stack->resize(base);
-    plan.local_kernel(own);
+    ops::KernelCall kc(op, own);
+    if (plan.local_kernel) plan.local_kernel(kc);
+    else if (plan.distributed_kernel) plan.distributed_kernel(kc, ref.mesh());
+    else plan.stack_kernel(own);
     stack->insert(stack->end(), own.begin(), own.end());
   } else {
     op.callBoxed(stack);

@@ -42,7 +42,7 @@ ops::OpPlan scale_and_index_rule(const ops::OpCall& call) {
   plan.inputs[0] = plan.outputs[0];
   const int64_t offset = x.local_offsets()[0];
   c10::OperatorHandle op = call.op;
-  plan.local_kernel = [op, offset](torch::jit::Stack& stack) {
+  plan.stack_kernel = [op, offset](torch::jit::Stack& stack) {
     stack[2] = c10::IValue(stack[2].toInt() + offset);
     op.callBoxed(&stack);
   };

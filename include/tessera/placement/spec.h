@@ -9,6 +9,7 @@
 // A rank's offset along t is the sum of the entries before its own. torch.chunk's layout is
 // just the default table. A single mesh dim's "every rank's size" is a contiguous run of
 // entries of this table.
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -65,6 +66,10 @@ class DTensorSpec {
 
   // Same layout with every Partial mesh dim turned into Replicate.
   DTensorSpec partial_as_replicate() const;
+  // Same layout with the mesh dims where `pred(mesh_dim, placement)` holds turned into
+  // Replicate. Tables follow: a dim left unsharded drops its table; a dim that keeps only its
+  // outer nesting levels keeps their sums; any other change falls back to the chunk layout.
+  DTensorSpec replicate_where(const std::function<bool(int64_t, const Placement&)>& pred) const;
 
   std::string str() const;  // "[S(0), R] on mesh(2x2) global [8, 5] tables {0: [3, 5]}"
 
