@@ -1,6 +1,15 @@
 // Per-op dispatch overhead: a small op on a distributed tensor on a 1-rank mesh (all the
 // wrapper, fallback and rule work, no communication) vs the same plain ATen op.
 //   ./build/bench/bench_dispatch --benchmark_min_time=0.5
+// Instructions per op (repeatable on a noisy machine), see bench/count_instructions.sh:
+//   valgrind --tool=callgrind --toggle-collect='*measured_loop*' \
+//       ./build/bench/bench_dispatch --count dtensor_add 2000
+#include <cstring>
+#include <functional>
+#include <iostream>
+#include <string>
+#include <vector>
+
 #include <benchmark/benchmark.h>
 #include <torch/optim/adam.h>
 
@@ -31,101 +40,93 @@ Fixture& fx() {
   return f;
 }
 
-void BM_plain_add(benchmark::State& s) {
-  auto& f = fx();
-  for (auto _ : s) benchmark::DoNotOptimize(at::add(f.a, f.b));
-}
-void BM_dtensor_add(benchmark::State& s) {
-  auto& f = fx();
-  for (auto _ : s) benchmark::DoNotOptimize(at::add(f.da, f.db));
-}
-void BM_plain_mul_scalar(benchmark::State& s) {
-  auto& f = fx();
-  for (auto _ : s) benchmark::DoNotOptimize(f.a * 2.0);
-}
-void BM_dtensor_mul_scalar(benchmark::State& s) {
-  auto& f = fx();
-  for (auto _ : s) benchmark::DoNotOptimize(f.da * 2.0);
-}
-void BM_plain_sum(benchmark::State& s) {
-  auto& f = fx();
-  for (auto _ : s) benchmark::DoNotOptimize(f.a.sum());
-}
-void BM_dtensor_sum(benchmark::State& s) {
-  auto& f = fx();
-  for (auto _ : s) benchmark::DoNotOptimize(f.da.sum());
-}
-void BM_plain_detach(benchmark::State& s) {
-  auto& f = fx();
-  for (auto _ : s) benchmark::DoNotOptimize(f.a.detach());
-}
-void BM_dtensor_detach(benchmark::State& s) {
-  auto& f = fx();
-  for (auto _ : s) benchmark::DoNotOptimize(f.da.detach());
-}
-void BM_plain_add_(benchmark::State& s) {
-  auto& f = fx();
-  for (auto _ : s) f.a.add_(f.b, 0.0);
-}
-void BM_dtensor_add_(benchmark::State& s) {
-  auto& f = fx();
-  for (auto _ : s) f.da.add_(f.db, 0.0);
-}
-
-void BM_plain_mm(benchmark::State& s) {
-  auto& f = fx();
-  for (auto _ : s) benchmark::DoNotOptimize(at::mm(f.a, f.m));
-}
-void BM_dtensor_mm(benchmark::State& s) {
-  auto& f = fx();
-  for (auto _ : s) benchmark::DoNotOptimize(at::mm(f.da, f.dm));
-}
-void BM_plain_view(benchmark::State& s) {
-  auto& f = fx();
-  for (auto _ : s) benchmark::DoNotOptimize(f.a.view({64}));
-}
-void BM_dtensor_view(benchmark::State& s) {
-  auto& f = fx();
-  for (auto _ : s) benchmark::DoNotOptimize(f.da.view({64}));
-}
-
 // One Adam step over 50 small parameters with gradients, plain vs distributed (replicated
 // on a 1-rank mesh: all of the wrapper's work, none of the communication).
-void adam_step(benchmark::State& s, bool distributed) {
-  auto& f = fx();
+struct AdamCase {
   std::vector<at::Tensor> params;
-  for (int i = 0; i < 50; ++i) {
-    auto p = at::randn({16, 16});
-    if (distributed) p = distribute_tensor(p, f.mesh, {Replicate()}, std::nullopt);
-    p = p.detach().requires_grad_();
-    p.mutable_grad() = distributed ? distribute_tensor(at::randn({16, 16}), f.mesh, {Replicate()},
-                                                       std::nullopt)
-                                   : at::randn({16, 16});
-    params.push_back(p);
+  std::unique_ptr<torch::optim::Adam> adam;
+  explicit AdamCase(bool distributed) {
+    auto& f = fx();
+    for (int i = 0; i < 50; ++i) {
+      auto p = at::randn({16, 16});
+      if (distributed) p = distribute_tensor(p, f.mesh, {Replicate()}, std::nullopt);
+      p = p.detach().requires_grad_();
+      p.mutable_grad() = distributed ? distribute_tensor(at::randn({16, 16}), f.mesh,
+                                                         {Replicate()}, std::nullopt)
+                                     : at::randn({16, 16});
+      params.push_back(p);
+    }
+    adam = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3));
+    adam->step();  // state allocation happens once, outside the timing
   }
-  torch::optim::Adam adam(params, torch::optim::AdamOptions(1e-3));
-  adam.step();  // state allocation happens once, outside the timing
-  for (auto _ : s) adam.step();
+};
+AdamCase& adam_case(bool distributed) {
+  static AdamCase plain(false), dist(true);
+  return distributed ? dist : plain;
 }
-void BM_plain_adam_step_50(benchmark::State& s) { adam_step(s, false); }
-void BM_dtensor_adam_step_50(benchmark::State& s) { adam_step(s, true); }
+
+// Each case once per iteration; plain and distributed variants side by side.
+struct Case {
+  std::string name;
+  std::function<void()> plain, dtensor;
+};
+const std::vector<Case>& cases() {
+  static const std::vector<Case> all = {
+      {"mm", [] { benchmark::DoNotOptimize(at::mm(fx().a, fx().m)); },
+       [] { benchmark::DoNotOptimize(at::mm(fx().da, fx().dm)); }},
+      {"view", [] { benchmark::DoNotOptimize(fx().a.view({64})); },
+       [] { benchmark::DoNotOptimize(fx().da.view({64})); }},
+      {"adam_step_50", [] { adam_case(false).adam->step(); },
+       [] { adam_case(true).adam->step(); }},
+      {"add", [] { benchmark::DoNotOptimize(at::add(fx().a, fx().b)); },
+       [] { benchmark::DoNotOptimize(at::add(fx().da, fx().db)); }},
+      {"mul_scalar", [] { benchmark::DoNotOptimize(fx().a * 2.0); },
+       [] { benchmark::DoNotOptimize(fx().da * 2.0); }},
+      {"sum", [] { benchmark::DoNotOptimize(fx().a.sum()); },
+       [] { benchmark::DoNotOptimize(fx().da.sum()); }},
+      {"detach", [] { benchmark::DoNotOptimize(fx().a.detach()); },
+       [] { benchmark::DoNotOptimize(fx().da.detach()); }},
+      {"add_", [] { fx().a.add_(fx().b, 0.0); }, [] { fx().da.add_(fx().db, 0.0); }},
+  };
+  return all;
+}
+
+// The loop callgrind counts (--toggle-collect='*measured_loop*'): kept out of line.
+__attribute__((noinline)) void measured_loop(const std::function<void()>& fn, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) fn();
+}
+
+int count_mode(const std::string& which, int64_t n) {
+  for (const auto& c : cases()) {
+    for (bool dist : {false, true}) {
+      if (which != (dist ? "dtensor_" : "plain_") + c.name) continue;
+      const auto& fn = dist ? c.dtensor : c.plain;
+      for (int i = 0; i < 20; ++i) fn();  // warm caches: the decision, the allocator
+      measured_loop(fn, n);
+      return 0;
+    }
+  }
+  std::cerr << "unknown case " << which << "\n";
+  return 2;
+}
 
 }  // namespace
 
-BENCHMARK(BM_plain_mm);
-BENCHMARK(BM_dtensor_mm);
-BENCHMARK(BM_plain_view);
-BENCHMARK(BM_dtensor_view);
-BENCHMARK(BM_plain_adam_step_50);
-BENCHMARK(BM_dtensor_adam_step_50);
-BENCHMARK(BM_plain_add);
-BENCHMARK(BM_dtensor_add);
-BENCHMARK(BM_plain_mul_scalar);
-BENCHMARK(BM_dtensor_mul_scalar);
-BENCHMARK(BM_plain_sum);
-BENCHMARK(BM_dtensor_sum);
-BENCHMARK(BM_plain_detach);
-BENCHMARK(BM_dtensor_detach);
-BENCHMARK(BM_plain_add_);
-BENCHMARK(BM_dtensor_add_);
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  if (argc == 4 && std::strcmp(argv[1], "--count") == 0)
+    return count_mode(argv[2], std::stoll(argv[3]));
+  for (const auto& c : cases()) {
+    for (bool dist : {false, true}) {
+      const auto fn = dist ? c.dtensor : c.plain;
+      benchmark::RegisterBenchmark(((dist ? "BM_dtensor_" : "BM_plain_") + c.name).c_str(),
+                                   [fn](benchmark::State& s) {
+                                     for (auto _ : s) fn();
+                                   });
+    }
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

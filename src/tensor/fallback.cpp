@@ -1,7 +1,8 @@
 // The one boxed fallback for distributed tensors. See NOTE: [DTensor is an at::Tensor].
 //
-// Per call: find the distributed arguments, apply the op's sharding rule, redistribute the
-// inputs the rule asks for, run the op on the local shards, wrap the results.
+// Per call, in named steps (see dtensor_fallback): collect the distributed arguments, admit
+// plain ones and build the decision key, decide (cache or rule), unwrap and redistribute,
+// run the op or the plan's kernel, wrap the results and write back aliased arguments.
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -71,10 +72,11 @@ int aliased_argument(const c10::FunctionSchema& schema, size_t ret) {
 // NOTE: [Decision cache]
 // A decision (the rule's plan, with output specs fixed up after the first run) depends only
 // on the op, the input specs and the arguments that can change shapes (int, int[], bool,
-// dtype, string), never on floating-point or Scalar values (learning rates change every
-// step). Decisions are cached per thread: no locks, and rank threads never share. The cache
-// holds specs (and so meshes); clear_dispatch_cache() releases them, and a full cache starts
-// over.
+// dtype, string, and `float` ones such as interpolation scales), never on `Scalar` values
+// (alpha, lr, momentum: they change every step and only reach kernels). Rules must not read
+// Scalars. Decisions are cached per thread: no locks, and rank threads never share. The
+// cache holds specs (and so meshes); clear_dispatch_cache() releases them, and a full cache
+// starts over.
 struct Decision {
   ops::OpPlan plan;
   bool replicate_all = false;
@@ -98,13 +100,6 @@ struct DecisionCache {
 thread_local DecisionCache t_cache;
 constexpr size_t kMaxCachedDecisions = 16384;
 
-bool is_optional_tensor_list(const c10::IValue& v) {
-  if (!v.isList() || v.isTensorList()) return false;
-  const auto& elem = v.toList().elementType();
-  const auto* opt = elem->castRaw<c10::OptionalType>();
-  return opt && opt->getElementType()->kind() == c10::TypeKind::TensorType;
-}
-
 bool shapes_matter(const c10::TypePtr& type) {
   switch (type->kind()) {
     case c10::TypeKind::IntType:
@@ -120,15 +115,20 @@ bool shapes_matter(const c10::TypePtr& type) {
   }
 }
 
-// `float`, `float?` and `float[]` arguments (interpolation scales, eps) join the key by
-// value; `Scalar` ones (alpha, lr, momentum: they change every step and only reach kernels)
-// never do, and `Scalar?` by presence only.
+// `float`, `float?` and `float[]` arguments join the key by value; `Scalar` ones never do,
+// and `Scalar?` by presence only.
 bool declares_float(const c10::TypePtr& type) {
   if (type->kind() == c10::TypeKind::OptionalType)
     return declares_float(type->castRaw<c10::OptionalType>()->getElementType());
   if (type->kind() == c10::TypeKind::ListType)
     return declares_float(type->castRaw<c10::ListType>()->getElementType());
   return type->kind() == c10::TypeKind::FloatType;
+}
+
+size_t double_bits(double d) {
+  uint64_t bits;
+  std::memcpy(&bits, &d, sizeof bits);
+  return static_cast<size_t>(bits);
 }
 
 void hash_value(const c10::IValue& v, Key& key, bool floats) {
@@ -142,332 +142,381 @@ void hash_value(const c10::IValue& v, Key& key, bool floats) {
     key.push_back(0xb001 + v.toBoolList().size());
     for (bool b : v.toBoolList()) key.push_back(b);
   } else if (floats && v.isDouble()) {
-    double d = v.toDouble();
-    uint64_t bits;
-    std::memcpy(&bits, &d, sizeof bits);
     key.push_back(0xd0b1e);
-    key.push_back(static_cast<size_t>(bits));
+    key.push_back(double_bits(v.toDouble()));
   } else if (floats && v.isDoubleList()) {
     key.push_back(0xd0b70 + v.toDoubleList().size());
-    for (double d : v.toDoubleList()) {
-      uint64_t bits;
-      std::memcpy(&bits, &d, sizeof bits);
-      key.push_back(static_cast<size_t>(bits));
-    }
+    for (double d : v.toDoubleList()) key.push_back(double_bits(d));
   } else if (v.isString()) key.push_back(std::hash<std::string>()(v.toStringRef()));
   else key.push_back(0x7f);  // other optional/list payloads: only their presence
 }
 
-void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const auto& schema = op.schema();
-  const size_t nargs = schema.arguments().size();
-  const size_t base = stack->size() - nargs;
-  c10::SmallVector<c10::IValue, 8> args(std::make_move_iterator(stack->begin() + base),
-                                        std::make_move_iterator(stack->end()));
-  stack->resize(base);
+// ---- One visitor for the argument kinds that hold tensors ------------------------------
 
-  ops::OpCall call{op, args, c10::SmallVector<const DTensorSpec*, 8>(nargs, nullptr),
-                   /*list_specs=*/{}, /*reference=*/nullptr};
-  bool lists = false;
-  for (size_t i = 0; i < nargs; ++i) {
-    if (args[i].isTensor()) {
-      if (auto* d = as_dtensor(args[i].toTensor())) {
-        call.specs[i] = &d->spec();
-        if (!call.reference) call.reference = call.specs[i];
-      }
-    } else if (args[i].isTensorList()) {
-      for (const c10::IValue& t_elem : args[i].toListRef()) {
-        const at::Tensor& t = t_elem.toTensor();
-        if (auto* d = as_dtensor(t)) {
-          lists = true;
-          if (!call.reference) call.reference = &d->spec();
-        }
-      }
-    } else if (is_optional_tensor_list(args[i])) {  // Tensor?[] (index, index_put_)
-      for (const auto& e : args[i].toListRef()) {
-        if (!e.isTensor()) continue;
-        if (auto* d = as_dtensor(e.toTensor())) {
-          lists = true;
-          if (!call.reference) call.reference = &d->spec();
-        }
-      }
-    }
+enum class Holds : uint8_t { Nothing, Tensor, TensorList, OptionalTensorList };
+
+Holds holds(const c10::IValue& v) {
+  if (v.isTensor()) return Holds::Tensor;
+  if (!v.isList()) return Holds::Nothing;
+  if (v.isTensorList()) return Holds::TensorList;
+  const auto* opt = v.toList().elementType()->castRaw<c10::OptionalType>();
+  return opt && opt->getElementType()->kind() == c10::TypeKind::TensorType
+             ? Holds::OptionalTensorList  // Tensor?[]: index, index_put_
+             : Holds::Nothing;
+}
+
+const at::Tensor& none_tensor() {
+  static const at::Tensor none;
+  return none;
+}
+
+// Calls fn(element, tensor) for every tensor an argument holds; a None element of a
+// Tensor?[] comes as an undefined tensor, so element numbers line up with the list.
+template <class F>
+void for_each_tensor(const c10::IValue& v, Holds h, F&& fn) {
+  if (h == Holds::Tensor) {
+    fn(size_t{0}, v.toTensor());
+  } else if (h != Holds::Nothing) {
+    size_t k = 0;
+    for (const auto& e : v.toListRef()) fn(k++, e.isTensor() ? e.toTensor() : none_tensor());
   }
-  TORCH_CHECK(call.reference, "tessera: ", schema.operator_name(),
-              " reached the distributed-tensor fallback without a distributed tensor argument");
+}
 
-  std::vector<at::Tensor> keep_alive;  // implicit conversions must outlive the call
-  const DTensorSpec& ref = *call.reference;
-  // Every distributed argument must live on the reference's mesh; plain tensors join it as
-  // replicated values (0-dim ones stay scalars).
-  c10::SmallVector<DTensorImpl*, 8> impls(nargs, nullptr);
+// The argument rebuilt with fn(element, tensor) in place of each tensor; None stays None.
+template <class F>
+c10::IValue map_tensors(const c10::IValue& v, Holds h, F&& fn) {
+  if (h == Holds::Tensor) return fn(size_t{0}, v.toTensor());
+  size_t k = 0;
+  if (h == Holds::TensorList) {
+    c10::List<at::Tensor> out;
+    out.reserve(v.toListRef().size());
+    for (const auto& e : v.toListRef()) out.push_back(fn(k++, e.toTensor()));
+    return out;
+  }
+  c10::List<c10::optional<at::Tensor>> out;
+  out.reserve(v.toListRef().size());
+  for (const auto& e : v.toListRef()) {
+    if (e.isTensor()) out.push_back(fn(k, e.toTensor()));
+    else out.push_back(c10::nullopt);
+    ++k;
+  }
+  return out;
+}
+
+// ---- The fallback, step by step ----------------------------------------------------------
+
+// Everything one call of the fallback knows, filled in by the steps in order.
+struct Frame {
+  Frame(const c10::OperatorHandle& handle, torch::jit::Stack* s)
+      : op(handle),
+        schema(handle.schema()),
+        stack(s),
+        nargs(schema.arguments().size()),
+        base(s->size() - nargs),
+        args(std::make_move_iterator(s->begin() + base), std::make_move_iterator(s->end())),
+        holds(nargs, Holds::Nothing),
+        call{handle, args, c10::SmallVector<const DTensorSpec*, 8>(nargs, nullptr), {}, nullptr},
+        impls(nargs, nullptr),
+        locals(nargs) {
+    stack->resize(base);
+  }
+
+  const c10::OperatorHandle& op;
+  const c10::FunctionSchema& schema;
+  torch::jit::Stack* stack;
+  const size_t nargs, base;
+  c10::SmallVector<c10::IValue, 8> args;  // moved off the stack; plain tensors admitted
+  c10::SmallVector<Holds, 8> holds;
+  ops::OpCall call;
+  bool lists = false;  // a Tensor[] / Tensor?[] argument holds a distributed tensor
+  c10::SmallVector<DTensorImpl*, 8> impls;  // per Tensor argument: its wrapper, if any
   // Plain tensors admitted as replicated values; an in-place op on one returns the original.
   c10::SmallVector<std::pair<size_t, at::Tensor>, 2> admitted_plain;
-  // Every input spec in argument order (list elements included): the decision cache
-  // compares them on a hit.
+  // Every input spec in argument order (list elements included): compared on a cache hit.
   c10::SmallVector<SpecPtr, 8> seen;
-  auto admit = [&](const at::Tensor& t, const DTensorSpec*& spec_out) -> at::Tensor {
-    if (!t.defined()) return t;
+  std::vector<at::Tensor> keep_alive;  // implicit conversions must outlive the call
+  Key key;
+  size_t hash = 0;
+  std::shared_ptr<const Decision> decision;
+  std::shared_ptr<Decision> fresh;  // on a miss: the decision being made
+  bool hit = false;
+  c10::SmallVector<at::Tensor, 8> locals;  // per Tensor argument: the local shard the op ran on
+  std::vector<SpecPtr> final_outputs;      // on a miss: the output specs, completed
+  size_t next_out = 0;
+
+  const DTensorSpec& ref() const { return *call.reference; }
+  const ops::OpPlan& plan() const { return decision->plan; }
+};
+
+// Step 1: find the distributed arguments and the reference (the first one, in a list or not).
+void collect(Frame& f) {
+  for (size_t i = 0; i < f.nargs; ++i) {
+    f.holds[i] = holds(f.args[i]);
+    for_each_tensor(f.args[i], f.holds[i], [&](size_t, const at::Tensor& t) {
+      auto* d = as_dtensor(t);
+      if (!d) return;
+      if (f.holds[i] == Holds::Tensor) {
+        f.impls[i] = d;
+        f.call.specs[i] = &d->spec();
+      } else {
+        f.lists = true;
+      }
+      if (!f.call.reference) f.call.reference = &d->spec();
+    });
+  }
+  TORCH_CHECK(f.call.reference, "tessera: ", f.schema.operator_name(),
+              " reached the distributed-tensor fallback without a distributed tensor argument");
+  if (f.lists) f.call.list_specs.resize(f.nargs);
+}
+
+// Step 2: every distributed argument must live on the reference's mesh; plain tensors join it
+// as replicated values (0-dim ones stay scalars). Builds the decision key as it goes.
+void admit_and_key(Frame& f) {
+  const DTensorSpec& ref = f.ref();
+  auto admit = [&](const at::Tensor& t) -> std::pair<at::Tensor, const DTensorSpec*> {
+    if (!t.defined()) return {t, nullptr};
     if (auto* d = as_dtensor(t)) {
-      TORCH_CHECK(d->spec().mesh() == ref.mesh(), "tessera: ", call.describe(),
+      TORCH_CHECK(d->spec().mesh() == ref.mesh(), "tessera: ", f.call.describe(),
                   ": arguments live on different meshes (", ref.mesh().str(), " and ",
                   d->spec().mesh().str(), "); redistribute them onto one mesh first");
-      spec_out = &d->spec();
-      seen.push_back(d->spec_ptr());
-      return t;
+      f.seen.push_back(d->spec_ptr());
+      return {t, &d->spec()};
     }
-    if (t.dim() == 0) return t;
-    keep_alive.push_back(implicit_replicate(t, ref));
-    auto* d = dtensor_impl(keep_alive.back());
-    spec_out = &d->spec();
-    seen.push_back(d->spec_ptr());
-    return keep_alive.back();
+    if (t.dim() == 0) return {t, nullptr};
+    f.keep_alive.push_back(implicit_replicate(t, ref));
+    auto* d = dtensor_impl(f.keep_alive.back());
+    f.seen.push_back(d->spec_ptr());
+    return {f.keep_alive.back(), &d->spec()};
   };
-  if (lists) call.list_specs.resize(nargs);
-  // The decision key: see NOTE: [Decision cache].
-  Key key;
-  key.push_back(reinterpret_cast<size_t>(&schema));
-  for (size_t i = 0; i < nargs; ++i) {
-    if (args[i].isTensor()) {
-      const DTensorSpec* sp = nullptr;
-      at::Tensor before = args[i].toTensor();
-      args[i] = admit(before, sp);
-      if (sp && !as_dtensor(before)) admitted_plain.emplace_back(i, std::move(before));
-      call.specs[i] = sp;
-      if (sp) impls[i] = static_cast<DTensorImpl*>(args[i].toTensor().unsafeGetTensorImpl());
-      const auto& t = args[i].toTensor();
-      key.push_back(sp ? sp->hash() : t.defined() ? 0x5ca1a0 + static_cast<size_t>(t.scalar_type()) : 1);
-    } else if (lists && args[i].isTensorList()) {
-      c10::List<at::Tensor> admitted;
-      for (const c10::IValue& t_elem : args[i].toListRef()) {
-        const at::Tensor& t = t_elem.toTensor();
-        const DTensorSpec* sp = nullptr;
-        admitted.push_back(admit(t, sp));
-        call.list_specs[i].push_back(sp);
-        key.push_back(sp ? sp->hash() : 0x5ca1a0 + static_cast<size_t>(t.scalar_type()));
+  auto tensor_key = [](const at::Tensor& t, const DTensorSpec* sp) -> size_t {
+    if (sp) return sp->hash();
+    return t.defined() ? 0x5ca1a0 + static_cast<size_t>(t.scalar_type()) : 3;
+  };
+  f.key.push_back(reinterpret_cast<size_t>(&f.schema));
+  for (size_t i = 0; i < f.nargs; ++i) {
+    const Holds h = f.holds[i];
+    if (h == Holds::Tensor) {
+      const at::Tensor& before = f.args[i].toTensor();
+      auto [t, sp] = admit(before);
+      if (sp && !f.impls[i]) {  // a plain tensor admitted
+        f.admitted_plain.emplace_back(i, before);
+        f.impls[i] = static_cast<DTensorImpl*>(t.unsafeGetTensorImpl());
+        f.call.specs[i] = sp;
+        f.args[i] = t;
       }
-      args[i] = std::move(admitted);
-    } else if (lists && is_optional_tensor_list(args[i])) {
-      c10::List<c10::optional<at::Tensor>> admitted;
-      for (const auto& e : args[i].toListRef()) {
-        const DTensorSpec* sp = nullptr;
-        if (e.isTensor()) {
-          admitted.push_back(admit(e.toTensor(), sp));
-          key.push_back(sp ? sp->hash() : 0x5ca1a0 + static_cast<size_t>(e.toTensor().scalar_type()));
-        } else {
-          admitted.push_back(c10::nullopt);
-          key.push_back(3);
-        }
-        call.list_specs[i].push_back(sp);
-      }
-      args[i] = std::move(admitted);
-    } else if (shapes_matter(schema.arguments()[i].type())) {
-      hash_value(args[i], key, declares_float(schema.arguments()[i].type()));
+      f.key.push_back(tensor_key(t, sp));
+    } else if (h != Holds::Nothing && f.lists) {
+      f.args[i] = map_tensors(f.args[i], h, [&](size_t, const at::Tensor& t) {
+        auto [admitted, sp] = admit(t);
+        f.call.list_specs[i].push_back(sp);
+        f.key.push_back(tensor_key(t, sp));
+        return admitted;
+      });
+    } else if (shapes_matter(f.schema.arguments()[i].type())) {
+      hash_value(f.args[i], f.key, declares_float(f.schema.arguments()[i].type()));
     } else {
-      key.push_back(2);
+      f.key.push_back(2);
     }
   }
-  size_t h = 0;
-  for (auto k : key) h = hash_mix(h, k);
+  for (auto k : f.key) f.hash = hash_mix(f.hash, k);
+}
 
+// Step 3: the cached decision for this key, or a new one from the op's rule. Without a rule
+// every input must be replicated: every rank then computes the same thing.
+void decide(Frame& f) {
   auto same_specs = [&](const KeyedDecision& e) {
-    if (e.specs.size() != seen.size()) return false;
-    for (size_t k = 0; k < seen.size(); ++k)
-      if (e.specs[k] != seen[k] && *e.specs[k] != *seen[k]) return false;
+    if (e.specs.size() != f.seen.size()) return false;
+    for (size_t k = 0; k < f.seen.size(); ++k)
+      if (e.specs[k] != f.seen[k] && *e.specs[k] != *f.seen[k]) return false;
     return true;
   };
-  std::shared_ptr<const Decision> decision;
-  if (auto it = t_cache.map.find(h); it != t_cache.map.end()) {
+  if (auto it = t_cache.map.find(f.hash); it != t_cache.map.end()) {
     for (auto& e : it->second)
-      if (e.key == key && same_specs(e)) decision = e.decision;
+      if (e.key == f.key && same_specs(e)) f.decision = e.decision;
   }
-  const bool hit = decision != nullptr;
-  std::shared_ptr<Decision> fresh;
-  if (hit) {
+  f.hit = f.decision != nullptr;
+  if (f.hit) {
     ++t_cache.hits;
-  } else {
-    ++t_cache.misses;
-    fresh = std::make_shared<Decision>();
-    if (const ops::Rule* rule = ops::find_rule(op)) {
-      fresh->plan = (*rule)(call);
-      // Share spec objects the inputs already carry: later calls then match by pointer.
-      auto& in = fresh->plan.inputs;
-      for (size_t i = 0; i < in.size() && i < nargs; ++i)
-        if (in[i] && impls[i] && *in[i] == impls[i]->spec()) in[i] = impls[i]->spec_ptr();
-    } else {
-      for (size_t i = 0; i < nargs; ++i) {
-        TORCH_CHECK(!call.specs[i] || call.specs[i]->is_replicated(), "tessera: ",
-                    call.describe(), ": no sharding rule for this op on non-replicated inputs; ",
-                    "redistribute the inputs to Replicate() first, or register a rule with ",
-                    "tessera::ops::register_rule");
-      }
-      for (auto& l : call.list_specs)
-        for (auto* sp : l)
-          TORCH_CHECK(!sp || sp->is_replicated(), "tessera: ", call.describe(),
-                      ": no sharding rule for this op on a list of non-replicated tensors");
-      fresh->replicate_all = true;  // fully replicated: every rank computes the same thing
-    }
-    decision = fresh;
+    return;
   }
-  const ops::OpPlan& plan = decision->plan;
+  ++t_cache.misses;
+  f.fresh = std::make_shared<Decision>();
+  if (const ops::Rule* rule = ops::find_rule(f.op)) {
+    f.fresh->plan = (*rule)(f.call);
+    // Share spec objects the inputs already carry: later calls then match by pointer.
+    auto& in = f.fresh->plan.inputs;
+    for (size_t i = 0; i < in.size() && i < f.nargs; ++i)
+      if (in[i] && f.impls[i] && *in[i] == f.impls[i]->spec()) in[i] = f.impls[i]->spec_ptr();
+  } else {
+    for (size_t i = 0; i < f.nargs; ++i)
+      TORCH_CHECK(!f.call.specs[i] || f.call.specs[i]->is_replicated(), "tessera: ",
+                  f.call.describe(), ": no sharding rule for this op on non-replicated inputs; ",
+                  "redistribute the inputs to Replicate() first, or register a rule with ",
+                  "tessera::ops::register_rule");
+    for (auto& l : f.call.list_specs)
+      for (auto* sp : l)
+        TORCH_CHECK(!sp || sp->is_replicated(), "tessera: ", f.call.describe(),
+                    ": no sharding rule for this op on a list of non-replicated tensors; ",
+                    "redistribute the list's tensors to Replicate() first, or register a ",
+                    "rule with tessera::ops::register_rule");
+    f.fresh->replicate_all = true;
+  }
+  f.decision = f.fresh;
+}
 
-  // Redistribute where the plan asks, then swap every distributed argument for its shard.
-  c10::SmallVector<at::Tensor, 8> locals(nargs);
-  for (size_t i = 0; i < nargs; ++i) {
-    if (args[i].isTensorList() && lists) {
-      c10::List<at::Tensor> out;
-      size_t k = 0;
-      for (const c10::IValue& t_elem : args[i].toListRef()) {
-        const at::Tensor& t = t_elem.toTensor();
+// Step 4: redistribute where the plan asks, then push every argument with each distributed
+// tensor swapped for its local shard.
+void unwrap(Frame& f) {
+  const ops::OpPlan& plan = f.plan();
+  for (size_t i = 0; i < f.nargs; ++i) {
+    const Holds h = f.holds[i];
+    if (h == Holds::Tensor && f.impls[i]) {
+      const auto* d = f.impls[i];
+      at::Tensor local = d->local();
+      const auto* want = i < plan.inputs.size() ? plan.inputs[i].get() : nullptr;
+      if (want && want != f.call.specs[i] && *want != *f.call.specs[i])
+        local = redistribute_local(local, d->spec_ptr(), plan.inputs[i]);
+      f.locals[i] = local;
+      f.stack->push_back(std::move(local));
+    } else if (h != Holds::Nothing && h != Holds::Tensor && f.lists) {
+      const auto* wants = i < plan.list_inputs.size() ? &plan.list_inputs[i] : nullptr;
+      f.stack->push_back(map_tensors(f.args[i], h, [&](size_t k, const at::Tensor& t) {
         auto* d = as_dtensor(t);
-        at::Tensor local = d ? d->local() : t;
-        if (d && i < plan.list_inputs.size() && k < plan.list_inputs[i].size() &&
-            plan.list_inputs[i][k] && *plan.list_inputs[i][k] != d->spec()) {
-          local = redistribute_local(local, d->spec_ptr(), plan.list_inputs[i][k]);
-        }
-        out.push_back(local);
-        ++k;
-      }
-      stack->emplace_back(std::move(out));
-      continue;
+        if (!d) return t;
+        if (wants && k < wants->size() && (*wants)[k] && *(*wants)[k] != d->spec())
+          return redistribute_local(d->local(), d->spec_ptr(), (*wants)[k]);
+        return d->local();
+      }));
+    } else {
+      f.stack->push_back(f.args[i]);
     }
-    if (lists && is_optional_tensor_list(args[i])) {
-      c10::List<c10::optional<at::Tensor>> out;
-      for (const auto& e : args[i].toListRef()) {
-        if (!e.isTensor()) {
-          out.push_back(c10::nullopt);
-          continue;
-        }
-        auto* d = as_dtensor(e.toTensor());
-        out.push_back(d ? d->local() : e.toTensor());
-      }
-      stack->emplace_back(std::move(out));
-      continue;
-    }
-    if (!call.specs[i]) {
-      stack->push_back(args[i]);
-      continue;
-    }
-    const auto* d = impls[i];
-    at::Tensor local = d->local();
-    if (i < plan.inputs.size() && plan.inputs[i] && plan.inputs[i].get() != call.specs[i] &&
-        *plan.inputs[i] != *call.specs[i]) {
-      local = redistribute_local(local, d->spec_ptr(), plan.inputs[i]);
-    }
-    locals[i] = local;
-    stack->push_back(local);
   }
+}
 
-  if (plan.stack_kernel || plan.local_kernel || plan.distributed_kernel) {
-    torch::jit::Stack own(stack->begin() + base, stack->end());
-    stack->resize(base);
-    ops::KernelCall kc(op, own);
-    if (plan.local_kernel) plan.local_kernel(kc);
-    else if (plan.distributed_kernel) plan.distributed_kernel(kc, ref.mesh());
-    else plan.stack_kernel(own);
-    stack->insert(stack->end(), own.begin(), own.end());
-  } else {
-    op.callBoxed(stack);
+// Step 5: the op itself on the local shards, or the plan's kernel in its place.
+void run(Frame& f) {
+  const ops::OpPlan& plan = f.plan();
+  if (!plan.local_kernel && !plan.distributed_kernel && !plan.stack_kernel) {
+    f.op.callBoxed(f.stack);
+    return;
   }
+  torch::jit::Stack own(f.stack->begin() + f.base, f.stack->end());
+  f.stack->resize(f.base);
+  ops::KernelCall kernel(f.op, own);
+  if (plan.local_kernel) plan.local_kernel(kernel);
+  else if (plan.distributed_kernel) plan.distributed_kernel(kernel, f.ref().mesh());
+  else plan.stack_kernel(own);
+  f.stack->insert(f.stack->end(), std::make_move_iterator(own.begin()),
+                  std::make_move_iterator(own.end()));
+}
 
-  // Wrap the results. Returns that alias a written argument hand back that argument itself.
-  // On a miss the output specs are checked against the local results and completed (dtype,
-  // replicated shapes) into the cached decision; a hit reuses them as they are.
-  const size_t nret = schema.returns().size();
-  c10::SmallVector<c10::IValue, 4> results(std::make_move_iterator(stack->end() - nret),
-                                           std::make_move_iterator(stack->end()));
-  stack->resize(stack->size() - nret);
-  std::vector<SpecPtr> final_outputs;
-  size_t next_out = 0;
-  auto output_spec = [&](const at::Tensor& local) -> SpecPtr {
-    if (decision->replicate_all || plan.data_dependent_shapes) {
-      // Ops without a rule may have data-dependent shapes (nonzero, unique): read them off
-      // the result every time.
-      auto sp = std::make_shared<DTensorSpec>(ref.mesh(), Placements(ref.mesh().ndim(), Replicate()),
-                                              local.sizes().vec(), local.scalar_type());
-      if (!hit) final_outputs.push_back(sp);
-      return sp;
-    }
-    if (hit) return plan.outputs[next_out];
-    TORCH_CHECK(next_out < plan.outputs.size(), "tessera: ", call.describe(),
-                ": the sharding rule gave too few output layouts (rule bug)");
-    auto sp = checked_output(call, local, plan.outputs[next_out]);
-    final_outputs.push_back(sp);
+// The planned spec of the next result. On a miss it is checked against the local result and
+// completed (dtype, data-dependent shapes) for the cached decision; a hit reuses it as is.
+SpecPtr next_output_spec(Frame& f, const at::Tensor& local) {
+  const ops::OpPlan& plan = f.plan();
+  const size_t r = f.next_out++;
+  if (f.decision->replicate_all || plan.data_dependent_shapes) {
+    // Ops without a rule may have data-dependent shapes (nonzero, unique): read them off the
+    // result every time.
+    auto sp = std::make_shared<DTensorSpec>(f.ref().mesh(),
+                                            Placements(f.ref().mesh().ndim(), Replicate()),
+                                            local.sizes().vec(), local.scalar_type());
+    if (!f.hit) f.final_outputs.push_back(sp);
     return sp;
-  };
+  }
+  if (f.hit) return plan.outputs[r];
+  TORCH_CHECK(r < plan.outputs.size(), "tessera: ", f.call.describe(),
+              ": the sharding rule gave too few output layouts (rule bug)");
+  auto sp = checked_output(f.call, local, plan.outputs[r]);
+  f.final_outputs.push_back(sp);
+  return sp;
+}
+
+// The planned spec of a result that writes argument `alias` (in-place and out= ops).
+SpecPtr next_aliased_spec(Frame& f, const SpecPtr& otherwise) {
+  const ops::OpPlan& plan = f.plan();
+  const size_t r = f.next_out++;
+  if (f.hit) return plan.outputs[r];
+  SpecPtr planned = f.decision->replicate_all || plan.outputs.size() <= r ? otherwise
+                                                                           : plan.outputs[r];
+  f.final_outputs.push_back(planned);
+  return planned;
+}
+
+// Step 6: wrap the results. Returns that alias a written argument hand back that argument.
+void wrap_results(Frame& f) {
+  const size_t nret = f.schema.returns().size();
+  c10::SmallVector<c10::IValue, 4> results(std::make_move_iterator(f.stack->end() - nret),
+                                           std::make_move_iterator(f.stack->end()));
+  f.stack->resize(f.stack->size() - nret);
   for (size_t r = 0; r < nret; ++r) {
     auto& v = results[r];
-    const int alias = aliased_argument(schema, r);
-    auto plain = std::find_if(admitted_plain.begin(), admitted_plain.end(),
+    const int alias = aliased_argument(f.schema, r);
+    auto plain = std::find_if(f.admitted_plain.begin(), f.admitted_plain.end(),
                               [&](const auto& a) { return static_cast<int>(a.first) == alias; });
-    if (alias >= 0 && plain != admitted_plain.end()) {
+    if (alias >= 0 && plain != f.admitted_plain.end()) {
       // An in-place op on a plain tensor: it must end up holding the whole result. If the
       // plan worked on a redistributed copy, gather that copy back into it.
-      SpecPtr planned = hit ? plan.outputs[next_out]
-                            : (plan.outputs.size() > next_out ? plan.outputs[next_out] : nullptr);
-      if (!hit) final_outputs.push_back(planned);
-      ++next_out;
+      SpecPtr planned = next_aliased_spec(f, nullptr);
       at::Tensor& target = plain->second;
-      if (planned && (!locals[alias].is_same(target) || !planned->is_replicated())) {
-        auto whole = std::make_shared<DTensorSpec>(planned->with_placements(
-            Placements(planned->mesh().ndim(), Replicate())));
-        target.copy_(redistribute_local(locals[alias], planned, whole));
+      if (planned && (!f.locals[alias].is_same(target) || !planned->is_replicated())) {
+        auto whole = std::make_shared<DTensorSpec>(
+            planned->with_placements(Placements(planned->mesh().ndim(), Replicate())));
+        target.copy_(redistribute_local(f.locals[alias], planned, whole));
       }
-      stack->push_back(target);
-      continue;
-    }
-    if (alias >= 0 && args[alias].isTensor() && call.specs[alias]) {
-      auto* self = impls[alias];
-      SpecPtr planned;
-      if (hit) {
-        planned = plan.outputs[next_out];
-      } else {
-        planned = decision->replicate_all || plan.outputs.size() <= next_out
-                      ? self->spec_ptr()
-                      : plan.outputs[next_out];
-        final_outputs.push_back(planned);
-      }
-      if (!locals[alias].is_same(self->local()) ||
-          (planned != self->spec_ptr() && *planned != self->spec())) {
-        self->set_local_and_spec(locals[alias], planned);
-      }
-      ++next_out;
-      stack->push_back(args[alias]);
-      continue;
-    }
-    if (v.isTensor()) {
+      f.stack->push_back(target);
+    } else if (alias >= 0 && f.holds[alias] == Holds::Tensor && f.impls[alias]) {
+      auto* self = f.impls[alias];
+      SpecPtr planned = next_aliased_spec(f, self->spec_ptr());
+      if (!f.locals[alias].is_same(self->local()) ||
+          (planned != self->spec_ptr() && *planned != self->spec()))
+        self->set_local_and_spec(f.locals[alias], planned);
+      f.stack->push_back(f.args[alias]);
+    } else if (v.isTensor()) {
       const at::Tensor& local = v.toTensor();
       if (!local.defined()) {
-        if (!hit) final_outputs.push_back(nullptr);
-        ++next_out;
-        stack->push_back(v);
+        if (!f.hit) f.final_outputs.push_back(nullptr);
+        ++f.next_out;
+        f.stack->push_back(std::move(v));
         continue;
       }
-      auto sp = output_spec(local);
-      ++next_out;
-      stack->push_back(wrap_unchecked(local, std::move(sp)));
+      auto sp = next_output_spec(f, local);
+      f.stack->push_back(wrap_unchecked(local, std::move(sp)));
     } else if (v.isTensorList()) {
       c10::List<at::Tensor> out;
-      for (const c10::IValue& local_elem : v.toListRef()) {
-        const at::Tensor& local = local_elem.toTensor();
-        auto sp = output_spec(local);
-        ++next_out;
-        out.push_back(wrap_unchecked(local, std::move(sp)));
+      for (const c10::IValue& e : v.toListRef()) {
+        const at::Tensor& local = e.toTensor();
+        out.push_back(wrap_unchecked(local, next_output_spec(f, local)));
       }
-      stack->emplace_back(std::move(out));
+      f.stack->emplace_back(std::move(out));
     } else {
-      stack->push_back(std::move(v));
+      f.stack->push_back(std::move(v));
     }
   }
-  if (!hit) {
-    fresh->plan.outputs = std::move(final_outputs);
-    if (t_cache.entries >= kMaxCachedDecisions) {
-      t_cache.map.clear();
-      t_cache.entries = 0;
-    }
-    t_cache.map[h].push_back({std::move(key), std::vector<SpecPtr>(seen.begin(), seen.end()), fresh});
-    ++t_cache.entries;
+}
+
+// Step 7 (misses only): cache the decision with its completed output specs.
+void remember(Frame& f) {
+  if (f.hit) return;
+  f.fresh->plan.outputs = std::move(f.final_outputs);
+  if (t_cache.entries >= kMaxCachedDecisions) {
+    t_cache.map.clear();
+    t_cache.entries = 0;
   }
+  t_cache.map[f.hash].push_back(
+      {std::move(f.key), std::vector<SpecPtr>(f.seen.begin(), f.seen.end()), f.fresh});
+  ++t_cache.entries;
+}
+
+void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  Frame f(op, stack);
+  collect(f);
+  admit_and_key(f);
+  decide(f);
+  unwrap(f);
+  run(f);
+  wrap_results(f);
+  remember(f);
 }
 
 // NOTE: [Which ops need an explicit kernel]
