@@ -143,6 +143,14 @@ void KernelCall::finish(std::initializer_list<c10::IValue> results) {
   for (const auto& r : results) stack_.push_back(r);
 }
 
+OpPlan& OpPlan::local_arg(const char* arg_name, c10::IValue value) {
+  TORCH_INTERNAL_ASSERT(schema_, "OpPlan::local_arg needs a plan made with OpPlan(call)");
+  const int i = arg_position(*schema_, arg_name);
+  TORCH_INTERNAL_ASSERT(i >= 0, schema_->name(), " has no argument ", arg_name);
+  local_args.emplace_back(i, std::move(value));
+  return *this;
+}
+
 OpPlan& OpPlan::input(const char* arg_name, SpecPtr spec) {
   TORCH_INTERNAL_ASSERT(schema_, "OpPlan::input needs a plan made with OpPlan(call)");
   const int i = arg_position(*schema_, arg_name);

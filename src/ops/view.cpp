@@ -128,14 +128,7 @@ OpPlan with_local_size_arg(const OpCall& call, ViewLayout layout, size_t arg) {
   plan.inputs.resize(call.args.size());
   plan.inputs[0] = layout.input;
   plan.outputs.push_back(layout.output);
-  auto local = layout.output->local_sizes();
-  c10::OperatorHandle op = call.op;
-  // Built once: the kernel reads the list without keeping or changing it.
-  const c10::IValue local_sizes(local);
-  plan.stack_kernel = [op, local_sizes, arg](torch::jit::Stack& stack) {
-    stack[arg] = local_sizes;
-    op.callBoxed(&stack);
-  };
+  plan.local_args.emplace_back(static_cast<int>(arg), c10::IValue(layout.output->local_sizes()));
   return plan;
 }
 

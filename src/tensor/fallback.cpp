@@ -17,6 +17,7 @@
 #include "tessera/redistribute/redistribute.h"
 #include "tessera/tensor/dtensor_impl.h"
 #include "tessera/tensor/registration.h"
+#include "fast_path.h"
 
 namespace tessera {
 
@@ -149,6 +150,14 @@ void hash_value(const c10::IValue& v, Key& key, bool floats) {
     for (double d : v.toDoubleList()) key.push_back(double_bits(d));
   } else if (v.isString()) key.push_back(std::hash<std::string>()(v.toStringRef()));
   else key.push_back(0x7f);  // other optional/list payloads: only their presence
+}
+
+size_t scalar_kind(const c10::IValue& v) {
+  if (v.isDouble()) return 0x5c0;
+  if (v.isInt()) return 0x5c1;
+  if (v.isBool()) return 0x5c2;
+  if (v.isComplexDouble()) return 0x5c3;
+  return 2;
 }
 
 // ---- One visitor for the argument kinds that hold tensors ------------------------------
@@ -315,7 +324,8 @@ void admit_and_key(Frame& f) {
     } else if (shapes_matter(f.schema.arguments()[i].type())) {
       hash_value(f.args[i], f.key, declares_float(f.schema.arguments()[i].type()));
     } else {
-      f.key.push_back(2);
+      // Scalars join by kind only: an int or a float operand can change the result's dtype.
+      f.key.push_back(scalar_kind(f.args[i]));
     }
   }
   for (auto k : f.key) f.hash = hash_mix(f.hash, k);
@@ -391,6 +401,7 @@ void unwrap(Frame& f) {
       f.stack->push_back(f.args[i]);
     }
   }
+  for (const auto& [i, value] : plan.local_args) (*f.stack)[f.base + i] = value;
 }
 
 // Step 5: the op itself on the local shards, or the plan's kernel in its place.
@@ -508,7 +519,31 @@ void remember(Frame& f) {
   ++t_cache.entries;
 }
 
-void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+// Whether the fast path may replay this call (see detail::FallbackReport).
+void report(const Frame& f, detail::FallbackReport* out) {
+  const ops::OpPlan& plan = f.plan();
+  if (f.lists || !f.keep_alive.empty() || f.decision->replicate_all ||
+      plan.data_dependent_shapes || plan.local_kernel || plan.distributed_kernel ||
+      plan.stack_kernel || f.schema.returns().size() != 1 || plan.outputs.size() != 1)
+    return;
+  for (size_t i = 0; i < f.nargs; ++i) {
+    if (!f.impls[i]) continue;
+    const auto* want = i < plan.inputs.size() ? plan.inputs[i].get() : nullptr;
+    if (want && want != f.call.specs[i] && *want != *f.call.specs[i]) return;
+  }
+  out->local_args = plan.local_args;
+  const int alias = aliased_argument(f.schema, 0);
+  if (alias < 0) {
+    out->output = plan.outputs[0];
+    out->replayable = out->output != nullptr;
+  } else if (alias == 0 && f.call.specs[0] && plan.outputs[0] &&
+             *plan.outputs[0] == *f.call.specs[0]) {
+    out->replayable = true;  // in place on self, layout unchanged (`seen` keeps the spec alive)
+  }
+}
+
+void dtensor_fallback_impl(const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                           detail::FallbackReport* out) {
   Frame f(op, stack);
   collect(f);
   admit_and_key(f);
@@ -517,6 +552,11 @@ void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   run(f);
   wrap_results(f);
   remember(f);
+  if (out) report(f, out);
+}
+
+void dtensor_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  dtensor_fallback_impl(op, stack, nullptr);
 }
 
 // NOTE: [Which ops need an explicit kernel]
@@ -554,6 +594,13 @@ void register_explicit_kernels() {
 }
 
 }  // namespace
+
+namespace detail {
+void dtensor_fallback_reporting(const c10::OperatorHandle& op, torch::jit::Stack* stack,
+                                FallbackReport* report) {
+  dtensor_fallback_impl(op, stack, report);
+}
+}  // namespace detail
 
 void clear_dispatch_cache() {
   t_cache.map.clear();

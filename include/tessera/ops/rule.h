@@ -110,12 +110,17 @@ struct OpPlan {
     outputs.push_back(std::move(spec));
     return *this;
   }
+  // The local op gets `value` for argument `name` (a view's sizes become the shard's).
+  OpPlan& local_arg(const char* name, c10::IValue value);
 
   std::vector<SpecPtr> inputs;   // per argument: the spec it must be redistributed to, or null
   std::vector<std::vector<SpecPtr>> list_inputs;  // per Tensor[] argument, per element
   // Per return: the spec of the result. Rules give the inputs' dtype; where the local result
   // has another (comparisons, casts), the fallback substitutes it.
   std::vector<SpecPtr> outputs;
+  // Per argument position: the value the local op gets instead (declarative, so the typed
+  // fast path can replay it; prefer it to a kernel that only swaps arguments).
+  std::vector<std::pair<int, c10::IValue>> local_args;
   // At most one of the two runs instead of the op; see NOTE: [How to add an op]. Kernels
   // capture values (offsets, counts), never meshes: a distributed kernel is handed its mesh.
   LocalKernel local_kernel;

@@ -1,0 +1,225 @@
+// NOTE: [Fast path]
+// The boxed fallback costs a few thousand instructions per call on top of the op: arguments
+// boxed into a stack and unboxed again, the decision key built and looked up, a boxed call
+// of the local op. For the hottest ops (elementwise arithmetic, the optimizer's in-place
+// updates, mm, view, detach, sum) a typed kernel at our key goes first. It remembers, per
+// thread, calls that needed nothing but the op on the local shards: no redistribution, no
+// kernel, no implicit conversion, one result. Such a call is keyed by the op, the *identity*
+// of each input spec (specs are shared between results of one decision, so a training loop
+// meets the same objects every step; entries own them, so an address is never reused while
+// cached) and the non-tensor arguments that can change the result's layout or dtype. A hit
+// calls the typed local op and wraps its result with the remembered spec; anything else
+// boxes the arguments and runs the fallback, which reports whether the call may be
+// replayed.
+#include <array>
+#include <type_traits>
+
+#include <ATen/ATen.h>
+#include <ATen/Operators.h>
+#include <torch/library.h>
+
+#include "fast_path.h"
+#include "tessera/tensor/dtensor_impl.h"
+
+namespace tessera {
+
+namespace {
+
+DTensorImpl* as_dtensor(const at::Tensor& t) {
+  if (!t.defined() || !t.key_set().has(c10::DispatchKey::PrivateUse1)) return nullptr;
+  auto* impl = t.unsafeGetTensorImpl();
+  return typeid(*impl) == typeid(DTensorImpl) ? static_cast<DTensorImpl*>(impl) : nullptr;
+}
+
+// One call's arguments as the fast path keys them.
+struct Probe {
+  bool ok = true;
+  c10::SmallVector<const SpecPtr*, 4> specs;  // per distributed argument
+  c10::SmallVector<int64_t, 8> extras;       // non-tensor arguments, 0-dim plain tensors
+};
+
+void probe(Probe& p, const at::Tensor& t) {
+  if (auto* d = as_dtensor(t)) {
+    p.specs.push_back(&d->spec_ptr());
+  } else if (t.defined() && t.dim() == 0) {  // a scalar operand: its dtype can promote
+    p.extras.push_back(0x5ca1a0 + static_cast<int64_t>(t.scalar_type()));
+  } else {
+    p.ok = false;  // plain tensors are admitted by the fallback
+  }
+}
+void probe(Probe& p, const c10::Scalar& s) {  // values never matter; kinds can promote
+  p.extras.push_back(s.isFloatingPoint() ? 1 : s.isIntegral(false) ? 2 : s.isBoolean() ? 3 : 4);
+}
+void probe(Probe& p, c10::SymIntArrayRef sizes) {
+  p.extras.push_back(0xabc0 + static_cast<int64_t>(sizes.size()));
+  for (const auto& s : sizes) {
+    if (s.is_symbolic()) {
+      p.ok = false;
+      return;
+    }
+    p.extras.push_back(s.as_int_unchecked());
+  }
+}
+void probe(Probe& p, c10::optional<at::ScalarType> t) {
+  p.extras.push_back(t ? 0x700 + static_cast<int64_t>(*t) : 0x6ff);
+}
+void probe(Probe& p, const c10::optional<c10::string_view>& s) {
+  p.extras.push_back(s ? static_cast<int64_t>(std::hash<std::string>()(std::string(*s))) : 0x5ff);
+}
+
+template <class A>
+decltype(auto) local_arg(A&& a) {
+  if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
+    auto* d = as_dtensor(a);
+    // In-place ops write the shard's data through the handle, never the handle itself.
+    return d ? const_cast<at::Tensor&>(d->local()) : const_cast<at::Tensor&>(a);
+  } else {
+    return std::forward<A>(a);
+  }
+}
+
+struct Entry {
+  const void* op = nullptr;
+  c10::SmallVector<SpecPtr, 4> specs;
+  c10::SmallVector<int64_t, 8> extras;
+  SpecPtr output;  // null: in place on the first argument
+  int sizes_arg = -1;  // a SymInt[] argument the local op gets as `local_sizes`
+  std::vector<c10::SymInt> local_sizes;
+};
+constexpr size_t kSlots = 256;
+thread_local std::array<Entry, kSlots> t_entries;
+
+size_t slot_of(const void* op, const Probe& p) {
+  uint64_t h = hash_mix(0, reinterpret_cast<uint64_t>(op));
+  for (const auto* s : p.specs) h = hash_mix(h, reinterpret_cast<uint64_t>(s->get()));
+  for (int64_t x : p.extras) h = hash_mix(h, static_cast<uint64_t>(x));
+  return h % kSlots;
+}
+
+const Entry* lookup(const void* op, const Probe& p, size_t slot) {
+  const Entry& e = t_entries[slot];
+  if (e.op != op || e.specs.size() != p.specs.size() || e.extras != p.extras) return nullptr;
+  for (size_t i = 0; i < p.specs.size(); ++i)
+    if (e.specs[i].get() != p.specs[i]->get()) return nullptr;
+  return &e;
+}
+
+void remember(const void* op, const Probe& p, size_t slot, const detail::FallbackReport& r) {
+  Entry& e = t_entries[slot];
+  e.op = nullptr;  // invalid until complete
+  e.sizes_arg = -1;
+  e.local_sizes.clear();
+  if (r.local_args.size() > 1) return;
+  if (r.local_args.size() == 1) {
+    if (!r.local_args[0].second.isIntList()) return;
+    e.sizes_arg = r.local_args[0].first;
+    for (int64_t x : r.local_args[0].second.toIntList()) e.local_sizes.emplace_back(x);
+  }
+  e.op = op;
+  e.specs.clear();
+  for (const auto* s : p.specs) e.specs.push_back(*s);
+  e.extras = p.extras;
+  e.output = r.output;
+}
+
+template <class Op, class Sig = typename Op::schema>
+struct FastKernel;
+
+template <class Op, class Ret, class... Args>
+struct FastKernel<Op, Ret(Args...)> {
+  static Ret kernel(Args... args) {
+    static const c10::OperatorHandle handle =
+        c10::Dispatcher::singleton().findSchemaOrThrow(Op::name, Op::overload_name);
+    const void* id = &handle.schema();
+    Probe p;
+    (probe(p, args), ...);
+    const size_t slot = p.ok ? slot_of(id, p) : 0;
+    if (p.ok) {
+      if (const Entry* e = lookup(id, p, slot)) {
+        if constexpr (std::is_reference_v<Ret>) {
+          call_local(*e, std::index_sequence_for<Args...>{}, args...);
+          return first(args...);
+        } else {
+          SpecPtr out = e->output;
+          return at::detail::make_tensor<DTensorImpl>(
+              call_local(*e, std::index_sequence_for<Args...>{}, args...), std::move(out));
+        }
+      }
+    }
+    torch::jit::Stack stack;
+    stack.reserve(sizeof...(Args));
+    (stack.emplace_back(args), ...);
+    detail::FallbackReport report;
+    detail::dtensor_fallback_reporting(handle, &stack, &report);
+    if (p.ok && report.replayable && (std::is_reference_v<Ret> == (report.output == nullptr)) &&
+        replaceable(report))
+      remember(id, p, slot, report);
+    if constexpr (std::is_reference_v<Ret>) {
+      return first(args...);
+    } else {
+      return std::move(stack.back()).toTensor();
+    }
+  }
+
+ private:
+  // The local op: shards for distributed tensors, the remembered local sizes for a SymInt[].
+  template <size_t... I>
+  static Ret call_local(const Entry& e, std::index_sequence<I...>, Args... args) {
+    return Op::call(local_at<I>(e, std::forward<Args>(args))...);
+  }
+  template <size_t I, class A>
+  static decltype(auto) local_at(const Entry& e, A&& a) {
+    if constexpr (std::is_same_v<std::decay_t<A>, c10::SymIntArrayRef>) {
+      return static_cast<int>(I) == e.sizes_arg ? c10::SymIntArrayRef(e.local_sizes)
+                                                : c10::SymIntArrayRef(a);
+    } else {
+      return local_arg(std::forward<A>(a));
+    }
+  }
+  // Argument replacements the hit path can make: one SymInt[] argument.
+  static bool replaceable(const detail::FallbackReport& r) {
+    if (r.local_args.empty()) return true;
+    if (r.local_args.size() != 1) return false;
+    static constexpr bool is_sizes[] = {std::is_same_v<std::decay_t<Args>, c10::SymIntArrayRef>...,
+                                        false};
+    const int i = r.local_args[0].first;
+    return i >= 0 && i < static_cast<int>(sizeof...(Args)) && is_sizes[i];
+  }
+  template <class First, class... Rest>
+  static First& first(First& a, Rest&...) {
+    return a;
+  }
+};
+
+template <class Op>
+void fast(torch::Library& m) {
+  std::string name = Op::name;
+  name = name.substr(name.find("::") + 2);
+  if (std::string(Op::overload_name).size()) name += std::string(".") + Op::overload_name;
+  m.impl(name.c_str(), TORCH_FN(FastKernel<Op>::kernel));
+}
+
+}  // namespace
+
+// The ops of a training step's inner loop (BENCHMARKS.md, "Per-op dispatch overhead").
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  fast<at::_ops::add_Tensor>(m);
+  fast<at::_ops::add__Tensor>(m);
+  fast<at::_ops::add__Scalar>(m);
+  fast<at::_ops::sub_Tensor>(m);
+  fast<at::_ops::mul_Tensor>(m);
+  fast<at::_ops::mul_Scalar>(m);
+  fast<at::_ops::mul__Tensor>(m);
+  fast<at::_ops::mul__Scalar>(m);
+  fast<at::_ops::div_Tensor>(m);
+  fast<at::_ops::div_Scalar>(m);
+  fast<at::_ops::sqrt>(m);
+  fast<at::_ops::addcmul_>(m);
+  fast<at::_ops::addcdiv_>(m);
+  fast<at::_ops::mm>(m);
+  fast<at::_ops::view>(m);
+  fast<at::_ops::detach>(m);
+  fast<at::_ops::sum>(m);
+}
+
+}  // namespace tessera
