@@ -34,17 +34,18 @@ using namespace layout;
 // index_select(self, dim, index): the indexed dim is replicated; an index sharded on a mesh
 // dim where self is replicated shards the result's dim alike.
 OpPlan index_select_rule(const OpCall& call) {
-  const auto& self = *call.specs[0];
+  const auto& self = *call.spec("self");
   const auto& mesh = self.mesh();
-  const int64_t d = wrap_dim(call.args[1].toInt(), self.ndim());
-  const DTensorSpec* idx = call.specs[2];
+  const int64_t d = dim_arg(call, self.ndim());
+  const DTensorSpec* idx = call.spec("index");
   Placements ps = self.placements(), pi(mesh.ndim(), Replicate());
   for (size_t m = 0; m < ps.size(); ++m) {
     if (ps[m].is_shard(d)) ps[m] = Replicate();
     if (idx && idx->placement(m).is_shard(0) && ps[m].is_replicate()) pi[m] = Shard(0);
   }
-  auto self_t = make(mesh, ps, self.sizes(), self.dtype(), self.shard_tables());
-  SpecPtr idx_t = idx ? make(mesh, pi, idx->sizes(), idx->dtype(), idx->shard_tables()) : nullptr;
+  auto self_t = fitted_spec(mesh, ps, self.sizes(), self.dtype(), self.shard_tables());
+  SpecPtr idx_t =
+      idx ? fitted_spec(mesh, pi, idx->sizes(), idx->dtype(), idx->shard_tables()) : nullptr;
   auto out_sizes = self.sizes();
   out_sizes[d] = idx ? idx->numel() : 1;
   Placements po = ps;
@@ -52,34 +53,32 @@ OpPlan index_select_rule(const OpCall& call) {
     if (pi[m].is_shard()) po[m] = Shard(d);
   auto tables = self_t->shard_tables();
   if (idx_t && !idx_t->shard_table(0).empty()) tables[d] = idx_t->shard_table(0);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = self_t;
-  plan.inputs[2] = idx_t;
-  plan.outputs.push_back(std::make_shared<DTensorSpec>(mesh, po, out_sizes, self.dtype(), tables));
+  OpPlan plan(call);
+  plan.input("self", self_t).input("index", idx_t);
+  plan.output(std::make_shared<DTensorSpec>(mesh, po, out_sizes, self.dtype(), tables));
   return plan;
 }
 
-// Keeps only the index entries in [off, off + n) (shifted to local) and the matching slices of
-// `source` along d.
-void keep_local_entries(Stack& stack, size_t index_arg, size_t source_arg, int64_t d,
+// Keeps only the entries of argument `index` in [off, off + n) (shifted to local) and the
+// matching slices of argument `source` along d.
+void keep_local_entries(KernelCall& k, const char* index, const char* source, int64_t d,
                         int64_t off, int64_t n) {
-  auto idx = stack[index_arg].toTensor().reshape(-1);
+  auto idx = k.tensor(index).reshape(-1);
   auto keep = ((idx >= off) & (idx < off + n)).nonzero().squeeze(1);
-  stack[index_arg] = idx.index_select(0, keep) - off;
-  if (stack[source_arg].isTensor()) {
-    auto src = stack[source_arg].toTensor();
-    if (src.dim() > d) stack[source_arg] = src.index_select(d, keep);
+  k.set(index, idx.index_select(0, keep) - off);
+  if (k.arg(source).isTensor()) {
+    auto src = k.tensor(source);
+    if (src.dim() > d) k.set(source, src.index_select(d, keep));
   }
 }
 
 // index_add(self, dim, index, source, alpha) and index_add_. The index is replicated. A self
 // sharded on dim keeps its shards: each adds the entries that land in its range.
 OpPlan index_add_rule(const OpCall& call) {
-  const auto& self = *call.specs[0];
+  const auto& self = *call.spec("self");
   const auto& mesh = self.mesh();
-  const int64_t d = wrap_dim(call.args[1].toInt(), self.ndim());
-  const DTensorSpec* src = call.specs[3];
+  const int64_t d = dim_arg(call, self.ndim());
+  const DTensorSpec* src = call.spec("source");
   const bool summable = self.dtype() != at::kBool;
   auto same = [&](int64_t t) {
     return !src || (t < src->ndim() && src->sizes()[t] == self.sizes()[t]);
@@ -103,25 +102,23 @@ OpPlan index_add_rule(const OpCall& call) {
   std::vector<ShardTable> ts(self.ndim()), tr(src ? src->ndim() : 0);
   for (int64_t t = 0; t < self.ndim(); ++t) {
     if (t == d) {
-      ts[t] = fit(mesh, ps, t, self.sizes()[t], self.shard_table(t));
+      ts[t] = fit_table(mesh, ps, t, self.sizes()[t], self.shard_table(t));
     } else {
       ts[t] = shared_table(mesh, ps, t, self.sizes()[t], {src, &self});
       if (t < static_cast<int64_t>(tr.size())) tr[t] = ts[t];
     }
   }
   auto self_t = std::make_shared<DTensorSpec>(mesh, ps, self.sizes(), self.dtype(), ts);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = self_t;
-  if (call.specs[2]) plan.inputs[2] = replicated(*call.specs[2]);
-  if (src) plan.inputs[3] = make(mesh, pr, src->sizes(), src->dtype(), tr);
-  plan.outputs.push_back(self_t);
+  OpPlan plan(call);
+  plan.input("self", self_t);
+  if (const auto* idx = call.spec("index")) plan.input("index", replicated(*idx));
+  if (src) plan.input("source", fitted_spec(mesh, pr, src->sizes(), src->dtype(), tr));
+  plan.output(self_t);
   if (!masked) return plan;
   const int64_t off = self_t->local_offsets()[d], n = self_t->local_sizes()[d];
-  c10::OperatorHandle op = call.op;
-  plan.stack_kernel = [op, d, off, n](Stack& stack) {
-    keep_local_entries(stack, 2, 3, d, off, n);
-    op.callBoxed(&stack);
+  plan.local_kernel = [d, off, n](KernelCall& k) {
+    keep_local_entries(k, "index", "source", d, off, n);
+    k.call_op();
   };
   return plan;
 }
@@ -129,11 +126,11 @@ OpPlan index_add_rule(const OpCall& call) {
 // gather(self, dim, index, sparse_grad): the result has the index's shape and layout. Self
 // is replicated on the gathered dim; other dims shard alike where self and index agree in size.
 OpPlan gather_rule(const OpCall& call) {
-  const auto& self = *call.specs[0];
+  const auto& self = *call.spec("self");
   const auto& mesh = self.mesh();
-  const int64_t d = wrap_dim(call.args[1].toInt(), self.ndim());
-  TORCH_CHECK(call.specs[2], "tessera: ", call.describe(), ": gather needs a tensor index");
-  const auto& idx = *call.specs[2];
+  const int64_t d = dim_arg(call, self.ndim());
+  TORCH_CHECK(call.spec("index"), "tessera: ", call.describe(), ": gather needs a tensor index");
+  const auto& idx = *call.spec("index");
   auto same = [&](int64_t t) { return t < self.ndim() && self.sizes()[t] == idx.sizes()[t]; };
   Placements ps(mesh.ndim(), Replicate()), pi = ps, po = ps;
   for (int64_t m = 0; m < mesh.ndim(); ++m) {
@@ -150,14 +147,13 @@ OpPlan gather_rule(const OpCall& call) {
   }
   std::vector<ShardTable> ts(self.ndim()), ti(idx.ndim());
   for (int64_t t = 0; t < idx.ndim(); ++t) {
-    if (t == d) ti[t] = fit(mesh, pi, t, idx.sizes()[t], idx.shard_table(t));
+    if (t == d) ti[t] = fit_table(mesh, pi, t, idx.sizes()[t], idx.shard_table(t));
     else ti[t] = ts[t] = shared_table(mesh, pi, t, idx.sizes()[t], {&idx, &self});
   }
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = std::make_shared<DTensorSpec>(mesh, ps, self.sizes(), self.dtype(), ts);
-  plan.inputs[2] = std::make_shared<DTensorSpec>(mesh, pi, idx.sizes(), idx.dtype(), ti);
-  plan.outputs.push_back(std::make_shared<DTensorSpec>(mesh, po, idx.sizes(), self.dtype(), ti));
+  OpPlan plan(call);
+  plan.input("self", std::make_shared<DTensorSpec>(mesh, ps, self.sizes(), self.dtype(), ts));
+  plan.input("index", std::make_shared<DTensorSpec>(mesh, pi, idx.sizes(), idx.dtype(), ti));
+  plan.output(std::make_shared<DTensorSpec>(mesh, po, idx.sizes(), self.dtype(), ti));
   return plan;
 }
 
@@ -167,12 +163,12 @@ enum class ScatterKind { Assign, Value, Add };
 // other than dim shard alike on self, index and src where all three agree in size; an index
 // sharded on dim gives Partial(sum) for scatter_add (each shard adds its own entries).
 OpPlan scatter_rule(const OpCall& call, ScatterKind kind) {
-  const auto& self = *call.specs[0];
+  const auto& self = *call.spec("self");
   const auto& mesh = self.mesh();
-  const int64_t d = wrap_dim(call.args[1].toInt(), self.ndim());
-  TORCH_CHECK(call.specs[2], "tessera: ", call.describe(), ": scatter needs a tensor index");
-  const auto& idx = *call.specs[2];
-  const DTensorSpec* src = kind == ScatterKind::Value ? nullptr : call.specs[3];
+  const int64_t d = dim_arg(call, self.ndim());
+  TORCH_CHECK(call.spec("index"), "tessera: ", call.describe(), ": scatter needs a tensor index");
+  const auto& idx = *call.spec("index");
+  const DTensorSpec* src = kind == ScatterKind::Value ? nullptr : call.spec("src");
   const bool summable = kind != ScatterKind::Value && self.dtype() != at::kBool;
   auto same = [&](int64_t t) {
     return t != d && self.sizes()[t] == idx.sizes()[t] &&
@@ -201,17 +197,17 @@ OpPlan scatter_rule(const OpCall& call, ScatterKind kind) {
   }
   std::vector<ShardTable> ts(self.ndim()), ti(idx.ndim());
   for (int64_t t = 0; t < idx.ndim(); ++t) {
-    if (t == d) ti[t] = fit(mesh, pi, t, idx.sizes()[t], idx.shard_table(t));
+    if (t == d) ti[t] = fit_table(mesh, pi, t, idx.sizes()[t], idx.shard_table(t));
     else ti[t] = ts[t] = shared_table(mesh, pi, t, idx.sizes()[t], {&idx, &self, src});
   }
-  for (int64_t t = 0; t < self.ndim(); ++t) ts[t] = fit(mesh, ps, t, self.sizes()[t], ts[t]);
+  for (int64_t t = 0; t < self.ndim(); ++t)
+    ts[t] = fit_table(mesh, ps, t, self.sizes()[t], ts[t]);
   auto self_t = std::make_shared<DTensorSpec>(mesh, ps, self.sizes(), self.dtype(), ts);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = self_t;
-  plan.inputs[2] = std::make_shared<DTensorSpec>(mesh, pi, idx.sizes(), idx.dtype(), ti);
-  if (src) plan.inputs[3] = make(mesh, pr, src->sizes(), src->dtype(), ti);
-  plan.outputs.push_back(self_t);
+  OpPlan plan(call);
+  plan.input("self", self_t);
+  plan.input("index", std::make_shared<DTensorSpec>(mesh, pi, idx.sizes(), idx.dtype(), ti));
+  if (src) plan.input("src", fitted_spec(mesh, pr, src->sizes(), src->dtype(), ti));
+  plan.output(self_t);
   return plan;
 }
 
@@ -223,10 +219,11 @@ OpPlan scatter_add_rule(const OpCall& call) { return scatter_rule(call, ScatterK
 
 // embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse).
 OpPlan embedding_rule(const OpCall& call) {
-  TORCH_CHECK(call.specs[0], "tessera: ", call.describe(), ": the weight must be distributed");
-  const auto& w = *call.specs[0];
+  TORCH_CHECK(call.spec("weight"), "tessera: ", call.describe(),
+              ": the weight must be distributed");
+  const auto& w = *call.spec("weight");
   const auto& mesh = w.mesh();
-  const DTensorSpec* idx = call.specs[1];
+  const DTensorSpec* idx = call.spec("indices");
   const auto idx_sizes = idx ? idx->sizes() : std::vector<int64_t>{};
   const int64_t last = static_cast<int64_t>(idx_sizes.size());
   const bool vocab_ok = only_sum_partials(w);
@@ -248,33 +245,30 @@ OpPlan embedding_rule(const OpCall& call) {
       pi[m] = po[m] = b;
     }
   }
-  auto w_t = make(mesh, pw, w.sizes(), w.dtype(), w.shard_tables());
-  SpecPtr idx_t = idx ? make(mesh, pi, idx_sizes, idx->dtype(), idx->shard_tables()) : nullptr;
+  auto w_t = fitted_spec(mesh, pw, w.sizes(), w.dtype(), w.shard_tables());
+  SpecPtr idx_t =
+      idx ? fitted_spec(mesh, pi, idx_sizes, idx->dtype(), idx->shard_tables()) : nullptr;
   auto out_sizes = idx_sizes;
   out_sizes.push_back(w.sizes()[1]);
   auto tables = idx_t ? idx_t->shard_tables() : std::vector<ShardTable>{};
   tables.push_back(w_t->shard_table(1));
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = w_t;
-  plan.inputs[1] = idx_t;
   auto out = std::make_shared<DTensorSpec>(mesh, po, out_sizes, w.dtype(), tables);
-  plan.outputs.push_back(out);
+  OpPlan plan(call);
+  plan.input("weight", w_t).input("indices", idx_t).output(out);
   if (!masked) return plan;
   // Vocab-parallel: look up the indices in this shard's range, zero rows for the rest.
   const int64_t off = w_t->local_offsets()[0], n = w_t->local_sizes()[0];
   const auto local = out->local_sizes();
-  plan.stack_kernel = [off, n, local](Stack& stack) {
-    auto weight = stack[0].toTensor();
-    auto indices = stack[1].toTensor();
-    stack.clear();
+  plan.local_kernel = [off, n, local](KernelCall& k) {
+    const at::Tensor weight = k.tensor("weight");
     if (n == 0) {
-      stack.emplace_back(at::zeros(local, weight.options()));
+      k.finish({at::zeros(local, weight.options())});
       return;
     }
+    const at::Tensor indices = k.tensor("indices");
     auto in_range = (indices >= off) & (indices < off + n);
     auto rows = at::embedding(weight, (indices - off).masked_fill(~in_range, 0));
-    stack.emplace_back(rows.masked_fill_(~in_range.unsqueeze(-1), 0));
+    k.finish({rows.masked_fill_(~in_range.unsqueeze(-1), 0)});
   };
   return plan;
 }
@@ -285,11 +279,11 @@ OpPlan embedding_rule(const OpCall& call) {
 //   grad P(sum)           -> P(sum)
 //   grad R                -> S(0) chunk layout: each rank accumulates its own vocab rows
 OpPlan embedding_backward_rule(const OpCall& call) {
-  const auto& g = *call.specs[0];
+  const auto& g = *call.spec("grad_output");
   const auto& mesh = g.mesh();
-  const DTensorSpec* idx = call.specs[1];
+  const DTensorSpec* idx = call.spec("indices");
   const int64_t last = g.ndim() - 1;
-  const int64_t num_weights = call.args[2].toInt();
+  const int64_t num_weights = call.arg<int64_t>("num_weights");
   const auto idx_sizes = idx ? idx->sizes() : std::vector<int64_t>{};
   Placements pg(mesh.ndim(), Replicate()), pi = pg, po = pg;
   bool masked = false;
@@ -310,28 +304,28 @@ OpPlan embedding_backward_rule(const OpCall& call) {
   }
   std::vector<ShardTable> tg(g.ndim()), ti(idx_sizes.size());
   for (int64_t t = 0; t < g.ndim(); ++t) {
-    if (t == last) tg[t] = fit(mesh, pg, t, g.sizes()[t], g.shard_table(t));
+    if (t == last) tg[t] = fit_table(mesh, pg, t, g.sizes()[t], g.shard_table(t));
     else ti[t] = tg[t] = shared_table(mesh, pg, t, g.sizes()[t], {&g, idx});
   }
   std::vector<ShardTable> to = {ShardTable{}, tg[last]};
-  auto out = make(mesh, po, {num_weights, g.sizes()[last]}, g.dtype(), to);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = std::make_shared<DTensorSpec>(mesh, pg, g.sizes(), g.dtype(), tg);
-  if (idx) plan.inputs[1] = std::make_shared<DTensorSpec>(mesh, pi, idx_sizes, idx->dtype(), ti);
-  plan.outputs.push_back(out);
+  auto out = fitted_spec(mesh, po, {num_weights, g.sizes()[last]}, g.dtype(), to);
+  OpPlan plan(call);
+  plan.input("grad_output", std::make_shared<DTensorSpec>(mesh, pg, g.sizes(), g.dtype(), tg));
+  if (idx)
+    plan.input("indices", std::make_shared<DTensorSpec>(mesh, pi, idx_sizes, idx->dtype(), ti));
+  plan.output(out);
   const int64_t off = out->local_offsets()[0], n = out->local_sizes()[0];
-  c10::OperatorHandle op = call.op;
-  plan.stack_kernel = [op, masked, off, n](Stack& stack) {
+  plan.local_kernel = [masked, off, n](KernelCall& k) {
     if (masked) {
-      auto grad = stack[0].toTensor();
-      stack[0] = grad.reshape({stack[1].toTensor().numel(), grad.size(-1)});
-      keep_local_entries(stack, 1, 0, 0, off, n);
-      const int64_t pad = stack[3].toInt();
-      stack[3] = pad >= off && pad < off + n ? pad - off : int64_t{-1};
+      // Rows of the gradient, one per index, so the two can be filtered together.
+      const at::Tensor grad = k.tensor("grad_output");
+      k.set("grad_output", grad.reshape({k.tensor("indices").numel(), grad.size(-1)}));
+      keep_local_entries(k, "indices", "grad_output", 0, off, n);
+      const int64_t pad = k.arg<int64_t>("padding_idx");
+      k.set("padding_idx", pad >= off && pad < off + n ? pad - off : int64_t{-1});
     }
-    stack[2] = n;
-    op.callBoxed(&stack);
+    k.set("num_weights", n);
+    k.call_op();
   };
   return plan;
 }

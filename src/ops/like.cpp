@@ -7,15 +7,15 @@ namespace tessera::ops {
 namespace {
 
 OpPlan keep_layout(const OpCall& call) {
-  OpPlan plan;
-  plan.outputs.push_back(std::make_shared<DTensorSpec>(call.first()));
+  OpPlan plan(call);
+  plan.output(std::make_shared<DTensorSpec>(call.first()));
   return plan;
 }
 
 // New values (ones, fill, random) are not partial terms: Partial dims become Replicate.
 OpPlan fresh_values(const OpCall& call) {
-  OpPlan plan;
-  plan.outputs.push_back(std::make_shared<DTensorSpec>(call.first().partial_as_replicate()));
+  OpPlan plan(call);
+  plan.output(std::make_shared<DTensorSpec>(call.first().partial_as_replicate()));
   return plan;
 }
 
@@ -28,14 +28,13 @@ OpPlan needs_replicate(const OpCall& call) {
 // copy_(self, src): src moves to self's layout. A partial self is made whole first (its
 // terms are about to be overwritten, but its shard shape must be a real layout).
 OpPlan copy_rule(const OpCall& call) {
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  auto self = std::make_shared<DTensorSpec>(call.specs[0]->partial_as_replicate());
-  const auto& src = *call.specs[1];
-  plan.inputs[0] = self;
-  plan.inputs[1] = std::make_shared<DTensorSpec>(self->mesh(), self->placements(), src.sizes(),
-                                                 src.dtype(), self->shard_tables());
-  plan.outputs.push_back(self);
+  auto self = std::make_shared<DTensorSpec>(call.spec("self")->partial_as_replicate());
+  const auto& src = *call.spec("src");
+  OpPlan plan(call);
+  plan.input("self", self);
+  plan.input("src", std::make_shared<DTensorSpec>(self->mesh(), self->placements(), src.sizes(),
+                                                  src.dtype(), self->shard_tables()));
+  plan.output(self);
   return plan;
 }
 

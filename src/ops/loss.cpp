@@ -8,6 +8,8 @@
 // Softmax over an unsharded dim is local; over a sharded dim that mesh dim is replicated
 // first (one all-gather; the result is re-sharded by whoever needs it sharded).
 #include <ATen/ATen.h>
+#include <ATen/core/Reduction.h>
+#include <c10/core/WrapDimMinimal.h>
 #include <c10/util/Exception.h>
 
 #include "tessera/comm/collectives.h"
@@ -17,66 +19,53 @@ namespace tessera::ops {
 
 namespace {
 
-constexpr int64_t kNone = 0, kMean = 1, kSum = 2;  // at::Reduction
-
-// forward(self, target, reduction, ...extra) / backward(grad, self, target, reduction, ...).
-OpPlan loss_rule(const OpCall& call, size_t self_arg, bool backward) {
-  const auto& self = *call.specs[self_arg];
+// forward(self, target, reduction, ...) / backward(grad_output, self, target, reduction, ...).
+OpPlan loss_rule(const OpCall& call) {
+  const bool backward = call.has("grad_output");
+  const auto& self = *call.spec("self");
   auto self_t = std::make_shared<DTensorSpec>(self.partial_as_replicate());
-  const int64_t reduction = call.args[self_arg + 2].toInt();
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[self_arg] = self_t;
-  if (call.specs[self_arg + 1]) plan.inputs[self_arg + 1] = align_to(*self_t, *call.specs[self_arg + 1], false);
+  const int64_t reduction = call.arg<int64_t>("reduction");
+  OpPlan plan(call);
+  plan.input("self", self_t);
+  if (const auto* target = call.spec("target"))
+    plan.input("target", align_to(*self_t, *target, false));
   if (backward) {
-    const auto& grad = *call.specs[0];
-    plan.inputs[0] = reduction == kNone ? align_to(*self_t, grad, false)
-                                        : replicated(grad);  // a scalar gradient, whole
-    plan.outputs.push_back(self_t);
+    const auto& grad = *call.spec("grad_output");
+    plan.input("grad_output", reduction == at::Reduction::None
+                                  ? align_to(*self_t, grad, false)
+                                  : replicated(grad));  // a scalar gradient, whole
+    plan.output(self_t);
   } else {
-    plan.outputs.push_back(reduction == kNone ? self_t : summed_over_shards(*self_t, {}));
+    plan.output(reduction == at::Reduction::None ? self_t : summed_over_shards(*self_t, {}));
   }
-  if (reduction == kMean) {
+  if (reduction == at::Reduction::Mean) {
     // Run with reduction=sum and divide by the global count.
     const double count = static_cast<double>(self.numel());
-    c10::OperatorHandle op = call.op;
-    const size_t red = self_arg + 2;
-    plan.stack_kernel = [op, count, red](torch::jit::Stack& stack) {
-      stack[red] = c10::IValue(kSum);
-      op.callBoxed(&stack);
-      stack.back() = stack.back().toTensor().div(count);
+    plan.local_kernel = [count](KernelCall& k) {
+      k.set("reduction", int64_t{at::Reduction::Sum});
+      k.call_op();
+      const at::Tensor sum = k.stack().back().toTensor();
+      k.finish({sum.div(count)});
     };
   }
   return plan;
 }
 
-OpPlan loss_forward(const OpCall& call) { return loss_rule(call, 0, false); }
-OpPlan loss_backward(const OpCall& call) { return loss_rule(call, 1, true); }
-
-OpPlan softmax_layout(const OpCall& call, size_t tensor_arg, size_t dim_arg,
-                      const std::vector<size_t>& inputs) {
-  const auto& in = *call.specs[tensor_arg];
-  int64_t dim = call.args[dim_arg].toInt();
-  if (dim < 0) dim += in.ndim();
-  Placements p = in.placements();
-  auto tables = in.shard_tables();
-  for (auto& x : p) {
-    if (x.is_partial() || x.is_shard(dim)) x = Replicate();
-  }
-  tables[dim].clear();
-  auto target = std::make_shared<DTensorSpec>(in.mesh(), p, in.sizes(), in.dtype(), tables);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  for (auto i : inputs)
-    if (call.specs[i]) plan.inputs[i] = align_to(*target, *call.specs[i], false);
-  plan.outputs.push_back(target);
+// _softmax(self, dim, half_to_float) / _log_softmax(...) and their backward
+// (grad_output, output, dim, input_dtype): dim whole, no Partial.
+OpPlan softmax_rule(const OpCall& call) {
+  const bool backward = call.has("grad_output");
+  const auto& in = *call.spec(backward ? "output" : "self");
+  const int64_t dim = c10::maybe_wrap_dim(call.arg<int64_t>("dim"), in.ndim());
+  auto target = std::make_shared<DTensorSpec>(in.replicate_where(
+      [dim](int64_t, const Placement& x) { return x.is_partial() || x.is_shard(dim); }));
+  OpPlan plan(call);
+  for (const char* name : {"self", "grad_output", "output"})
+    if (call.has(name) && call.spec(name))
+      plan.input(name, align_to(*target, *call.spec(name), false));
+  plan.output(target);
   return plan;
 }
-
-// _softmax(self, dim, half_to_float) / _log_softmax(...)
-OpPlan softmax_rule(const OpCall& call) { return softmax_layout(call, 0, 1, {0}); }
-// _softmax_backward_data(grad_output, output, dim, input_dtype)
-OpPlan softmax_backward_rule(const OpCall& call) { return softmax_layout(call, 1, 2, {0, 1}); }
 
 SpecPtr replicated_scalar(const DTensorSpec& like) {
   return std::make_shared<DTensorSpec>(like.mesh(), Placements(like.mesh().ndim(), Replicate()),
@@ -85,7 +74,7 @@ SpecPtr replicated_scalar(const DTensorSpec& like) {
 
 // NOTE: [nll_loss on shards]
 // The class dim must be whole; batch and spatial dims may stay sharded (target follows).
-// mean = sum(w_t * -x_t) / sum(w_t) over the *whole* batch: the local kernel runs with
+// mean = sum(w_t * -x_t) / sum(w_t) over the *whole* batch: the distributed kernel runs with
 // reduction=sum and divides by the global total weight (one scalar all-reduce per sharded
 // mesh dim: ignore_index makes the count data-dependent). The backward gets that global
 // total weight from autograd and is local.
@@ -94,18 +83,15 @@ struct NllLayout {
   std::vector<int64_t> sharded_mesh_dims;
 };
 
-NllLayout nll_layout(const OpCall& call, size_t self_arg) {
-  const auto& self = *call.specs[self_arg];
+// The layouts of self and target, forward and backward alike.
+NllLayout nll_layout(const OpCall& call) {
+  const auto& self = *call.spec("self");
   const int64_t cdim = self.ndim() >= 2 ? 1 : 0;
-  Placements p = self.placements();
-  auto tables = self.shard_tables();
-  for (auto& x : p)
-    if (x.is_partial() || x.is_shard(cdim)) x = Replicate();
-  tables[cdim].clear();
-  auto self_t = std::make_shared<DTensorSpec>(self.mesh(), p, self.sizes(), self.dtype(), tables);
-  const auto* target = call.specs[self_arg + 1];
+  auto self_t = std::make_shared<DTensorSpec>(self.replicate_where(
+      [cdim](int64_t, const Placement& x) { return x.is_partial() || x.is_shard(cdim); }));
+  const auto* target = call.spec("target");
   TORCH_CHECK(target, "tessera: ", call.describe(), ": the target must be a tensor");
-  Placements tp = p;
+  Placements tp = self_t->placements();
   std::vector<ShardTable> ttables(target->ndim());
   std::vector<int64_t> sharded;
   for (size_t m = 0; m < tp.size(); ++m) {
@@ -116,38 +102,48 @@ NllLayout nll_layout(const OpCall& call, size_t self_arg) {
     ttables[tt] = self_t->shard_table(t);
     tp[m] = Shard(tt);
   }
-  auto target_t = std::make_shared<DTensorSpec>(self.mesh(), tp, target->sizes(), target->dtype(), ttables);
+  auto target_t = std::make_shared<DTensorSpec>(self.mesh(), tp, target->sizes(),
+                                                target->dtype(), ttables);
   return {self_t, target_t, sharded};
 }
 
+// The inputs both nll rules share: self and target as laid out, the class weights whole.
+OpPlan nll_inputs(const OpCall& call, const NllLayout& l) {
+  OpPlan plan(call);
+  plan.input("self", l.self).input("target", l.target);
+  if (const auto* weight = call.spec("weight")) plan.input("weight", replicated(*weight));
+  return plan;
+}
+
+// target's layout with another dtype (the unreduced loss and its gradient).
+SpecPtr like_target(const NllLayout& l, c10::ScalarType dtype) {
+  return std::make_shared<DTensorSpec>(l.target->mesh(), l.target->placements(),
+                                       l.target->sizes(), dtype, l.target->shard_tables());
+}
+
 // nll_loss_forward / nll_loss2d_forward(self, target, weight?, reduction, ignore_index)
+//   -> (output, total_weight)
 OpPlan nll_rule(const OpCall& call) {
-  auto l = nll_layout(call, 0);
-  const int64_t reduction = call.args[3].toInt();
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = l.self;
-  plan.inputs[1] = l.target;
-  if (call.specs[2]) plan.inputs[2] = replicated(*call.specs[2]);
-  if (reduction == kNone) {
-    plan.outputs = {std::make_shared<DTensorSpec>(l.target->mesh(), l.target->placements(),
-                                                  l.target->sizes(), l.self->dtype(),
-                                                  l.target->shard_tables()),
-                    replicated_scalar(*l.self)};
+  const auto l = nll_layout(call);
+  const int64_t reduction = call.arg<int64_t>("reduction");
+  OpPlan plan = nll_inputs(call, l);
+  if (reduction == at::Reduction::None) {
+    plan.output(like_target(l, l.self->dtype())).output(replicated_scalar(*l.self));
     return plan;
   }
-  plan.outputs = {summed_over_shards(*l.self, {}), reduction == kSum ? summed_over_shards(*l.self, {}) : replicated_scalar(*l.self)};
-  if (reduction == kMean) {
-    c10::OperatorHandle op = call.op;
-    DeviceMesh mesh = l.self->mesh();
-    auto dims = l.sharded_mesh_dims;
-    plan.stack_kernel = [op, mesh, dims](torch::jit::Stack& stack) {
-      stack[3] = c10::IValue(kSum);
-      op.callBoxed(&stack);
-      at::Tensor total = stack[1].toTensor();
+  plan.output(summed_over_shards(*l.self, {}));
+  plan.output(reduction == at::Reduction::Sum ? summed_over_shards(*l.self, {})
+                                              : replicated_scalar(*l.self));
+  if (reduction == at::Reduction::Mean) {
+    const auto dims = l.sharded_mesh_dims;
+    plan.distributed_kernel = [dims](KernelCall& k, const DeviceMesh& mesh) {
+      k.set("reduction", int64_t{at::Reduction::Sum});
+      k.call_op();
+      // The op's results, in schema order: (output, total_weight).
+      const at::Tensor output = k.stack()[0].toTensor();
+      at::Tensor total = k.stack()[1].toTensor();
       for (auto d : dims) total = comm::all_reduce(mesh.group(d), total, PartialOp::Sum);
-      stack[0] = stack[0].toTensor().div(total);
-      stack[1] = total;
+      k.finish({output.div(total), total});
     };
   }
   return plan;
@@ -156,20 +152,14 @@ OpPlan nll_rule(const OpCall& call) {
 // nll_loss_backward / nll_loss2d_backward(grad_output, self, target, weight?, reduction,
 //                                         ignore_index, total_weight)
 OpPlan nll_backward_rule(const OpCall& call) {
-  auto l = nll_layout(call, 1);
-  const int64_t reduction = call.args[4].toInt();
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[1] = l.self;
-  plan.inputs[2] = l.target;
-  if (call.specs[3]) plan.inputs[3] = replicated(*call.specs[3]);
-  plan.inputs[0] = reduction == kNone
-                       ? std::make_shared<DTensorSpec>(l.target->mesh(), l.target->placements(),
-                                                       l.target->sizes(), call.specs[0]->dtype(),
-                                                       l.target->shard_tables())
-                       : replicated(*call.specs[0]);
+  const auto l = nll_layout(call);
+  const int64_t reduction = call.arg<int64_t>("reduction");
+  OpPlan plan = nll_inputs(call, l);
+  const auto& grad = *call.spec("grad_output");
+  plan.input("grad_output", reduction == at::Reduction::None ? like_target(l, grad.dtype())
+                                                             : replicated(grad));
   // total_weight: used only by mean, where the forward made it global already.
-  plan.outputs.push_back(l.self);
+  plan.output(l.self);
   return plan;
 }
 
@@ -179,15 +169,13 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::nll_loss_backward", nll_backward_rule);
   register_rule("aten::nll_loss2d_backward", nll_backward_rule);
   for (const char* op : {"aten::mse_loss", "aten::smooth_l1_loss", "aten::huber_loss",
-                         "aten::soft_margin_loss"})
-    register_rule(op, loss_forward);
-  for (const char* op : {"aten::mse_loss_backward", "aten::smooth_l1_loss_backward",
-                         "aten::huber_loss_backward", "aten::soft_margin_loss_backward"})
-    register_rule(op, loss_backward);
-  register_rule("aten::_softmax", softmax_rule);
-  register_rule("aten::_log_softmax", softmax_rule);
-  register_rule("aten::_softmax_backward_data", softmax_backward_rule);
-  register_rule("aten::_log_softmax_backward_data", softmax_backward_rule);
+                         "aten::soft_margin_loss", "aten::mse_loss_backward",
+                         "aten::smooth_l1_loss_backward", "aten::huber_loss_backward",
+                         "aten::soft_margin_loss_backward"})
+    register_rule(op, loss_rule);
+  for (const char* op : {"aten::_softmax", "aten::_log_softmax", "aten::_softmax_backward_data",
+                         "aten::_log_softmax_backward_data"})
+    register_rule(op, softmax_rule);
 }};
 
 }  // namespace

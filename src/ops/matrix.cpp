@@ -22,7 +22,7 @@ namespace {
 struct Einsum {
   std::vector<std::string> operands;  // labels per operand dim
   std::string output;
-  std::vector<size_t> args;  // argument index of each operand
+  std::vector<const char*> arg_names;  // the schema argument of each operand
 };
 
 // One choice per mesh dim: a label to shard, 'R', or 'p' + operand index for pass-through.
@@ -44,7 +44,7 @@ std::vector<Choice> choices_for(const Einsum& e) {
 ShardTable label_table(const OpCall& call, const Einsum& e, char label,
                        const std::vector<int64_t>& mesh_dims) {
   for (size_t i = 0; i < e.operands.size(); ++i) {
-    const auto* s = call.specs[e.args[i]];
+    const auto* s = call.spec(e.arg_names[i]);
     const auto pos = e.operands[i].find(label);
     if (!s || pos == std::string::npos) continue;
     if (s->mesh_dims_sharding(static_cast<int64_t>(pos)) == mesh_dims)
@@ -59,7 +59,7 @@ std::vector<Strategy> einsum_strategies(const OpCall& call, const Einsum& e) {
   const int64_t nd = mesh.ndim();
   std::map<char, int64_t> label_size;
   for (size_t i = 0; i < e.operands.size(); ++i) {
-    const auto& sizes = call.specs[e.args[i]]->sizes();
+    const auto& sizes = call.spec(e.arg_names[i])->sizes();
     for (size_t d = 0; d < e.operands[i].size(); ++d) {
       auto [it, fresh] = label_size.emplace(e.operands[i][d], sizes[d]);
       TORCH_CHECK(fresh || it->second == sizes[d] || sizes[d] == 1 || it->second == 1,
@@ -80,7 +80,7 @@ std::vector<Strategy> einsum_strategies(const OpCall& call, const Einsum& e) {
       if (c == 'R') continue;
       if (c == 'p') {
         // Only an operand that already holds partial sums passes them through.
-        if (call.specs[e.args[op]]->placement(m) != Partial()) valid = false;
+        if (call.spec(e.arg_names[op])->placement(m) != Partial()) valid = false;
         in_p[op][m] = Partial();
         out_p[m] = Partial();
         continue;
@@ -90,7 +90,7 @@ std::vector<Strategy> einsum_strategies(const OpCall& call, const Einsum& e) {
         auto pos = e.operands[i].find(c);
         if (pos != std::string::npos) {
           // A broadcast (size-1) dim of a batched operand cannot be split with the others.
-          if (call.specs[e.args[i]]->sizes()[pos] != label_size[c]) valid = false;
+          if (call.spec(e.arg_names[i])->sizes()[pos] != label_size[c]) valid = false;
           in_p[i][m] = Shard(static_cast<int64_t>(pos));
         }
       }
@@ -101,13 +101,13 @@ std::vector<Strategy> einsum_strategies(const OpCall& call, const Einsum& e) {
       Strategy s;
       s.inputs.resize(call.args.size());
       for (size_t i = 0; i < e.operands.size(); ++i) {
-        const auto& sp = *call.specs[e.args[i]];
+        const auto& sp = *call.spec(e.arg_names[i]);
         std::vector<ShardTable> tables(sp.ndim());
         for (auto& [c, dims] : sharded_by) {
           auto pos = e.operands[i].find(c);
           if (pos != std::string::npos) tables[pos] = label_table(call, e, c, dims);
         }
-        s.inputs[e.args[i]] =
+        s.inputs[call.index(e.arg_names[i])] =
             std::make_shared<DTensorSpec>(mesh, in_p[i], sp.sizes(), sp.dtype(), tables);
       }
       std::vector<int64_t> out_sizes;
@@ -128,25 +128,23 @@ std::vector<Strategy> einsum_strategies(const OpCall& call, const Einsum& e) {
   return out;
 }
 
-// A plain (0-dim) or missing operand contributes nothing to the layout.
-bool distributed(const OpCall& call, size_t i) { return i < call.specs.size() && call.specs[i]; }
-
 OpPlan mm_rule(const OpCall& call) {
-  TORCH_CHECK(distributed(call, 0) && distributed(call, 1), "tessera: ", call.describe(),
+  TORCH_CHECK(call.spec("self") && call.spec("mat2"), "tessera: ", call.describe(),
               ": both operands must be tensors");
-  return cheapest(call, einsum_strategies(call, {{"mk", "kn"}, "mn", {0, 1}}));
+  return cheapest(call, einsum_strategies(call, {{"mk", "kn"}, "mn", {"self", "mat2"}}));
 }
 
 OpPlan bmm_rule(const OpCall& call) {
-  return cheapest(call, einsum_strategies(call, {{"bmk", "bkn"}, "bmn", {0, 1}}));
+  return cheapest(call, einsum_strategies(call, {{"bmk", "bkn"}, "bmn", {"self", "mat2"}}));
 }
 
 // addmm(self, m1, m2): beta*self + alpha*m1@m2. self follows the product's layout (its
 // broadcast dims replicated; a Partial product makes it Partial too: it is linear in self).
 OpPlan add_product_rule(const OpCall& call, const Einsum& e) {
   auto strategies = einsum_strategies(call, e);
-  if (distributed(call, 0)) {
-    const auto& self = *call.specs[0];
+  // A plain (0-dim) self contributes nothing to the layout.
+  if (const auto* self_spec = call.spec("self")) {
+    const auto& self = *self_spec;
     for (auto& s : strategies) {
       const auto& out = *s.outputs[0];
       const int64_t shift = out.ndim() - self.ndim();
@@ -162,22 +160,25 @@ OpPlan add_product_rule(const OpCall& call, const Einsum& e) {
           x = Shard(t);
         }
       }
-      s.inputs[0] = std::make_shared<DTensorSpec>(out.mesh(), p, self.sizes(), self.dtype(), tables);
+      s.inputs[call.index("self")] =
+          std::make_shared<DTensorSpec>(out.mesh(), p, self.sizes(), self.dtype(), tables);
     }
   }
   return cheapest(call, strategies);
 }
 
-OpPlan addmm_rule(const OpCall& call) { return add_product_rule(call, {{"mk", "kn"}, "mn", {1, 2}}); }
+OpPlan addmm_rule(const OpCall& call) {
+  return add_product_rule(call, {{"mk", "kn"}, "mn", {"mat1", "mat2"}});
+}
 OpPlan baddbmm_rule(const OpCall& call) {
-  return add_product_rule(call, {{"bmk", "bkn"}, "bmn", {1, 2}});
+  return add_product_rule(call, {{"bmk", "bkn"}, "bmn", {"batch1", "batch2"}});
 }
 
 OpPlan mv_rule(const OpCall& call) {
-  return cheapest(call, einsum_strategies(call, {{"mk", "k"}, "m", {0, 1}}));
+  return cheapest(call, einsum_strategies(call, {{"mk", "k"}, "m", {"self", "vec"}}));
 }
 OpPlan dot_rule(const OpCall& call) {
-  return cheapest(call, einsum_strategies(call, {{"k", "k"}, "", {0, 1}}));
+  return cheapest(call, einsum_strategies(call, {{"k", "k"}, "", {"self", "tensor"}}));
 }
 
 const RuleRegistrar registrar{[] {

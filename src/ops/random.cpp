@@ -29,27 +29,23 @@ at::Tensor own_block(at::Tensor full, const std::vector<int64_t>& offsets,
 
 // In-place fills (self, ..., *, Generator? generator): the op runs on a global-sized buffer.
 OpPlan fill_rule(const OpCall& call) {
-  const auto& self = *call.specs[0];
+  const auto& self = *call.spec("self");
   auto out = std::make_shared<DTensorSpec>(self.partial_as_replicate());
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.outputs.push_back(out);
-  c10::OperatorHandle op = call.op;
+  OpPlan plan(call);
+  plan.output(out);
   const auto global = self.sizes();
   const auto offsets = out->local_offsets();
   const auto lengths = out->local_sizes();
-  const size_t gen_arg = call.args.size() - 1;
-  plan.stack_kernel = [op, global, offsets, lengths, gen_arg](torch::jit::Stack& stack) {
-    at::Tensor local = stack[0].toTensor();
+  plan.local_kernel = [global, offsets, lengths](KernelCall& k) {
+    at::Tensor local = k.tensor("self");
     at::Tensor full = at::empty(global, local.options());
-    stack[0] = full;
-    if (stack[gen_arg].isNone()) {
-      if (auto g = thread_generator()) stack[gen_arg] = c10::IValue(*g);
+    k.set("self", full);
+    if (k.arg("generator").isNone()) {
+      if (auto g = thread_generator()) k.set("generator", *g);
     }
-    op.callBoxed(&stack);
+    k.call_op();
     local.copy_(own_block(full, offsets, lengths));
-    stack.clear();
-    stack.emplace_back(local);
+    k.finish({local});
   };
   return plan;
 }
@@ -61,34 +57,30 @@ OpPlan fill_rule(const OpCall& call) {
 enum class LikeFill : uint8_t { Uniform, Normal, RandomTo, RandomFromTo };
 
 OpPlan random_like_rule(const OpCall& call, LikeFill fill) {
-  const auto& self = *call.specs[0];
+  const auto& self = *call.spec("self");
   auto out = std::make_shared<DTensorSpec>(self.partial_as_replicate());
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.outputs.push_back(out);
-  const int dtype = call.index("dtype"), low = call.index("low"),
-            high = call.index("high");
-  TORCH_INTERNAL_ASSERT(dtype >= 0 && (fill < LikeFill::RandomTo || high >= 0) &&
-                        (fill != LikeFill::RandomFromTo || low >= 0));
+  OpPlan plan(call);
+  plan.output(out);
+  TORCH_INTERNAL_ASSERT(call.has("dtype") && (fill < LikeFill::RandomTo || call.has("high")) &&
+                        (fill != LikeFill::RandomFromTo || call.has("low")));
   const auto global = self.sizes();
   const auto offsets = out->local_offsets();
   const auto lengths = out->local_sizes();
-  plan.stack_kernel = [fill, dtype, low, high, global, offsets, lengths](torch::jit::Stack& stack) {
-    const at::Tensor local = stack[0].toTensor();
-    auto options = local.options();
-    if (!stack[dtype].isNone()) options = options.dtype(stack[dtype].toScalarType());
+  plan.local_kernel = [fill, global, offsets, lengths](KernelCall& k) {
+    auto options = k.tensor("self").options();
+    if (const auto dtype = k.arg<c10::optional<at::ScalarType>>("dtype"))
+      options = options.dtype(*dtype);
     at::Tensor full = at::empty(global, options);
     const c10::optional<at::Generator> gen = thread_generator();
     switch (fill) {
       case LikeFill::Uniform: full.uniform_(0, 1, gen); break;
       case LikeFill::Normal: full.normal_(0, 1, gen); break;
-      case LikeFill::RandomTo: full.random_(0, stack[high].toInt(), gen); break;
+      case LikeFill::RandomTo: full.random_(0, k.arg<int64_t>("high"), gen); break;
       case LikeFill::RandomFromTo:
-        full.random_(stack[low].toInt(), stack[high].toInt(), gen);
+        full.random_(k.arg<int64_t>("low"), k.arg<int64_t>("high"), gen);
         break;
     }
-    stack.clear();
-    stack.emplace_back(own_block(full, offsets, lengths).clone(at::MemoryFormat::Contiguous));
+    k.finish({own_block(full, offsets, lengths).clone(at::MemoryFormat::Contiguous)});
   };
   return plan;
 }

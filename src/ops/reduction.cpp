@@ -34,6 +34,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <c10/core/WrapDimMinimal.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -57,13 +58,11 @@ struct Dims {
 // empty list mean every dim) and its `keepdim` flag.
 Dims parse_dims(const OpCall& call) {
   const int64_t nd = self_spec(call).ndim();
-  const auto& schema = call.op.schema();
   Dims d;
   d.reduced.assign(nd, true);
-  if (auto k = schema.argumentIndexWithName("keepdim")) d.keepdim = call.args[*k].toBool();
-  auto di = schema.argumentIndexWithName("dim");
-  if (!di || nd == 0) return d;
-  const c10::IValue& v = call.args[*di];
+  if (call.has("keepdim")) d.keepdim = call.arg<bool>("keepdim");
+  if (!call.has("dim") || nd == 0) return d;
+  const c10::IValue& v = call.arg("dim");
   std::vector<int64_t> dims;
   if (v.isInt()) dims.push_back(v.toInt());
   else if (v.isIntList()) dims = v.toIntVector();
@@ -89,9 +88,10 @@ bool passes(Kind k, PartialOp op) {
 }
 
 const DTensorSpec& self_spec(const OpCall& call) {
-  TORCH_CHECK(call.specs[0], "tessera: ", call.describe(),
+  const auto* self = call.spec("self");
+  TORCH_CHECK(self, "tessera: ", call.describe(),
               ": reducing a plain 0-dim tensor into a distributed `out` is not supported");
-  return *call.specs[0];
+  return *self;
 }
 
 // The result's layout when the input has layout `in`: unreduced shards keep their tables
@@ -177,7 +177,7 @@ OpPlan plan_reduction(const OpCall& call, const Dims& d, Kind kind, size_t n_out
   for (auto& target : input_targets(in, move, may_take, order)) {
     Strategy s;
     s.inputs.resize(call.args.size());
-    s.inputs[0] = target;
+    s.inputs[call.index("self")] = target;
     s.outputs.assign(n_outputs, output_layout(*target, d, kind));
     candidates.push_back(std::move(s));
   }
@@ -197,7 +197,6 @@ OpPlan mean_rule(const OpCall& call) {
   const Dims d = parse_dims(call);
   OpPlan plan = plan_reduction(call, d, Kind::Sum);
   const auto& in = self_spec(call);
-  const auto& schema = call.op.schema();
   int64_t count = 1;
   std::vector<int64_t> dims;
   for (int64_t t = 0; t < in.ndim(); ++t) {
@@ -205,23 +204,18 @@ OpPlan mean_rule(const OpCall& call) {
     count *= in.sizes()[t];
     dims.push_back(t);
   }
-  auto dtype_index = schema.argumentIndexWithName("dtype");
-  const c10::IValue dtype = dtype_index ? call.args[*dtype_index] : c10::IValue();
+  const auto dtype = call.arg<c10::optional<at::ScalarType>>("dtype");
   const bool keepdim = d.keepdim;
-  const bool out_variant = schema.is_mutable();
+  const bool out_variant = call.has("out");
   // Local sum over the reduced dims divided by the *global* count: exact on uneven shards.
-  plan.stack_kernel = [count, dims, keepdim, dtype, out_variant](torch::jit::Stack& stack) {
-    c10::optional<at::ScalarType> dt;
-    if (!dtype.isNone()) dt = dtype.toScalarType();
-    at::Tensor s = at::sum(stack.front().toTensor(), dims, keepdim, dt)
-                       .div(static_cast<double>(count));
+  plan.local_kernel = [count, dims, keepdim, dtype, out_variant](KernelCall& k) {
+    at::Tensor s = at::sum(k.tensor("self"), dims, keepdim, dtype).div(static_cast<double>(count));
     if (out_variant) {
-      at::Tensor out = stack.back().toTensor();
+      at::Tensor out = k.tensor("out");
       out.resize_(s.sizes()).copy_(s);
       s = out;
     }
-    stack.clear();
-    stack.emplace_back(s);
+    k.finish({s});
   };
   return plan;
 }
@@ -249,10 +243,9 @@ at::Tensor identity_fill(at::IntArrayRef shape, const at::TensorOptions& opts, b
 OpPlan extremum(const OpCall& call, Kind kind) {
   const Dims d = parse_dims(call);
   OpPlan plan = plan_reduction(call, d, kind);
-  const c10::OperatorHandle op = call.op;
   const bool is_max = kind == Kind::Max;
-  plan.stack_kernel = [op, d, is_max](torch::jit::Stack& stack) {
-    const at::Tensor x = stack.front().toTensor();
+  plan.local_kernel = [d, is_max](KernelCall& k) {
+    const at::Tensor x = k.tensor("self");
     std::vector<int64_t> out_shape;
     bool empty = false;
     for (int64_t t = 0; t < x.dim(); ++t) {
@@ -261,11 +254,10 @@ OpPlan extremum(const OpCall& call, Kind kind) {
       else if (d.keepdim) out_shape.push_back(1);
     }
     if (!empty) {
-      op.callBoxed(&stack);
+      k.call_op();
       return;
     }
-    stack.clear();
-    stack.emplace_back(identity_fill(out_shape, x.options(), is_max));
+    k.finish({identity_fill(out_shape, x.options(), is_max)});
   };
   return plan;
 }
@@ -277,7 +269,7 @@ OpPlan min_rule(const OpCall& call) { return extremum(call, Kind::Min); }
 
 // prod, var, std, norms, argmax/argmin: the local op on whole reduced dims.
 OpPlan whole_rule(const OpCall& call) {
-  return plan_reduction(call, parse_dims(call), Kind::Whole, call.op.schema().returns().size());
+  return plan_reduction(call, parse_dims(call), Kind::Whole, call.schema().returns().size());
 }
 
 // ---- backward of max.dim / min.dim ---------------------------------------------------------
@@ -290,25 +282,17 @@ OpPlan whole_rule(const OpCall& call) {
 // `dim`) selecting the gradient: pointwise ops on the indices' layout, no communication, the
 // unreduced shards kept. Several indices per slice (sort, topk) scatter out of place into
 // distributed zeros, as the op itself does for tensor subclasses.
-void value_selecting_backward(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  const at::Tensor grad = (*stack)[stack->size() - 5].toTensor();
-  int64_t dim = (*stack)[stack->size() - 4].toInt();
-  const at::Tensor indices = (*stack)[stack->size() - 3].toTensor();
-  const std::vector<int64_t> sizes = (*stack)[stack->size() - 2].toIntVector();
-  const bool keepdim = (*stack)[stack->size() - 1].toBool();
-  stack->resize(stack->size() - 5);
+at::Tensor value_selecting_backward(KernelCall& k) {
+  const at::Tensor grad = k.tensor("grad");
+  const at::Tensor indices = k.tensor("indices");
+  const auto sizes = k.arg<std::vector<int64_t>>("sizes");
+  const bool keepdim = k.arg<bool>("keepdim");
   const int64_t nd = static_cast<int64_t>(sizes.size());
-  if (nd == 0) {  // max(dim=0) of a 0-dim tensor selects the only element
-    stack->emplace_back(grad.clone());
-    return;
-  }
-  if (dim < 0) dim += nd;
+  if (nd == 0) return grad.clone();  // max(dim=0) of a 0-dim tensor selects the only element
+  const int64_t dim = c10::maybe_wrap_dim(k.arg<int64_t>("dim"), nd);
   const at::Tensor g = keepdim ? grad : grad.unsqueeze(dim);
   at::Tensor idx = keepdim ? indices : indices.unsqueeze(dim);
-  if (idx.size(dim) != 1) {
-    stack->emplace_back(g.new_zeros(sizes).scatter(dim, idx, g));
-    return;
-  }
+  if (idx.size(dim) != 1) return g.new_zeros(sizes).scatter(dim, idx, g);
   idx = idx.expand(sizes);
   std::vector<int64_t> along(nd, 1);
   along[dim] = sizes[dim];
@@ -316,15 +300,23 @@ void value_selecting_backward(const c10::OperatorHandle&, torch::jit::Stack* sta
   const at::Tensor position =
       at::arange(sizes[dim], at::TensorOptions().dtype(idx.scalar_type()).device(idx.device()))
           .view(along);
-  stack->emplace_back(at::where(idx == position, g, at::zeros({}, g.options())));
+  return at::where(idx == position, g, at::zeros({}, g.options()));
 }
 
-TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
-  m.impl("value_selecting_reduction_backward",
-         torch::CppFunction::makeFromBoxedFunction<&value_selecting_backward>());
+// The boxed kernel: the op's arguments are the top of the stack, its result replaces them.
+void value_selecting_backward_boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t base = stack->size() - op.schema().arguments().size();
+  torch::jit::Stack args(stack->begin() + base, stack->end());
+  stack->resize(base);
+  KernelCall k(op, args);
+  stack->emplace_back(value_selecting_backward(k));
 }
 
 const RuleRegistrar registrar{[] {
+  register_kernel(
+      "aten::value_selecting_reduction_backward",
+      torch::CppFunction::makeFromBoxedFunction<&value_selecting_backward_boxed>());
+
   register_rule("aten::sum", sum_rule);
   register_rule("aten::sum.dim_IntList", sum_rule);
   register_rule("aten::sum.IntList_out", sum_rule);

@@ -23,11 +23,15 @@
 //                 Not a view on the other shards: writes through it do not reach the input.
 //   unbind(d)     every row is needed: d is replicated first (one all-gather).
 //
-// Backward ops do not see the forward input's layout (only its global sizes). Shardings of
-// the incoming gradient are mirrored through the op; where the gradient is Replicate the
-// result stays Replicate (local, and free to slice into any layout later), except
-// embedding_dense_backward, whose result is as large as the whole table: there Replicate
-// mesh dims give Shard(0) in the chunk layout, each rank accumulating only its vocab range.
+// Backward ops do not see the forward input's layout (only its global sizes): the gradient's
+// shardings are mirrored through the op (slice_backward picks an input table whose cut is the
+// gradient's table, select_backward inserts an unsharded dim), and a Replicate gradient gives
+// a Replicate result.
+#include <algorithm>
+#include <limits>
+
+#include <ATen/ceil_div.h>
+
 #include "tensor_layout.h"
 
 namespace tessera::ops {
@@ -57,25 +61,28 @@ Selection slice_selection(int64_t size, c10::optional<int64_t> start_opt,
   return {start, step, (end - start + step - 1) / step};
 }
 
-int64_t ceil_div(int64_t a, int64_t b) { return a >= 0 ? (a + b - 1) / b : -((-a) / b); }
-
 // Per piece of `table`, the run [k0, k1) of selected elements it holds.
 struct Run {
   int64_t k0, k1;
 };
-std::vector<Run> cut(const ShardTable& table, const Selection& s) {
+std::vector<Run> selected_runs(const ShardTable& table, const Selection& s) {
+  // The number of selected elements before global position x (the ceiling of a division;
+  // positions before the selection's start hold none).
+  auto before = [&](int64_t x) {
+    return at::ceil_div(std::max<int64_t>(x - s.start, 0), s.step);
+  };
   std::vector<Run> out;
   int64_t o = 0;
   for (auto n : table) {
-    const int64_t k0 = std::clamp<int64_t>(ceil_div(o - s.start, s.step), 0, s.len);
-    const int64_t k1 = std::clamp<int64_t>(ceil_div(o + n - s.start, s.step), k0, s.len);
+    const int64_t k0 = std::clamp<int64_t>(before(o), 0, s.len);
+    const int64_t k1 = std::clamp<int64_t>(before(o + n), k0, s.len);
     out.push_back({k0, k1});
     o += n;
   }
   return out;
 }
 
-ShardTable counts(const std::vector<Run>& runs) {
+ShardTable run_lengths(const std::vector<Run>& runs) {
   ShardTable t;
   for (auto& r : runs) t.push_back(r.k1 - r.k0);
   return t;
@@ -85,11 +92,13 @@ ShardTable counts(const std::vector<Run>& runs) {
 // its piece, count).
 struct LocalCut {
   int64_t start = 0, len = 0;
+  // The exclusive end of a slice that takes this run with `step`.
+  int64_t end(int64_t step) const { return len ? start + (len - 1) * step + 1 : start; }
 };
 LocalCut local_cut(const DTensorSpec& s, int64_t t, const Selection& sel) {
   const auto dims = s.mesh_dims_sharding(t);
   if (dims.empty()) return {sel.start, sel.len};
-  const auto runs = cut(s.shard_table(t), sel);
+  const auto runs = selected_runs(s.shard_table(t), sel);
   const auto& r = runs.at(table_index(s.mesh(), dims, s.mesh().coordinate()));
   if (r.k1 == r.k0) return {0, 0};
   return {sel.at(r.k0) - s.local_offsets()[t], r.k1 - r.k0};
@@ -100,73 +109,62 @@ SpecPtr sliced_spec(const DTensorSpec& in, int64_t d, const Selection& sel) {
   auto sizes = in.sizes();
   sizes[d] = sel.len;
   auto tables = in.shard_tables();
-  if (!tables[d].empty()) tables[d] = counts(cut(tables[d], sel));
+  if (!tables[d].empty()) tables[d] = run_lengths(selected_runs(tables[d], sel));
   return std::make_shared<DTensorSpec>(in.mesh(), in.placements(), sizes, in.dtype(), tables);
-}
-
-c10::optional<int64_t> opt_int(const c10::IValue& v) {
-  return v.isNone() ? c10::nullopt : c10::optional<int64_t>(v.toInt());
-}
-
-OpPlan one_output(const OpCall& call, SpecPtr input, SpecPtr output) {
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = std::move(input);
-  plan.outputs.push_back(std::move(output));
-  return plan;
 }
 
 // slice.Tensor(self, dim, start, end, step): see NOTE: [Slicing a sharded dim].
 OpPlan slice_rule(const OpCall& call) {
-  const auto& in = *call.specs[0];
-  const int64_t d = wrap_dim(call.args[1].toInt(), in.ndim());
-  const int64_t step = call.args[4].toInt();
-  const auto sel =
-      slice_selection(in.sizes()[d], opt_int(call.args[2]), opt_int(call.args[3]), step);
-  auto plan = one_output(call, nullptr, sliced_spec(in, d, sel));
+  const auto& in = *call.spec("self");
+  const int64_t d = dim_arg(call, in.ndim());
+  const int64_t step = call.arg<int64_t>("step");
+  const auto sel = slice_selection(in.sizes()[d], call.arg<c10::optional<int64_t>>("start"),
+                                   call.arg<c10::optional<int64_t>>("end"), step);
+  OpPlan plan(call);
+  plan.output(sliced_spec(in, d, sel));
   if (in.mesh_dims_sharding(d).empty()) return plan;
   const auto mine = local_cut(in, d, sel);
-  c10::OperatorHandle op = call.op;
-  plan.stack_kernel = [op, mine, step](Stack& stack) {
-    stack[2] = mine.start;
-    stack[3] = mine.len ? mine.start + (mine.len - 1) * step + 1 : mine.start;
-    op.callBoxed(&stack);
+  plan.local_kernel = [mine, step](KernelCall& k) {
+    k.set("start", mine.start);
+    k.set("end", mine.end(step));
+    k.call_op();
   };
   return plan;
 }
 
 // narrow_copy(self, dim, start, length).
 OpPlan narrow_copy_rule(const OpCall& call) {
-  const auto& in = *call.specs[0];
-  const int64_t d = wrap_dim(call.args[1].toInt(), in.ndim());
-  int64_t start = call.args[2].toInt();
+  const auto& in = *call.spec("self");
+  const int64_t d = dim_arg(call, in.ndim());
+  int64_t start = call.arg<int64_t>("start");
   if (start < 0) start += in.sizes()[d];
-  const Selection sel{start, 1, call.args[3].toInt()};
+  const Selection sel{start, 1, call.arg<int64_t>("length")};
   TORCH_CHECK(start >= 0 && sel.len >= 0 && start + sel.len <= in.sizes()[d], "tessera: ",
               call.describe(), ": narrow range out of bounds");
-  auto plan = one_output(call, nullptr, sliced_spec(in, d, sel));
+  OpPlan plan(call);
+  plan.output(sliced_spec(in, d, sel));
   if (in.mesh_dims_sharding(d).empty()) return plan;
   const auto mine = local_cut(in, d, sel);
-  c10::OperatorHandle op = call.op;
-  plan.stack_kernel = [op, mine](Stack& stack) {
-    stack[2] = mine.start;
-    stack[3] = mine.len;
-    op.callBoxed(&stack);
+  plan.local_kernel = [mine](KernelCall& k) {
+    k.set("start", mine.start);
+    k.set("length", mine.len);
+    k.call_op();
   };
   return plan;
 }
 
-// slice_backward(grad, input_sizes, dim, start, end, step): zeros of input_sizes with the
-// gradient written into the slice. A gradient sharded on dim needs an input table whose cut
-// is the gradient's table: piece j must start after the last selected element of piece j-1
-// and at or before its own first one; within those bounds the chunk boundaries are taken
+// slice_backward(grad_output, input_sizes, dim, start, end, step): zeros of input_sizes with
+// the gradient written into the slice. A gradient sharded on dim needs an input table whose
+// cut is the gradient's table: piece j must start after the last selected element of piece
+// j-1 and at or before its own first one; within those bounds the chunk boundaries are taken
 // (so the chunk layout comes back exactly where the forward input had it).
 OpPlan slice_backward_rule(const OpCall& call) {
-  const auto& g = *call.specs[0];
-  auto in_sizes = call.args[1].toIntVector();
-  const int64_t d = wrap_dim(call.args[2].toInt(), static_cast<int64_t>(in_sizes.size()));
-  const int64_t step = call.args[5].toInt();
-  const auto sel = slice_selection(in_sizes[d], call.args[3].toInt(), call.args[4].toInt(), step);
+  const auto& g = *call.spec("grad_output");
+  auto in_sizes = call.arg<std::vector<int64_t>>("input_sizes");
+  const int64_t d = dim_arg(call, static_cast<int64_t>(in_sizes.size()));
+  const int64_t step = call.arg<int64_t>("step");
+  const auto sel = slice_selection(in_sizes[d], call.arg<int64_t>("start"),
+                                   call.arg<int64_t>("end"), step);
   TORCH_CHECK(sel.len == g.sizes()[d], "tessera: ", call.describe(),
               ": the gradient does not match the slice");
   auto tables = g.shard_tables();
@@ -187,36 +185,39 @@ OpPlan slice_backward_rule(const OpCall& call) {
       c += chunk[j];
     }
     t.back() = in_sizes[d] - prev;
-    TORCH_CHECK(counts(cut(t, sel)) == gt, "tessera: ", call.describe(),
+    TORCH_CHECK(run_lengths(selected_runs(t, sel)) == gt, "tessera: ", call.describe(),
                 ": no input table reproduces the gradient's (rule bug)");
     tables[d] = t;
   }
   auto out = std::make_shared<DTensorSpec>(g.mesh(), g.placements(), in_sizes, g.dtype(), tables);
-  auto plan = one_output(call, nullptr, out);
-  const auto local = out->local_sizes();
+  OpPlan plan(call);
+  plan.output(out);
+  const c10::IValue local(out->local_sizes());
   const auto mine = local_cut(*out, d, sel);
-  c10::OperatorHandle op = call.op;
-  plan.stack_kernel = [op, local, mine, step](Stack& stack) {
-    stack[1] = c10::IValue(local);
-    stack[3] = mine.start;
-    stack[4] = mine.len ? mine.start + (mine.len - 1) * step + 1 : mine.start;
-    op.callBoxed(&stack);
+  plan.local_kernel = [local, mine, step](KernelCall& k) {
+    k.set("input_sizes", local);
+    k.set("start", mine.start);
+    k.set("end", mine.end(step));
+    k.call_op();
   };
   return plan;
 }
 
 // select.int(self, dim, index).
 OpPlan select_rule(const OpCall& call) {
-  const auto& in = *call.specs[0];
-  const int64_t d = wrap_dim(call.args[1].toInt(), in.ndim());
+  const auto& in = *call.spec("self");
+  const int64_t d = dim_arg(call, in.ndim());
   const int64_t size = in.sizes()[d];
-  int64_t index = call.args[2].toInt();
+  int64_t index = call.arg<int64_t>("index");
   TORCH_CHECK(index >= -size && index < size, "tessera: ", call.describe(), ": index ", index,
               " out of range for size ", size);
   if (index < 0) index += size;
   const auto dims = in.mesh_dims_sharding(d);
   const bool partial = !dims.empty() && in.dtype() != at::kBool && only_sum_partials(in);
-  SpecPtr target = partial || dims.empty() ? nullptr : replicate_on(in, dims);
+  SpecPtr target;
+  if (!partial && !dims.empty())
+    target = std::make_shared<DTensorSpec>(
+        in.replicate_where([d](int64_t, const Placement& x) { return x.is_shard(d); }));
   const auto& src = target ? *target : in;
   Placements p = src.placements();
   auto tables = src.shard_tables();
@@ -224,39 +225,38 @@ OpPlan select_rule(const OpCall& call) {
   drop_dim(p, tables, d, Partial());
   sizes.erase(sizes.begin() + d);
   auto out = std::make_shared<DTensorSpec>(in.mesh(), p, sizes, in.dtype(), tables);
-  auto plan = one_output(call, target, out);
+  OpPlan plan(call);
+  plan.input("self", target).output(out);
   if (!partial) return plan;
   const int64_t off = in.local_offsets()[d], n = in.local_sizes()[d];
   const auto local = out->local_sizes();
-  c10::OperatorHandle op = call.op;
-  plan.stack_kernel = [op, off, n, index, local](Stack& stack) {
+  plan.local_kernel = [off, n, index, local](KernelCall& k) {
     if (index >= off && index < off + n) {
-      stack[2] = index - off;
-      op.callBoxed(&stack);
+      k.set("index", index - off);
+      k.call_op();
       return;
     }
-    auto x = stack[0].toTensor();
-    stack.clear();
-    stack.emplace_back(at::zeros(local, x.options()));
+    k.finish({at::zeros(local, k.tensor("self").options())});
   };
   return plan;
 }
 
-// select_backward(grad, input_sizes, dim, index): the gradient's layout with dim inserted.
+// select_backward(grad_output, input_sizes, dim, index): the gradient's layout with dim
+// inserted.
 OpPlan select_backward_rule(const OpCall& call) {
-  const auto& g = *call.specs[0];
-  auto in_sizes = call.args[1].toIntVector();
-  const int64_t d = wrap_dim(call.args[2].toInt(), static_cast<int64_t>(in_sizes.size()));
+  const auto& g = *call.spec("grad_output");
+  auto in_sizes = call.arg<std::vector<int64_t>>("input_sizes");
+  const int64_t d = dim_arg(call, static_cast<int64_t>(in_sizes.size()));
   Placements p = g.placements();
   auto tables = g.shard_tables();
   insert_dim(p, tables, d);
   auto out = std::make_shared<DTensorSpec>(g.mesh(), p, in_sizes, g.dtype(), tables);
-  auto plan = one_output(call, nullptr, out);
-  const auto local = out->local_sizes();
-  c10::OperatorHandle op = call.op;
-  plan.stack_kernel = [op, local](Stack& stack) {
-    stack[1] = c10::IValue(local);
-    op.callBoxed(&stack);
+  OpPlan plan(call);
+  plan.output(out);
+  const c10::IValue local(out->local_sizes());
+  plan.local_kernel = [local](KernelCall& k) {
+    k.set("input_sizes", local);
+    k.call_op();
   };
   return plan;
 }
@@ -264,14 +264,13 @@ OpPlan select_backward_rule(const OpCall& call) {
 // ---- split / unbind ------------------------------------------------------------------------
 
 OpPlan split_pieces(const OpCall& call, int64_t d, const std::vector<int64_t>& pieces) {
-  const auto& in = *call.specs[0];
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
+  const auto& in = *call.spec("self");
+  OpPlan plan(call);
   std::vector<int64_t> local;
   int64_t start = 0;
   for (auto len : pieces) {
     const Selection sel{start, 1, len};
-    plan.outputs.push_back(sliced_spec(in, d, sel));
+    plan.output(sliced_spec(in, d, sel));
     local.push_back(local_cut(in, d, sel).len);
     start += len;
   }
@@ -279,22 +278,21 @@ OpPlan split_pieces(const OpCall& call, int64_t d, const std::vector<int64_t>& p
               start, ", not ", in.sizes()[d]);
   if (in.mesh_dims_sharding(d).empty()) return plan;
   const bool unsafe = call.name().find("unsafe") != std::string::npos;
-  plan.stack_kernel = [local, d, unsafe](Stack& stack) {
-    auto x = stack[0].toTensor();
-    stack.clear();
-    stack.emplace_back(unsafe ? at::unsafe_split_with_sizes(x, local, d)
-                              : at::split_with_sizes(x, local, d));
+  plan.local_kernel = [local, d, unsafe](KernelCall& k) {
+    const at::Tensor x = k.tensor("self");
+    k.finish({unsafe ? at::unsafe_split_with_sizes(x, local, d)
+                     : at::split_with_sizes(x, local, d)});
   };
   return plan;
 }
 
 // split.Tensor / unsafe_split.Tensor(self, split_size, dim).
 OpPlan split_rule(const OpCall& call) {
-  const auto& in = *call.specs[0];
-  const int64_t d = wrap_dim(call.args[2].toInt(), in.ndim());
-  const int64_t size = in.sizes()[d], split = call.args[1].toInt();
+  const auto& in = *call.spec("self");
+  const int64_t d = dim_arg(call, in.ndim());
+  const int64_t size = in.sizes()[d], split = call.arg<int64_t>("split_size");
   TORCH_CHECK(split > 0 || size == 0, "tessera: ", call.describe(),
-              ": split_size must be positive");
+              ": split_size must be positive, got ", split);
   const int64_t n = split > 0 ? std::max<int64_t>((size + split - 1) / split, 1) : 1;
   std::vector<int64_t> pieces(n, split);
   pieces.back() = size - split * (n - 1);
@@ -303,16 +301,18 @@ OpPlan split_rule(const OpCall& call) {
 
 // split_with_sizes / unsafe_split_with_sizes(self, split_sizes, dim).
 OpPlan split_with_sizes_rule(const OpCall& call) {
-  const int64_t d = wrap_dim(call.args[2].toInt(), call.specs[0]->ndim());
-  return split_pieces(call, d, call.args[1].toIntVector());
+  const int64_t d = dim_arg(call, call.spec("self")->ndim());
+  return split_pieces(call, d, call.arg<std::vector<int64_t>>("split_sizes"));
 }
 
 // unbind.int(self, dim): every row is a result, so a sharded dim is replicated first.
 OpPlan unbind_rule(const OpCall& call) {
-  const auto& in = *call.specs[0];
-  const int64_t d = wrap_dim(call.args[1].toInt(), in.ndim());
-  const auto dims = in.mesh_dims_sharding(d);
-  SpecPtr target = dims.empty() ? nullptr : replicate_on(in, dims);
+  const auto& in = *call.spec("self");
+  const int64_t d = dim_arg(call, in.ndim());
+  SpecPtr target;
+  if (!in.mesh_dims_sharding(d).empty())
+    target = std::make_shared<DTensorSpec>(
+        in.replicate_where([d](int64_t, const Placement& x) { return x.is_shard(d); }));
   const auto& src = target ? *target : in;
   Placements p = src.placements();
   auto tables = src.shard_tables();
@@ -320,9 +320,8 @@ OpPlan unbind_rule(const OpCall& call) {
   drop_dim(p, tables, d, Replicate());
   sizes.erase(sizes.begin() + d);
   auto out = std::make_shared<DTensorSpec>(in.mesh(), p, sizes, in.dtype(), tables);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = target;
+  OpPlan plan(call);
+  plan.input("self", target);
   plan.outputs.assign(in.sizes()[d], out);
   return plan;
 }
@@ -345,10 +344,16 @@ Placements join_placements(const DTensorSpec& ref, const std::vector<const DTens
   return p;
 }
 
+// The plan's per-element layouts of the `tensors` list argument (cat, stack).
+std::vector<SpecPtr>& tensors_inputs(const OpCall& call, OpPlan& plan) {
+  plan.list_inputs.resize(call.args.size());
+  return plan.list_inputs[call.index("tensors")];
+}
+
 // cat(tensors, dim): see NOTE: [Slicing a sharded dim]. Other dims take the first
 // distributed element's layout.
 OpPlan cat_rule(const OpCall& call) {
-  const auto& specs = call.list_specs.at(0);
+  const auto& specs = call.list_specs.at(call.index("tensors"));
   // Legacy: 1-d empty tensors are skipped by cat whatever the others' shape.
   auto legacy_empty = [](const DTensorSpec* s) { return s->ndim() == 1 && s->sizes()[0] == 0; };
   const DTensorSpec* first = &call.first();
@@ -357,7 +362,7 @@ OpPlan cat_rule(const OpCall& call) {
   const auto& ref = *first;
   const auto& mesh = ref.mesh();
   const int64_t nd = ref.ndim();
-  const int64_t d = wrap_dim(call.args[1].toInt(), nd);
+  const int64_t d = dim_arg(call, nd);
   auto skipped = [&](const DTensorSpec* s) { return !s || (nd != 1 && legacy_empty(s)); };
   std::vector<int64_t> begin(specs.size(), 0);
   int64_t total = 0;
@@ -365,7 +370,8 @@ OpPlan cat_rule(const OpCall& call) {
   for (size_t k = 0; k < specs.size(); ++k) {
     begin[k] = total;
     if (skipped(specs[k])) continue;
-    TORCH_CHECK(specs[k]->ndim() == nd, "tessera: ", call.describe(), ": ranks differ");
+    TORCH_CHECK(specs[k]->ndim() == nd, "tessera: ", call.describe(),
+                ": tensors with different numbers of dims (", nd, " and ", specs[k]->ndim(), ")");
     total += specs[k]->sizes()[d];
     joined.push_back(specs[k]);
   }
@@ -374,8 +380,8 @@ OpPlan cat_rule(const OpCall& call) {
   out_sizes[d] = total;
   std::vector<ShardTable> tables(nd);
   for (int64_t t = 0; t < nd; ++t)
-    if (t != d) tables[t] = fit(mesh, p, t, out_sizes[t], ref.shard_table(t));
-  const auto dims = sharding(p, d);
+    if (t != d) tables[t] = fit_table(mesh, p, t, out_sizes[t], ref.shard_table(t));
+  const auto dims = shard_mesh_dims(p, d);
   if (!dims.empty()) {
     // Inputs that are consecutive cuts of one table (split pieces) keep their shards.
     ShardTable acc;
@@ -392,29 +398,27 @@ OpPlan cat_rule(const OpCall& call) {
     for (size_t k = 0; consistent && k < specs.size(); ++k) {
       if (skipped(specs[k])) continue;
       const Selection range{begin[k], 1, specs[k]->sizes()[d]};
-      consistent = counts(cut(acc, range)) == specs[k]->shard_table(d);
+      consistent = run_lengths(selected_runs(acc, range)) == specs[k]->shard_table(d);
     }
     tables[d] = consistent && !acc.empty() ? acc : chunk_table(mesh, p, d, total);
   }
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.list_inputs.resize(call.args.size());
+  OpPlan plan(call);
+  auto& elements = tensors_inputs(call, plan);
   for (size_t k = 0; k < specs.size(); ++k) {
     const auto* s = specs[k];
     if (!s) {
-      plan.list_inputs[0].push_back(nullptr);
+      elements.push_back(nullptr);
       continue;
     }
     if (skipped(s)) {
-      plan.list_inputs[0].push_back(replicated(*s));
+      elements.push_back(replicated(*s));
       continue;
     }
     auto tk = tables;
-    if (!dims.empty()) tk[d] = counts(cut(tables[d], {begin[k], 1, s->sizes()[d]}));
-    plan.list_inputs[0].push_back(
-        std::make_shared<DTensorSpec>(mesh, p, s->sizes(), s->dtype(), tk));
+    if (!dims.empty()) tk[d] = run_lengths(selected_runs(tables[d], {begin[k], 1, s->sizes()[d]}));
+    elements.push_back(std::make_shared<DTensorSpec>(mesh, p, s->sizes(), s->dtype(), tk));
   }
-  plan.outputs.push_back(std::make_shared<DTensorSpec>(mesh, p, out_sizes, ref.dtype(), tables));
+  plan.output(std::make_shared<DTensorSpec>(mesh, p, out_sizes, ref.dtype(), tables));
   return plan;
 }
 
@@ -423,28 +427,27 @@ OpPlan cat_rule(const OpCall& call) {
 OpPlan stack_rule(const OpCall& call) {
   const auto& ref = call.first();
   const auto& mesh = ref.mesh();
-  const auto& specs = call.list_specs.at(0);
+  const auto& specs = call.list_specs.at(call.index("tensors"));
   const int64_t nd = ref.ndim();
-  const int64_t d = wrap_dim(call.args[1].toInt(), nd + 1);
+  const int64_t d = dim_arg(call, nd + 1);
   Placements p = join_placements(ref, specs);
   std::vector<ShardTable> tables(nd);
-  for (int64_t t = 0; t < nd; ++t) tables[t] = fit(mesh, p, t, ref.sizes()[t], ref.shard_table(t));
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.list_inputs.resize(call.args.size());
+  for (int64_t t = 0; t < nd; ++t)
+    tables[t] = fit_table(mesh, p, t, ref.sizes()[t], ref.shard_table(t));
+  OpPlan plan(call);
+  auto& elements = tensors_inputs(call, plan);
   for (const auto* s : specs) {
     TORCH_CHECK(!s || s->sizes() == ref.sizes(), "tessera: ", call.describe(),
                 ": stack needs equal shapes");
-    plan.list_inputs[0].push_back(
+    elements.push_back(
         s ? std::make_shared<DTensorSpec>(mesh, p, s->sizes(), s->dtype(), tables) : nullptr);
   }
   auto out_sizes = ref.sizes();
   out_sizes.insert(out_sizes.begin() + d, static_cast<int64_t>(specs.size()));
   insert_dim(p, tables, d);
-  plan.outputs.push_back(std::make_shared<DTensorSpec>(mesh, p, out_sizes, ref.dtype(), tables));
+  plan.output(std::make_shared<DTensorSpec>(mesh, p, out_sizes, ref.dtype(), tables));
   return plan;
 }
-
 
 const RuleRegistrar registrar{[] {
   register_rule("aten::slice.Tensor", slice_rule);
@@ -460,7 +463,6 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::cat", cat_rule);
   register_rule("aten::stack", stack_rule);
 }};
-
 
 }  // namespace
 

@@ -10,30 +10,17 @@
 #include <numeric>
 
 #include <ATen/ATen.h>
-#include <c10/util/strides.h>
+#include <ATen/InferSize.h>
+#include <c10/core/WrapDimMinimal.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
+#include <c10/util/strides.h>
 
 #include "tessera/ops/rule.h"
 
 namespace tessera::ops {
 
 namespace {
-
-int64_t prod(const std::vector<int64_t>& v, size_t lo, size_t hi) {
-  int64_t p = 1;
-  for (size_t i = lo; i < hi; ++i) p *= v[i];
-  return p;
-}
-
-std::vector<int64_t> infer_size(std::vector<int64_t> size, int64_t numel) {
-  int64_t known = 1, infer = -1;
-  for (size_t i = 0; i < size.size(); ++i) {
-    if (size[i] == -1) infer = static_cast<int64_t>(i);
-    else known *= size[i];
-  }
-  if (infer >= 0) size[infer] = known == 0 ? 0 : numel / known;
-  return size;
-}
 
 struct Block {
   size_t in_lo, in_hi, out_lo, out_hi;  // [lo, hi) dim ranges
@@ -93,8 +80,9 @@ ViewLayout view_layout(const DTensorSpec& in, const std::vector<int64_t>& out_si
     ShardTable table;
     if (ok) {
       o = outermost_nontrivial(out_sizes, blk->out_lo, blk->out_hi);
-      const int64_t inner_in = prod(is, t + 1, blk->in_hi);
-      const int64_t inner_out = prod(out_sizes, o + 1, blk->out_hi);
+      const int64_t inner_in = c10::multiply_integers(is.begin() + t + 1, is.begin() + blk->in_hi);
+      const int64_t inner_out =
+          c10::multiply_integers(out_sizes.begin() + o + 1, out_sizes.begin() + blk->out_hi);
       for (auto s : in.shard_table(t)) {
         const int64_t elems = s * inner_in;
         if (inner_out == 0 || elems % inner_out != 0) ok = false;
@@ -122,48 +110,44 @@ ViewLayout view_layout(const DTensorSpec& in, const std::vector<int64_t>& out_si
   return {input, output};
 }
 
-// Calls the op with argument `arg` replaced by the output's local sizes.
-OpPlan with_local_size_arg(const OpCall& call, ViewLayout layout, size_t arg) {
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = layout.input;
-  plan.outputs.push_back(layout.output);
-  plan.local_args.emplace_back(static_cast<int>(arg), c10::IValue(layout.output->local_sizes()));
+// The local op gets the output's local sizes for its `size` argument.
+OpPlan with_local_size_arg(const OpCall& call, const ViewLayout& layout) {
+  OpPlan plan(call);
+  plan.input("self", layout.input).output(layout.output);
+  plan.local_arg("size", c10::IValue(layout.output->local_sizes()));
   return plan;
 }
 
+// The global shape asked for by the `size` argument (one dim may be -1).
+std::vector<int64_t> requested_size(const OpCall& call, const DTensorSpec& in) {
+  return at::infer_size(call.arg<std::vector<int64_t>>("size"), in.numel());
+}
+
 OpPlan view_rule(const OpCall& call) {
-  const auto& in = *call.specs[0];
-  auto out = infer_size(call.args[1].toIntVector(), in.numel());
-  return with_local_size_arg(call, view_layout(in, out), 1);
+  const auto& in = *call.spec("self");
+  return with_local_size_arg(call, view_layout(in, requested_size(call, in)));
 }
 
 // The op's local form is a reshape to the output's local sizes: _reshape_alias (its stride
 // argument is a global one) and squeeze (a shard may be size 1 where the global is not, so
 // the local op could drop the wrong dims). A view when the shard allows, else a copy.
 OpPlan reshaped_locally(const OpCall& call, const ViewLayout& layout) {
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = layout.input;
-  plan.outputs.push_back(layout.output);
+  OpPlan plan(call);
+  plan.input("self", layout.input).output(layout.output);
   auto local = layout.output->local_sizes();
-  plan.stack_kernel = [local](torch::jit::Stack& stack) {
-    at::Tensor x = stack[0].toTensor();
-    stack.clear();
-    stack.emplace_back(x.reshape(local));
-  };
+  plan.local_kernel = [local](KernelCall& k) { k.finish({k.tensor("self").reshape(local)}); };
   return plan;
 }
 
 OpPlan reshape_alias_rule(const OpCall& call) {
-  const auto& in = *call.specs[0];
-  return reshaped_locally(call, view_layout(in, infer_size(call.args[1].toIntVector(), in.numel())));
+  const auto& in = *call.spec("self");
+  return reshaped_locally(call, view_layout(in, requested_size(call, in)));
 }
 
 // expand: new leading dims and size-1 dims broadcast; broadcast dims cannot stay sharded.
 OpPlan expand_rule(const OpCall& call) {
-  const auto& in = *call.specs[0];
-  auto size = call.args[1].toIntVector();
+  const auto& in = *call.spec("self");
+  auto size = call.arg<std::vector<int64_t>>("size");
   const int64_t lead = static_cast<int64_t>(size.size()) - in.ndim();
   std::vector<int64_t> out(size.size());
   for (size_t d = 0; d < size.size(); ++d) {
@@ -186,15 +170,14 @@ OpPlan expand_rule(const OpCall& call) {
   ViewLayout layout{
       std::make_shared<DTensorSpec>(in.mesh(), in_p, in.sizes(), in.dtype(), in_tables),
       std::make_shared<DTensorSpec>(in.mesh(), out_p, out, in.dtype(), out_tables)};
-  return with_local_size_arg(call, layout, 1);
+  return with_local_size_arg(call, layout);
 }
 
 // unsqueeze: positional, so the local op keeps its arguments and shard dims at or after
 // `dim` move up by one (a block map could pair a size-1 dim with the wrong neighbour).
 OpPlan unsqueeze_rule(const OpCall& call) {
-  const auto& in = *call.specs[0];
-  int64_t dim = call.args[1].toInt();
-  if (dim < 0) dim += in.ndim() + 1;
+  const auto& in = *call.spec("self");
+  const int64_t dim = c10::maybe_wrap_dim(call.arg<int64_t>("dim"), in.ndim() + 1);
   auto out = in.sizes();
   out.insert(out.begin() + dim, 1);
   Placements p = in.placements();
@@ -205,18 +188,19 @@ OpPlan unsqueeze_rule(const OpCall& call) {
     tables[t] = in.shard_table(x.dim());
     x = Shard(t);
   }
-  OpPlan plan;
-  plan.outputs.push_back(std::make_shared<DTensorSpec>(in.mesh(), p, out, in.dtype(), tables));
+  OpPlan plan(call);
+  plan.output(std::make_shared<DTensorSpec>(in.mesh(), p, out, in.dtype(), tables));
   return plan;
 }
 
+// squeeze / squeeze.dim.
 OpPlan squeeze_rule(const OpCall& call) {
-  const auto& in = *call.specs[0];
+  const auto& in = *call.spec("self");
   std::vector<bool> drop(in.ndim(), false);
-  if (call.args.size() > 1) {
-    int64_t dim = call.args[1].toInt();
-    if (dim < 0) dim += in.ndim();
-    drop[dim] = in.ndim() > 0 && in.sizes()[dim] == 1;
+  if (call.has("dim")) {
+    // A 0-dim tensor accepts dim 0 or -1 and has nothing to drop.
+    const int64_t dim = c10::maybe_wrap_dim(call.arg<int64_t>("dim"), in.ndim());
+    if (in.ndim() > 0) drop[dim] = in.sizes()[dim] == 1;
   } else {
     for (int64_t t = 0; t < in.ndim(); ++t) drop[t] = in.sizes()[t] == 1;
   }
@@ -229,7 +213,7 @@ OpPlan squeeze_rule(const OpCall& call) {
 
 // transpose / t / permute: shard dims follow the permutation; local args are positional.
 OpPlan permute_layout(const OpCall& call, const std::vector<int64_t>& perm) {
-  const auto& in = *call.specs[0];
+  const auto& in = *call.spec("self");
   std::vector<int64_t> inv(perm.size()), out_sizes(perm.size());
   for (size_t o = 0; o < perm.size(); ++o) {
     inv[perm[o]] = static_cast<int64_t>(o);
@@ -242,54 +226,52 @@ OpPlan permute_layout(const OpCall& call, const std::vector<int64_t>& perm) {
     tables[inv[x.dim()]] = in.shard_table(x.dim());
     x = Shard(inv[x.dim()]);
   }
-  OpPlan plan;
-  plan.outputs.push_back(std::make_shared<DTensorSpec>(in.mesh(), p, out_sizes, in.dtype(), tables));
+  OpPlan plan(call);
+  plan.output(std::make_shared<DTensorSpec>(in.mesh(), p, out_sizes, in.dtype(), tables));
   return plan;
 }
 
+// transpose.int(self, dim0, dim1) / t(self).
 OpPlan transpose_rule(const OpCall& call) {
-  const int64_t nd = call.specs[0]->ndim();
+  const int64_t nd = call.spec("self")->ndim();
   std::vector<int64_t> perm(nd);
   std::iota(perm.begin(), perm.end(), 0);
   if (nd >= 2) {
-    int64_t a = call.args.size() > 1 ? call.args[1].toInt() : 0;
-    int64_t b = call.args.size() > 2 ? call.args[2].toInt() : 1;
-    if (a < 0) a += nd;
-    if (b < 0) b += nd;
+    const bool dims = call.has("dim0");
+    const int64_t a = c10::maybe_wrap_dim(dims ? call.arg<int64_t>("dim0") : 0, nd);
+    const int64_t b = c10::maybe_wrap_dim(dims ? call.arg<int64_t>("dim1") : 1, nd);
     std::swap(perm[a], perm[b]);
   }
   return permute_layout(call, perm);
 }
 
 OpPlan permute_rule(const OpCall& call) {
-  auto perm = call.args[1].toIntVector();
-  const int64_t nd = call.specs[0]->ndim();
-  for (auto& d : perm)
-    if (d < 0) d += nd;
+  auto perm = call.arg<std::vector<int64_t>>("dims");
+  const int64_t nd = call.spec("self")->ndim();
+  for (auto& d : perm) d = c10::maybe_wrap_dim(d, nd);
   return permute_layout(call, perm);
 }
 
 // new_empty / new_zeros / ... : the requested global size; the input's layout when the size
 // matches it (autograd allocates gradient buffers this way), else replicated.
 OpPlan new_factory_rule(const OpCall& call) {
-  const auto& in = *call.specs[0];
-  auto size = call.args[1].toIntVector();
+  const auto& in = *call.spec("self");
+  auto size = call.arg<std::vector<int64_t>>("size");
   SpecPtr out = size == in.sizes()
                     ? std::make_shared<DTensorSpec>(in.partial_as_replicate())
                     : std::make_shared<DTensorSpec>(
                           in.mesh(), Placements(in.mesh().ndim(), Replicate()), size, in.dtype());
-  OpPlan plan;
-  plan.outputs.push_back(out);
+  OpPlan plan(call);
+  plan.output(out);
   auto local = out->local_sizes();
-  const bool strided = call.op.schema().name() == "aten::new_empty_strided";
-  c10::OperatorHandle op = call.op;
-  plan.stack_kernel = [op, local, strided](torch::jit::Stack& stack) {
-    stack[1] = c10::IValue(local);
+  const bool strided = call.has("stride");  // new_empty_strided
+  plan.local_kernel = [local, strided](KernelCall& k) {
+    k.set("size", local);
     if (strided) {
       const auto strides = c10::contiguous_strides(local);
-      stack[2] = c10::IValue(std::vector<int64_t>(strides.begin(), strides.end()));
+      k.set("stride", std::vector<int64_t>(strides.begin(), strides.end()));
     }
-    op.callBoxed(&stack);
+    k.call_op();
   };
   return plan;
 }

@@ -1,5 +1,6 @@
-// Users register sharding rules for their own ops (and for aten ops Tessera lacks), and a
-// rule that fails on one rank fails the whole program promptly instead of hanging it.
+// Users register sharding rules for their own ops (and for aten ops Tessera lacks), with a
+// local kernel (pure, per shard) or a distributed one (communicates), and a rule that fails
+// on one rank fails the whole program promptly instead of hanging it.
 #include <atomic>
 
 #include <torch/library.h>
@@ -17,12 +18,17 @@ at::Tensor scale_and_index(const at::Tensor& x, double scale, int64_t row_offset
   return x * scale + rows;
 }
 
+// A custom op whose sharded form communicates: every shard divides by the *global* sum.
+at::Tensor normalize(const at::Tensor& x) { return x / x.sum(); }
+
 TORCH_LIBRARY(tessera_test, m) {
   m.def("scale_and_index(Tensor x, float scale, int row_offset) -> Tensor");
+  m.def("normalize(Tensor x) -> Tensor");
   m.def("fragile(Tensor x) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(tessera_test, CPU, m) {
   m.impl("scale_and_index", scale_and_index);
+  m.impl("normalize", normalize);
   m.impl("fragile", [](const at::Tensor& x) { return x + 1; });
 }
 
@@ -33,18 +39,36 @@ at::Tensor call_scale_and_index(const at::Tensor& x, double scale, int64_t offse
   return op.call(x, scale, offset);
 }
 
-// Rows may be sharded: each shard adds its own global offset.
+// Rows may be sharded: each shard adds its own global offset to row_offset. The kernel is
+// pure (the same code on every rank, no communication), so it is a local kernel; it captures
+// plain values and reads and writes the op's arguments by schema name.
 ops::OpPlan scale_and_index_rule(const ops::OpCall& call) {
-  const auto& x = call.first();
-  ops::OpPlan plan;
-  plan.outputs.push_back(std::make_shared<DTensorSpec>(x.partial_as_replicate()));
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = plan.outputs[0];
-  const int64_t offset = x.local_offsets()[0];
-  c10::OperatorHandle op = call.op;
-  plan.stack_kernel = [op, offset](torch::jit::Stack& stack) {
-    stack[2] = c10::IValue(stack[2].toInt() + offset);
-    op.callBoxed(&stack);
+  const auto layout = std::make_shared<DTensorSpec>(call.spec("x")->partial_as_replicate());
+  ops::OpPlan plan(call);
+  plan.input("x", layout).output(layout);
+  const int64_t offset = layout->local_offsets()[0];
+  plan.local_kernel = [offset](ops::KernelCall& k) {
+    k.set("row_offset", k.arg<int64_t>("row_offset") + offset);
+    k.call_op();
+  };
+  return plan;
+}
+
+// Any layout (Partial made whole first): the kernel sums its shard, all-reduces the sum over
+// the mesh dims that shard x, and divides. It communicates, so it is a distributed kernel, handed the
+// mesh at call time (a kernel never captures one).
+ops::OpPlan normalize_rule(const ops::OpCall& call) {
+  const auto layout = std::make_shared<DTensorSpec>(call.spec("x")->partial_as_replicate());
+  ops::OpPlan plan(call);
+  plan.input("x", layout).output(layout);
+  std::vector<int64_t> sharded;
+  for (int64_t m = 0; m < layout->mesh().ndim(); ++m)
+    if (layout->placement(m).is_shard()) sharded.push_back(m);
+  plan.distributed_kernel = [sharded](ops::KernelCall& k, const DeviceMesh& mesh) {
+    const at::Tensor x = k.tensor("x");
+    at::Tensor total = x.sum();
+    for (int64_t m : sharded) total = comm::all_reduce(mesh.group(m), total, PartialOp::Sum);
+    k.finish({x / total});
   };
   return plan;
 }
@@ -53,8 +77,8 @@ std::atomic<int> fragile_calls{0};
 ops::OpPlan fragile_rule(const ops::OpCall& call) {
   // Fails on one rank only: a bug in a user's rule.
   TORCH_CHECK(get_rank() != 1, "fragile: the rule refuses to run on rank 1");
-  ops::OpPlan plan;
-  plan.outputs.push_back(std::make_shared<DTensorSpec>(call.first()));
+  ops::OpPlan plan(call);
+  plan.output(std::make_shared<DTensorSpec>(call.first()));
   return plan;
 }
 
@@ -74,6 +98,31 @@ TEST(CustomRule, UserOpWithRegisteredRuleMatchesOneDevice) {
       auto y = call_scale_and_index(dx, 2.5, 10);
       ASSERT_TRUE(is_dtensor(y));
       EXPECT_TRUE(at::allclose(full_tensor(y), expected)) << "world " << world;
+    });
+  }
+}
+
+TEST(CustomRule, DistributedKernelMatchesOneDevice) {
+  ops::register_rule("tessera_test::normalize", normalize_rule);
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("tessera_test::normalize", "")
+                       .typed<at::Tensor(const at::Tensor&)>();
+  const auto full = tessera::test::randn({5, 4}, 62).abs() + 1;
+  const auto expected = normalize(full);
+  for (int world : {1, 2, 3}) {
+    tessera::testing::run_ranks(world, [&](int) {
+      auto mesh = init_device_mesh("cpu", {world});
+      // Uneven rows; with three ranks, rank 1 holds none.
+      ShardTable rows(world, 0);
+      rows[0] = world == 1 ? 5 : 3;
+      if (world == 3) rows[2] = 2;
+      if (world == 2) rows[1] = 2;
+      auto dx = distribute_tensor(full, mesh, {Shard(0)}, std::nullopt, ShardSizes::Given(0, rows));
+      for (const auto& x : {dx, distribute_tensor(full, mesh, {Shard(1)}, std::nullopt),
+                            distribute_tensor(full, mesh, {Replicate()}, std::nullopt)}) {
+        auto y = op.call(x);
+        ASSERT_TRUE(is_dtensor(y));
+        EXPECT_TRUE(at::allclose(full_tensor(y), expected)) << "world " << world;
+      }
     });
   }
 }
