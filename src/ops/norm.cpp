@@ -70,8 +70,9 @@ OpPlan layer_norm_backward_rule(const OpCall& call) {
   auto in = leading_only(*call.spec("input"), k);
   OpPlan plan(call);
   plan.input("input", in);
+  const auto grad_dtype = call.spec("grad_out")->dtype();
   plan.input("grad_out", std::make_shared<DTensorSpec>(in->mesh(), in->placements(), in->sizes(),
-                                                       call.spec("grad_out")->dtype(), in->shard_tables()));
+                                                       grad_dtype, in->shard_tables()));
   for (const char* stat : {"mean", "rstd"})
     if (call.spec(stat)) plan.input(stat, stats_spec(*in, k));
   for (const char* param : {"weight", "bias"})
@@ -210,7 +211,8 @@ OpPlan group_norm_backward_rule(const OpCall& call) {
   const bool need_input = mask[0];
   OpPlan plan(call);
   plan.input("input", l.input);
-  plan.input("grad_out", same_layout_with_shape(*l.input, l.input->sizes(), call.spec("grad_out")->dtype()));
+  plan.input("grad_out",
+             same_layout_with_shape(*l.input, l.input->sizes(), call.spec("grad_out")->dtype()));
   for (const char* stat : {"mean", "rstd"})
     if (call.spec(stat)) plan.input(stat, l.stats);
   if (const auto* w = call.spec("weight")) plan.input("weight", replicated(*w));
@@ -360,8 +362,10 @@ OpPlan batch_norm_plan(const OpCall& call, bool fixed_training) {
     at::Tensor beta = -mean * alpha;
     if (b.defined()) beta = beta + b;
     at::Tensor out = x * per_channel_view(alpha, x.dim()) + per_channel_view(beta, x.dim());
-    if (reserve) kc.finish({out, save_mean, save_invstd, at::empty({0}, x.options().dtype(at::kByte))});
-    else kc.finish({out, save_mean, save_invstd});
+    if (reserve)
+      kc.finish({out, save_mean, save_invstd, at::empty({0}, x.options().dtype(at::kByte))});
+    else
+      kc.finish({out, save_mean, save_invstd});
   };
   return plan;
 }
@@ -391,7 +395,8 @@ OpPlan batch_norm_backward_rule(const OpCall& call) {
   const bool reduced = train && need_input;
   OpPlan plan(call);
   plan.input("input", l.input);
-  plan.input("grad_out", same_layout_with_shape(*l.input, l.input->sizes(), call.spec("grad_out")->dtype()));
+  plan.input("grad_out",
+             same_layout_with_shape(*l.input, l.input->sizes(), call.spec("grad_out")->dtype()));
   for (const char* name : {"weight", "running_mean", "running_var", "save_mean", invstd_arg}) {
     const DTensorSpec* sp = call.spec(name);
     if (!sp) continue;
@@ -401,7 +406,8 @@ OpPlan batch_norm_backward_rule(const OpCall& call) {
   auto param_grad = along_dim(*l.input, 1, {c}, in.dtype(), reduced ? Replicate() : Partial());
   plan.outputs = {l.input, param_grad, param_grad};
   plan.distributed_kernel = [dims = l.reduce_mesh_dims, count = l.count, train, reduced, need_input,
-                             need_weight, need_bias, invstd_arg](KernelCall& kc, const DeviceMesh& mesh) {
+                             need_weight, need_bias,
+                             invstd_arg](KernelCall& kc, const DeviceMesh& mesh) {
     const at::Tensor dy = kc.tensor("grad_out"), x = kc.tensor("input");
     const at::Tensor w = tensor_or_undefined(kc.arg("weight"));
     const double eps = kc.arg<double>("eps");

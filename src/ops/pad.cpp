@@ -87,7 +87,8 @@ OpPlan pad_rule_with(const OpCall& call, HaloBoundary boundary) {
   plan.distributed_kernel = [cuts, boundary](KernelCall& kc, const DeviceMesh& mesh) {
     // The fill value is read per call: decisions are cached without it.
     double value = 0.0;
-    if (kc.index("value") >= 0 && !kc.arg("value").isNone()) value = kc.arg("value").toScalar().toDouble();
+    if (kc.index("value") >= 0 && !kc.arg("value").isNone())
+      value = kc.arg("value").toScalar().toDouble();
     kc.finish({spatial::fetch(mesh, kc.tensor("self"), cuts, boundary, value)});
   };
   return plan;
@@ -96,7 +97,8 @@ OpPlan pad_rule_with(const OpCall& call, HaloBoundary boundary) {
 // *_pad{1,2,3}d_backward(grad_output, self, padding)
 OpPlan pad_backward_rule_with(const OpCall& call, HaloBoundary boundary) {
   const auto& in = *call.spec("self");
-  const auto p = pad_plan(call.describe(), in.sizes(), call.arg<std::vector<int64_t>>("padding"), false);
+  const auto p =
+      pad_plan(call.describe(), in.sizes(), call.arg<std::vector<int64_t>>("padding"), false);
   auto layout = spatial::window_layout(in, p.dims, /*keep_others=*/true);
   const auto cuts = spatial::make_cuts(*layout, p.dims, p.axes);
   OpPlan plan(call);

@@ -273,7 +273,8 @@ OpPlan adaptive_rule(const OpCall& call) {
   auto shape = in.sizes();
   for (size_t i = 0; i < nsp; ++i) shape[dims[i]] = out[i];
   if (backward) {
-    plan.input("grad_output", same_layout_with_shape(*layout, shape, call.spec("grad_output")->dtype()));
+    plan.input("grad_output",
+               same_layout_with_shape(*layout, shape, call.spec("grad_output")->dtype()));
     plan.output(layout);
   } else {
     plan.output(same_layout_with_shape(*layout, shape, in.dtype()));
