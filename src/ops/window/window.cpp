@@ -1,4 +1,4 @@
-#include "spatial.h"
+#include "window_internal.h"
 
 #include <algorithm>
 #include <cmath>

@@ -14,7 +14,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include "spatial.h"
+#include "window_internal.h"
 #include "tessera/ops/rule.h"
 
 namespace tessera::ops {

@@ -16,8 +16,8 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
-#include "spatial.h"
 #include "tessera/ops/rule.h"
+#include "tessera/ops/window.h"
 #include "tessera/tensor/api.h"
 #include "tessera/tensor/dtensor_impl.h"
 

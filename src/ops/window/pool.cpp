@@ -15,7 +15,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 
-#include "spatial.h"
+#include "window_internal.h"
 #include "tessera/ops/rule.h"
 
 namespace tessera::ops {
