@@ -21,10 +21,12 @@
 // needed them, and as local Partial(sum) terms otherwise. Partial inputs and a sharded
 // channel dim are replicated first, except that batch_norm keeps a sharded channel dim
 // (statistics are per channel) unless it must update running stats in place.
+#include <array>
 #include <tuple>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 
 #include "tessera/comm/collectives.h"
 #include "tessera/ops/rule.h"
@@ -35,17 +37,9 @@ namespace {
 
 // Input layout with the last `k` dims whole (and no Partial: normalisation is not linear).
 SpecPtr leading_only(const DTensorSpec& s, int64_t k) {
-  Placements p = s.placements();
-  auto tables = s.shard_tables();
-  for (auto& x : p)
-    if (x.is_partial() || (x.is_shard() && x.dim() >= s.ndim() - k)) x = Replicate();
-  for (int64_t t = s.ndim() - k; t < s.ndim(); ++t) tables[t].clear();
-  for (int64_t t = 0; t < s.ndim(); ++t) {
-    bool still = false;
-    for (auto& x : p) still = still || x.is_shard(t);
-    if (!still) tables[t].clear();
-  }
-  return std::make_shared<DTensorSpec>(s.mesh(), p, s.sizes(), s.dtype(), tables);
+  return std::make_shared<DTensorSpec>(s.replicate_where([&](int64_t, const Placement& x) {
+    return x.is_partial() || (x.is_shard() && x.dim() >= s.ndim() - k);
+  }));
 }
 
 // mean/rstd: the input's leading dims, then size-1 normalized dims.
@@ -58,13 +52,12 @@ SpecPtr stats_spec(const DTensorSpec& in, int64_t k) {
 
 // native_layer_norm(input, normalized_shape, weight?, bias?, eps) -> (out, mean, rstd)
 OpPlan layer_norm_rule(const OpCall& call) {
-  const int64_t k = static_cast<int64_t>(call.args[1].toIntList().size());
-  auto in = leading_only(*call.specs[0], k);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = in;
-  for (size_t i : {2, 3})
-    if (call.specs[i]) plan.inputs[i] = replicated(*call.specs[i]);
+  const int64_t k = static_cast<int64_t>(call.arg("normalized_shape").toIntList().size());
+  auto in = leading_only(*call.spec("input"), k);
+  OpPlan plan(call);
+  plan.input("input", in);
+  for (const char* param : {"weight", "bias"})
+    if (const auto* sp = call.spec(param)) plan.input(param, replicated(*sp));
   plan.outputs = {in, stats_spec(*in, k), stats_spec(*in, k)};
   return plan;
 }
@@ -72,18 +65,18 @@ OpPlan layer_norm_rule(const OpCall& call) {
 // native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight?, bias?,
 //                            output_mask) -> (grad_input, grad_weight, grad_bias)
 OpPlan layer_norm_backward_rule(const OpCall& call) {
-  const auto shape = call.args[2].toIntVector();
+  const auto shape = call.arg<std::vector<int64_t>>("normalized_shape");
   const int64_t k = static_cast<int64_t>(shape.size());
-  auto in = leading_only(*call.specs[1], k);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[1] = in;
-  plan.inputs[0] = std::make_shared<DTensorSpec>(in->mesh(), in->placements(), in->sizes(),
-                                                 call.specs[0]->dtype(), in->shard_tables());
-  for (size_t i : {3, 4})
-    if (call.specs[i]) plan.inputs[i] = stats_spec(*in, k);
-  for (size_t i : {5, 6})
-    if (call.specs[i]) plan.inputs[i] = replicated(*call.specs[i]);
+  auto in = leading_only(*call.spec("input"), k);
+  OpPlan plan(call);
+  plan.input("input", in);
+  const auto grad_dtype = call.spec("grad_out")->dtype();
+  plan.input("grad_out", std::make_shared<DTensorSpec>(in->mesh(), in->placements(), in->sizes(),
+                                                       grad_dtype, in->shard_tables()));
+  for (const char* stat : {"mean", "rstd"})
+    if (call.spec(stat)) plan.input(stat, stats_spec(*in, k));
+  for (const char* param : {"weight", "bias"})
+    if (const auto* sp = call.spec(param)) plan.input(param, replicated(*sp));
   plan.outputs = {in, summed_over_shards(*in, shape), summed_over_shards(*in, shape)};
   return plan;
 }
@@ -93,21 +86,14 @@ OpPlan layer_norm_backward_rule(const OpCall& call) {
 // `s` without Partial and with only the tensor dims `keep` accepts still sharded.
 template <class Keep>
 SpecPtr keep_sharded(const DTensorSpec& s, Keep keep) {
-  Placements p = s.placements();
-  auto tables = s.shard_tables();
-  for (auto& x : p)
-    if (x.is_partial() || (x.is_shard() && !keep(x.dim()))) x = Replicate();
-  for (int64_t t = 0; t < s.ndim(); ++t) {
-    bool still = false;
-    for (auto& x : p) still = still || x.is_shard(t);
-    if (!still) tables[t].clear();
-  }
-  return std::make_shared<DTensorSpec>(s.mesh(), p, s.sizes(), s.dtype(), tables);
+  return std::make_shared<DTensorSpec>(s.replicate_where([&](int64_t, const Placement& x) {
+    return x.is_partial() || (x.is_shard() && !keep(x.dim()));
+  }));
 }
 
 // Mesh dims of `s` that shard a tensor dim `pick` accepts.
 template <class Pick>
-std::vector<int64_t> mesh_dims_sharding(const DTensorSpec& s, Pick pick) {
+std::vector<int64_t> mesh_dims_where(const DTensorSpec& s, Pick pick) {
   std::vector<int64_t> dims;
   for (int64_t m = 0; m < s.mesh().ndim(); ++m)
     if (s.placement(m).is_shard() && pick(s.placement(m).dim())) dims.push_back(m);
@@ -147,11 +133,8 @@ at::Tensor per_channel_view(const at::Tensor& v, int64_t ndim) {
   return v.reshape(shape);
 }
 
-int64_t product(at::IntArrayRef s, size_t from) {
-  int64_t p = 1;
-  for (size_t i = from; i < s.size(); ++i) p *= s[i];
-  return p;
-}
+// Elements per (sample, channel): the product of the spatial sizes.
+int64_t spatial_numel(at::IntArrayRef s) { return c10::multiply_integers(s.begin() + 2, s.end()); }
 
 // ---- group_norm ---------------------------------------------------------------------------
 
@@ -169,31 +152,29 @@ GroupNormLayout group_norm_layout(const OpCall& call, const DTensorSpec& in, int
   GroupNormLayout l;
   l.input = keep_sharded(in, [](int64_t t) { return t != 1; });
   l.stats = along_dim(*l.input, 0, {in.sizes()[0], group}, in.dtype());
-  l.spatial_mesh_dims = mesh_dims_sharding(*l.input, [](int64_t t) { return t >= 2; });
+  l.spatial_mesh_dims = mesh_dims_where(*l.input, [](int64_t t) { return t >= 2; });
   l.count = static_cast<double>(in.sizes()[1] / group) *
-            static_cast<double>(product(in.sizes(), 2));
+            static_cast<double>(spatial_numel(in.sizes()));
   return l;
 }
 
 // native_group_norm(input, weight?, bias?, N, C, HxW, group, eps) -> (out, mean, rstd)
 // N and HxW are global; the kernel works from the local shard's sizes.
 OpPlan group_norm_rule(const OpCall& call) {
-  const int64_t group = call.args[6].toInt();
-  auto l = group_norm_layout(call, *call.specs[0], group);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = l.input;
-  for (size_t i : {1, 2})
-    if (call.specs[i]) plan.inputs[i] = replicated(*call.specs[i]);
+  const int64_t group = call.arg<int64_t>("group");
+  auto l = group_norm_layout(call, *call.spec("input"), group);
+  OpPlan plan(call);
+  plan.input("input", l.input);
+  for (const char* param : {"weight", "bias"})
+    if (const auto* sp = call.spec(param)) plan.input(param, replicated(*sp));
   plan.outputs = {l.input, l.stats, l.stats};
-  DeviceMesh mesh = l.input->mesh();
-  plan.stack_kernel = [mesh, dims = l.spatial_mesh_dims, count = l.count,
-                       group](torch::jit::Stack& s) {
-    const at::Tensor x = s[0].toTensor();
-    const at::Tensor w = tensor_or_undefined(s[1]), b = tensor_or_undefined(s[2]);
-    const double eps = s[7].toDouble();
+  plan.distributed_kernel = [dims = l.spatial_mesh_dims, count = l.count, group](
+                                KernelCall& kc, const DeviceMesh& mesh) {
+    const at::Tensor x = kc.tensor("input");
+    const at::Tensor w = tensor_or_undefined(kc.arg("weight")), b = tensor_or_undefined(kc.arg("bias"));
+    const double eps = kc.arg<double>("eps");
     const int64_t n = x.size(0), c = x.size(1), d = c / group;
-    const int64_t local = d * product(x.sizes(), 2);  // elements per (sample, group) here
+    const int64_t local = d * spatial_numel(x.sizes());  // elements per (sample, group) here
     // One pass for the local moments, then the shards' moments combine exactly: the global
     // mean first, then every shard's squared deviations about it.
     at::Tensor lmean, lvar;
@@ -216,11 +197,7 @@ OpPlan group_norm_rule(const OpCall& call) {
     std::vector<int64_t> per_channel(x.dim(), 1);
     per_channel[0] = n;
     per_channel[1] = c;
-    at::Tensor out = at::addcmul(shift.view(per_channel), x, scale.view(per_channel));
-    s.clear();
-    s.emplace_back(std::move(out));
-    s.emplace_back(mean);
-    s.emplace_back(rstd);
+    kc.finish({at::addcmul(shift.view(per_channel), x, scale.view(per_channel)), mean, rstd});
   };
   return plan;
 }
@@ -228,17 +205,17 @@ OpPlan group_norm_rule(const OpCall& call) {
 // native_group_norm_backward(grad_out, input, mean, rstd, weight?, N, C, HxW, group,
 //                            output_mask) -> (grad_input, grad_weight, grad_bias)
 OpPlan group_norm_backward_rule(const OpCall& call) {
-  const int64_t group = call.args[8].toInt();
-  const auto mask = call.args[9].toBoolList();
-  auto l = group_norm_layout(call, *call.specs[1], group);
-  const bool need_input = mask.get(0);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[1] = l.input;
-  plan.inputs[0] = same_layout_with_shape(*l.input, l.input->sizes(), call.specs[0]->dtype());
-  for (size_t i : {2, 3})
-    if (call.specs[i]) plan.inputs[i] = l.stats;
-  if (call.specs[4]) plan.inputs[4] = replicated(*call.specs[4]);
+  const int64_t group = call.arg<int64_t>("group");
+  const auto mask = call.arg<std::array<bool, 3>>("output_mask");
+  auto l = group_norm_layout(call, *call.spec("input"), group);
+  const bool need_input = mask[0];
+  OpPlan plan(call);
+  plan.input("input", l.input);
+  plan.input("grad_out",
+             same_layout_with_shape(*l.input, l.input->sizes(), call.spec("grad_out")->dtype()));
+  for (const char* stat : {"mean", "rstd"})
+    if (call.spec(stat)) plan.input(stat, l.stats);
+  if (const auto* w = call.spec("weight")) plan.input("weight", replicated(*w));
   // Once the input gradient has all-reduced the per-sample sums over space, the parameter
   // gradients are whole there and only sum over batch shards.
   const std::vector<int64_t> c{l.input->sizes()[1]};
@@ -250,14 +227,13 @@ OpPlan group_norm_backward_rule(const OpCall& call) {
     param_grad = std::make_shared<DTensorSpec>(l.input->mesh(), p, c, l.input->dtype());
   }
   plan.outputs = {l.input, param_grad, param_grad};
-  DeviceMesh mesh = l.input->mesh();
-  const bool need_weight = mask.get(1), need_bias = mask.get(2);
-  plan.stack_kernel = [mesh, dims = l.spatial_mesh_dims, count = l.count, group, need_input,
-                       need_weight, need_bias](torch::jit::Stack& s) {
-    const at::Tensor dy = s[0].toTensor(), x = s[1].toTensor();
-    const at::Tensor mean = s[2].toTensor(), rstd = s[3].toTensor();
-    const at::Tensor w = tensor_or_undefined(s[4]);
-    const int64_t n = x.size(0), c = x.size(1), d = c / group, hw = product(x.sizes(), 2);
+  const bool need_weight = mask[1], need_bias = mask[2];
+  plan.distributed_kernel = [dims = l.spatial_mesh_dims, count = l.count, group, need_input,
+                             need_weight, need_bias](KernelCall& kc, const DeviceMesh& mesh) {
+    const at::Tensor dy = kc.tensor("grad_out"), x = kc.tensor("input");
+    const at::Tensor mean = kc.tensor("mean"), rstd = kc.tensor("rstd");
+    const at::Tensor w = tensor_or_undefined(kc.arg("weight"));
+    const int64_t n = x.size(0), c = x.size(1), d = c / group, hw = spatial_numel(x.sizes());
     const at::Tensor dy3 = dy.reshape({n, c, hw}), x3 = x.reshape({n, c, hw});
     at::Tensor ds = (dy3 * x3).sum(-1), db = dy3.sum(-1);  // [n, C] over local space
     if (need_input) {
@@ -285,37 +261,17 @@ OpPlan group_norm_backward_rule(const OpCall& call) {
                .sum(0)
                .reshape({c});
     if (need_bias) gb = db.sum(0);
-    s.clear();
-    s.emplace_back(gx);
-    s.emplace_back(gw);
-    s.emplace_back(gb);
+    kc.finish({gx, gw, gb});
   };
   return plan;
 }
 
 // ---- batch_norm ---------------------------------------------------------------------------
 
-// Where each batch-norm variant keeps its arguments (-1: absent).
-struct BnForm {
-  int running_mean, running_var;
-  int training;        // argument index, or -1: fixed by the op (`fixed_training`)
-  bool fixed_training;
-  int momentum, eps;
-  bool reserve;        // a fourth result (cuDNN's workspace; empty on CPU)
-};
-
-// native_batch_norm / _native_batch_norm_legit(input, weight?, bias?, running_mean,
-//   running_var, training, momentum, eps)
-constexpr BnForm kNativeBn{3, 4, 5, false, 6, 7, false};
-// _native_batch_norm_legit.no_stats(input, weight?, bias?, training, momentum, eps)
-constexpr BnForm kLegitNoStats{-1, -1, 3, false, 4, 5, false};
-// _native_batch_norm_legit_no_training(input, weight?, bias?, running_mean, running_var,
-//   momentum, eps)
-constexpr BnForm kLegitNoTraining{3, 4, -1, false, 5, 6, false};
-// _batch_norm_with_update / _batch_norm_no_update(input, weight?, bias?, running_mean,
-//   running_var, momentum, eps) -> (out, save_mean, save_invstd, reserve)
-constexpr BnForm kWithUpdate{3, 4, -1, true, 5, 6, true};
-constexpr BnForm kNoUpdate{3, 4, -1, false, 5, 6, true};
+// The batch-norm variants name their arguments alike: input, weight?, bias?, running_mean and
+// running_var (absent in _native_batch_norm_legit.no_stats), training (absent where the op
+// fixes it), momentum, eps. 2.x's _batch_norm_{with,no}_update return a fourth result
+// (cuDNN's reserve; empty on CPU).
 
 struct BatchNormLayout {
   SpecPtr input;
@@ -327,40 +283,39 @@ BatchNormLayout batch_norm_layout(const OpCall& call, const DTensorSpec& in, boo
   TORCH_CHECK(in.ndim() >= 2, "tessera: ", call.describe(), ": batch_norm needs [N, C, ...]");
   BatchNormLayout l;
   l.input = keep_sharded(in, [keep_channel](int64_t t) { return t != 1 || keep_channel; });
-  l.reduce_mesh_dims = mesh_dims_sharding(*l.input, [](int64_t t) { return t != 1; });
+  l.reduce_mesh_dims = mesh_dims_where(*l.input, [](int64_t t) { return t != 1; });
   l.count = in.sizes()[1] == 0 ? 0.0
                                : static_cast<double>(in.numel()) / static_cast<double>(in.sizes()[1]);
   return l;
 }
 
-bool is_training(const OpCall& call, const BnForm& f) {
-  return f.training >= 0 ? call.args[f.training].toBool() : f.fixed_training;
-}
-
-OpPlan batch_norm_plan(const OpCall& call, const BnForm& f) {
-  const bool training = is_training(call, f);
-  const DTensorSpec& in = *call.specs[0];
-  const bool has_stats = (f.running_mean >= 0 && call.args[f.running_mean].isTensor() &&
-                          call.args[f.running_mean].toTensor().defined()) ||
-                         (f.running_var >= 0 && call.args[f.running_var].isTensor() &&
-                          call.args[f.running_var].toTensor().defined());
+// `fixed_training`: whether an op without a `training` argument trains.
+OpPlan batch_norm_plan(const OpCall& call, bool fixed_training) {
+  const bool training = call.has("training") ? call.arg<bool>("training") : fixed_training;
+  const DTensorSpec& in = *call.spec("input");
+  auto defined = [&](const char* name) {
+    if (!call.has(name)) return false;
+    const auto& v = call.arg(name);
+    return v.isTensor() && v.toTensor().defined();
+  };
+  const bool has_stats = defined("running_mean") || defined("running_var");
   // Running stats are updated in place on every rank's whole copy, so they must stay whole:
   // then the channel dim is replicated too.
   const bool updates = training && has_stats;
   auto l = batch_norm_layout(call, in, !updates);
   const int64_t c = in.sizes()[1];
   auto channel = along_dim(*l.input, 1, {c}, in.dtype());
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = l.input;
-  for (int i : {1, 2})
-    if (call.specs[i]) plan.inputs[i] = along_dim(*l.input, 1, {c}, call.specs[i]->dtype());
-  for (int i : {f.running_mean, f.running_var}) {
-    if (i < 0 || !call.specs[i]) continue;
-    TORCH_CHECK(!updates || call.specs[i]->is_replicated(), "tessera: ", call.describe(),
+  OpPlan plan(call);
+  plan.input("input", l.input);
+  for (const char* param : {"weight", "bias"})
+    if (const auto* sp = call.spec(param)) plan.input(param, along_dim(*l.input, 1, {c}, sp->dtype()));
+  for (const char* stat : {"running_mean", "running_var"}) {
+    const DTensorSpec* sp = call.has(stat) ? call.spec(stat) : nullptr;
+    if (!sp) continue;
+    TORCH_CHECK(!updates || sp->is_replicated(), "tessera: ", call.describe(),
                 ": running_mean/running_var are updated in place in training and must be "
                 "replicated (or plain tensors)");
-    plan.inputs[i] = along_dim(*l.input, 1, {c}, call.specs[i]->dtype());
+    plan.input(stat, along_dim(*l.input, 1, {c}, sp->dtype()));
   }
   // Evaluation returns empty save_mean/save_invstd, as one device does.
   auto saved = training ? channel
@@ -368,17 +323,18 @@ OpPlan batch_norm_plan(const OpCall& call, const BnForm& f) {
                               in.mesh(), Placements(in.mesh().ndim(), Replicate()),
                               std::vector<int64_t>{0}, in.dtype());
   plan.outputs = {l.input, saved, saved};
-  if (f.reserve)
-    plan.outputs.push_back(std::make_shared<DTensorSpec>(
-        in.mesh(), Placements(in.mesh().ndim(), Replicate()), std::vector<int64_t>{0}, at::kByte));
-  DeviceMesh mesh = l.input->mesh();
-  plan.stack_kernel = [mesh, dims = l.reduce_mesh_dims, count = l.count, f,
-                       training](torch::jit::Stack& s) {
-    const at::Tensor x = s[0].toTensor();
-    const at::Tensor w = tensor_or_undefined(s[1]), b = tensor_or_undefined(s[2]);
-    at::Tensor rm = f.running_mean >= 0 ? tensor_or_undefined(s[f.running_mean]) : at::Tensor();
-    at::Tensor rv = f.running_var >= 0 ? tensor_or_undefined(s[f.running_var]) : at::Tensor();
-    const double momentum = s[f.momentum].toDouble(), eps = s[f.eps].toDouble();
+  const bool reserve = call.schema().returns().size() == 4;
+  if (reserve)
+    plan.output(std::make_shared<DTensorSpec>(in.mesh(), Placements(in.mesh().ndim(), Replicate()),
+                                              std::vector<int64_t>{0}, at::kByte));
+  plan.distributed_kernel = [dims = l.reduce_mesh_dims, count = l.count, training, reserve](
+                                KernelCall& kc, const DeviceMesh& mesh) {
+    const at::Tensor x = kc.tensor("input");
+    const at::Tensor w = tensor_or_undefined(kc.arg("weight")), b = tensor_or_undefined(kc.arg("bias"));
+    const bool has_running = kc.index("running_mean") >= 0;
+    at::Tensor rm = has_running ? tensor_or_undefined(kc.arg("running_mean")) : at::Tensor();
+    at::Tensor rv = has_running ? tensor_or_undefined(kc.arg("running_var")) : at::Tensor();
+    const double momentum = kc.arg<double>("momentum"), eps = kc.arg<double>("eps");
     std::vector<int64_t> reduce{0};
     for (int64_t t = 2; t < x.dim(); ++t) reduce.push_back(t);
     at::Tensor mean, invstd, save_mean, save_invstd;
@@ -406,59 +362,62 @@ OpPlan batch_norm_plan(const OpCall& call, const BnForm& f) {
     at::Tensor beta = -mean * alpha;
     if (b.defined()) beta = beta + b;
     at::Tensor out = x * per_channel_view(alpha, x.dim()) + per_channel_view(beta, x.dim());
-    s.clear();
-    s.emplace_back(std::move(out));
-    s.emplace_back(save_mean);
-    s.emplace_back(save_invstd);
-    if (f.reserve) s.emplace_back(at::empty({0}, x.options().dtype(at::kByte)));
+    if (reserve)
+      kc.finish({out, save_mean, save_invstd, at::empty({0}, x.options().dtype(at::kByte))});
+    else
+      kc.finish({out, save_mean, save_invstd});
   };
   return plan;
 }
 
-OpPlan native_batch_norm_rule(const OpCall& call) { return batch_norm_plan(call, kNativeBn); }
-OpPlan legit_no_stats_rule(const OpCall& call) { return batch_norm_plan(call, kLegitNoStats); }
-OpPlan legit_no_training_rule(const OpCall& call) { return batch_norm_plan(call, kLegitNoTraining); }
-OpPlan with_update_rule(const OpCall& call) { return batch_norm_plan(call, kWithUpdate); }
-OpPlan no_update_rule(const OpCall& call) { return batch_norm_plan(call, kNoUpdate); }
+// The variants with a `training` argument, and those that never train
+// (_native_batch_norm_legit_no_training, _batch_norm_no_update).
+OpPlan batch_norm_rule(const OpCall& call) { return batch_norm_plan(call, /*fixed_training=*/false); }
+OpPlan batch_norm_with_update_rule(const OpCall& call) {
+  return batch_norm_plan(call, /*fixed_training=*/true);
+}
 
 // native_batch_norm_backward(grad_out, input, weight?, running_mean?, running_var?,
 //   save_mean?, save_invstd?, train, eps, output_mask) and (2.x) batch_norm_backward(...,
-//   update, eps, output_mask, reserve): the same positions; `update` means train.
+//   save_var?, update, eps, output_mask, reserve): 2.x names two arguments differently,
+//   `update` for `train` and `save_var` for `save_invstd` (the same saved statistic).
 OpPlan batch_norm_backward_rule(const OpCall& call) {
-  const bool train = call.args[7].toBool();
-  const auto mask = call.args[9].toBoolList();
-  const DTensorSpec& in = *call.specs[1];
+  const char* train_arg = call.has("train") ? "train" : "update";
+  const char* invstd_arg = call.has("save_invstd") ? "save_invstd" : "save_var";
+  const bool train = call.arg<bool>(train_arg);
+  const auto mask = call.arg<std::array<bool, 3>>("output_mask");
+  const DTensorSpec& in = *call.spec("input");
   auto l = batch_norm_layout(call, in, /*keep_channel=*/true);
   const int64_t c = in.sizes()[1];
-  const bool need_input = mask.get(0), need_weight = mask.get(1), need_bias = mask.get(2);
+  const bool need_input = mask[0], need_weight = mask[1], need_bias = mask[2];
   // In training the input gradient needs the whole-domain sums; then the parameter
   // gradients come from them too.
   const bool reduced = train && need_input;
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[1] = l.input;
-  plan.inputs[0] = same_layout_with_shape(*l.input, l.input->sizes(), call.specs[0]->dtype());
-  for (int i : {2, 3, 4, 5, 6}) {
-    if (!call.specs[i]) continue;
-    const bool per_channel = call.specs[i]->ndim() == 1 && call.specs[i]->sizes()[0] == c;
-    plan.inputs[i] = per_channel ? along_dim(*l.input, 1, {c}, call.specs[i]->dtype())
-                                 : replicated(*call.specs[i]);
+  OpPlan plan(call);
+  plan.input("input", l.input);
+  plan.input("grad_out",
+             same_layout_with_shape(*l.input, l.input->sizes(), call.spec("grad_out")->dtype()));
+  for (const char* name : {"weight", "running_mean", "running_var", "save_mean", invstd_arg}) {
+    const DTensorSpec* sp = call.spec(name);
+    if (!sp) continue;
+    const bool per_channel = sp->ndim() == 1 && sp->sizes()[0] == c;
+    plan.input(name, per_channel ? along_dim(*l.input, 1, {c}, sp->dtype()) : replicated(*sp));
   }
   auto param_grad = along_dim(*l.input, 1, {c}, in.dtype(), reduced ? Replicate() : Partial());
   plan.outputs = {l.input, param_grad, param_grad};
-  DeviceMesh mesh = l.input->mesh();
-  plan.stack_kernel = [mesh, dims = l.reduce_mesh_dims, count = l.count, train, reduced,
-                       need_input, need_weight, need_bias](torch::jit::Stack& s) {
-    const at::Tensor dy = s[0].toTensor(), x = s[1].toTensor();
-    const at::Tensor w = tensor_or_undefined(s[2]);
-    const double eps = s[8].toDouble();
+  plan.distributed_kernel = [dims = l.reduce_mesh_dims, count = l.count, train, reduced, need_input,
+                             need_weight, need_bias,
+                             invstd_arg](KernelCall& kc, const DeviceMesh& mesh) {
+    const at::Tensor dy = kc.tensor("grad_out"), x = kc.tensor("input");
+    const at::Tensor w = tensor_or_undefined(kc.arg("weight"));
+    const double eps = kc.arg<double>("eps");
     at::Tensor mean, invstd;
     if (train) {
-      mean = s[5].toTensor();
-      invstd = s[6].toTensor();
+      mean = kc.tensor("save_mean");
+      invstd = kc.tensor(invstd_arg);
     } else {
-      mean = s[3].toTensor().to(x.scalar_type());
-      invstd = (s[4].toTensor().to(x.scalar_type()) + eps).sqrt().reciprocal();
+      mean = kc.tensor("running_mean").to(x.scalar_type());
+      invstd = (kc.tensor("running_var").to(x.scalar_type()) + eps).sqrt().reciprocal();
     }
     std::vector<int64_t> reduce{0};
     for (int64_t t = 2; t < x.dim(); ++t) reduce.push_back(t);
@@ -482,10 +441,7 @@ OpPlan batch_norm_backward_rule(const OpCall& call) {
     }
     if (need_weight) gw = dot * invstd;
     if (need_bias) gb = sum_dy;
-    s.clear();
-    s.emplace_back(gx);
-    s.emplace_back(gw);
-    s.emplace_back(gb);
+    kc.finish({gx, gw, gb});
   };
   return plan;
 }
@@ -495,14 +451,14 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::native_layer_norm_backward", layer_norm_backward_rule);
   register_rule("aten::native_group_norm", group_norm_rule);
   register_rule("aten::native_group_norm_backward", group_norm_backward_rule);
-  register_rule("aten::native_batch_norm", native_batch_norm_rule);
+  register_rule("aten::native_batch_norm", batch_norm_rule);
   register_rule("aten::native_batch_norm_backward", batch_norm_backward_rule);
   // LibTorch 2.x spellings (rules are looked up by name: absent ops are never asked for).
-  register_rule("aten::_native_batch_norm_legit", native_batch_norm_rule);
-  register_rule("aten::_native_batch_norm_legit.no_stats", legit_no_stats_rule);
-  register_rule("aten::_native_batch_norm_legit_no_training", legit_no_training_rule);
-  register_rule("aten::_batch_norm_with_update", with_update_rule);
-  register_rule("aten::_batch_norm_no_update", no_update_rule);
+  register_rule("aten::_native_batch_norm_legit", batch_norm_rule);
+  register_rule("aten::_native_batch_norm_legit.no_stats", batch_norm_rule);
+  register_rule("aten::_native_batch_norm_legit_no_training", batch_norm_rule);
+  register_rule("aten::_batch_norm_with_update", batch_norm_with_update_rule);
+  register_rule("aten::_batch_norm_no_update", batch_norm_rule);
   register_rule("aten::batch_norm_backward", batch_norm_backward_rule);
 }};
 

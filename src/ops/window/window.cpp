@@ -1,4 +1,4 @@
-#include "spatial.h"
+#include "window_internal.h"
 
 #include <algorithm>
 #include <cmath>
@@ -191,38 +191,16 @@ int64_t DimCut::out_offset(int64_t m) const {
 
 SpecPtr window_layout(const DTensorSpec& s, const std::vector<int64_t>& window_dims,
                       bool keep_others) {
-  Placements p = s.placements();
-  std::vector<ShardTable> tables(s.ndim());
   auto is_window = [&](int64_t d) {
     return std::find(window_dims.begin(), window_dims.end(), d) != window_dims.end();
   };
-  std::vector<bool> taken(s.ndim(), false);
-  for (size_t m = 0; m < p.size(); ++m) {
-    if (!p[m].is_shard()) {
-      p[m] = Replicate();
-      continue;
-    }
-    const int64_t d = p[m].dim();
-    const bool keep = is_window(d) ? !taken[d] : (keep_others || d == 0);
-    if (!keep) {
-      p[m] = Replicate();
-      continue;
-    }
-    if (is_window(d)) taken[d] = true;
-  }
-  for (int64_t d = 0; d < s.ndim(); ++d) {
-    const auto md = s.mesh_dims_sharding(d);
-    if (md.empty()) continue;
-    if (!is_window(d)) {
-      if (keep_others || d == 0) tables[d] = s.shard_table(d);
-    } else if (taken[d]) {
-      // Keep the outermost mesh dim's level of the nested table.
-      std::vector<int64_t> levels;
-      for (auto m : md) levels.push_back(s.mesh().size(m));
-      tables[d] = marginalize(s.shard_table(d), levels, 1);
-    }
-  }
-  return std::make_shared<DTensorSpec>(s.mesh(), p, s.sizes(), s.dtype(), tables);
+  // A window dim keeps its outermost mesh dim (and that level of its nested table).
+  return std::make_shared<DTensorSpec>(s.replicate_where([&](int64_t m, const Placement& p) {
+    if (!p.is_shard()) return true;
+    const int64_t d = p.dim();
+    if (is_window(d)) return m != s.mesh_dims_sharding(d).front();
+    return !(keep_others || d == 0);
+  }));
 }
 
 bool any_window_dim_sharded(const DTensorSpec& s, const std::vector<int64_t>& window_dims) {

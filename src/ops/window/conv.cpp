@@ -8,12 +8,13 @@
 // rows and its exact share of the weight gradient: one exchange per direction, the minimum.
 // Weight and bias gradients are Partial(sum) over the batch and spatial mesh dims.
 // Channel sharding and Partial inputs are replicated first.
+#include <array>
 #include <tuple>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include "spatial.h"
+#include "window_internal.h"
 #include "tessera/ops/rule.h"
 
 namespace tessera::ops {
@@ -31,15 +32,16 @@ struct ConvArgs {
   int64_t out_channels = 0;
 };
 
-// `first` = index of the stride argument (3 forward, 4 backward).
-ConvArgs conv_args(const OpCall& call, size_t first, const std::vector<int64_t>& w, size_t nsp) {
+// convolution and convolution_backward name these arguments alike; `w` = the weight's sizes.
+ConvArgs conv_args(const OpCall& call, const std::vector<int64_t>& w, size_t nsp) {
+  using Ints = std::vector<int64_t>;
   ConvArgs a;
-  a.stride = spatial::per_dim(call.args[first].toIntVector(), nsp);
-  a.padding = spatial::per_dim(call.args[first + 1].toIntVector(), nsp);
-  a.dilation = spatial::per_dim(call.args[first + 2].toIntVector(), nsp);
-  a.transposed = call.args[first + 3].toBool();
-  a.output_padding = spatial::per_dim(call.args[first + 4].toIntVector(), nsp);
-  a.groups = call.args[first + 5].toInt();
+  a.stride = spatial::per_dim(call.arg<Ints>("stride"), nsp);
+  a.padding = spatial::per_dim(call.arg<Ints>("padding"), nsp);
+  a.dilation = spatial::per_dim(call.arg<Ints>("dilation"), nsp);
+  a.transposed = call.arg<bool>("transposed");
+  a.output_padding = spatial::per_dim(call.arg<Ints>("output_padding"), nsp);
+  a.groups = call.arg<int64_t>("groups");
   a.kernel.assign(w.begin() + 2, w.end());
   a.out_channels = a.transposed ? w[1] * a.groups : w[0];
   return a;
@@ -97,13 +99,13 @@ Window touched_outputs(const Axis& ax, int64_t a, int64_t b) {
 
 // Cut dims go through halo windows; uncut dims keep the op's own padding (they are whole on
 // every rank), so they cost no copy.
-struct Split {
+struct CutDims {
   std::vector<DimCut> cut;            // the cut dims
   std::vector<size_t> index;          // their spatial index
   std::vector<int64_t> pad, out_pad;  // per spatial dim: the op's own (uncut) or 0 (cut)
 };
-Split split(const std::vector<DimCut>& cuts, const ConvArgs& a) {
-  Split s;
+CutDims separate_cut_dims(const std::vector<DimCut>& cuts, const ConvArgs& a) {
+  CutDims s;
   for (size_t k = 0; k < cuts.size(); ++k) {
     if (cuts[k].cut()) {
       s.cut.push_back(cuts[k]);
@@ -117,7 +119,6 @@ Split split(const std::vector<DimCut>& cuts, const ConvArgs& a) {
   }
   return s;
 }
-
 
 // NOTE: [Interior and rim]
 // The common case - one cut dim, stride 1, a "same" convolution (every rank's outputs are its
@@ -245,18 +246,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rim_backward(
   return {gi, gw, gb};
 }
 
-void conv_forward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
-                         const std::vector<DimCut>& cuts, const ConvArgs& a) {
-  const at::Tensor x = stack[0].toTensor(), w = stack[1].toTensor();
-  const at::Tensor b = stack[2].isTensor() ? stack[2].toTensor() : at::Tensor();
+void conv_forward_kernel(KernelCall& kc, const DeviceMesh& mesh, const std::vector<DimCut>& cuts,
+                         const ConvArgs& a) {
+  const at::Tensor x = kc.tensor("input"), w = kc.tensor("weight");
+  const at::Tensor b = kc.arg("bias").isTensor() ? kc.tensor("bias") : at::Tensor();
   Rim rim;
   if (rim_path(cuts, a, rim)) {
-    at::Tensor out = rim_forward(x, w, b, mesh, cuts, a, rim);
-    stack.clear();
-    stack.emplace_back(out);
+    kc.finish({rim_forward(x, w, b, mesh, cuts, a, rim)});
     return;
   }
-  const Split sp = split(cuts, a);
+  const CutDims sp = separate_cut_dims(cuts, a);
   const at::Tensor win = spatial::fetch(mesh, x, sp.cut, spatial::HaloBoundary::Zeros);
   at::Tensor out;
   if (!a.transposed) {
@@ -284,24 +283,20 @@ void conv_forward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
       out = out + b.view(shape);
     }
   }
-  stack.clear();
-  stack.emplace_back(out);
+  kc.finish({out});
 }
 
-void conv_backward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
-                          const std::vector<DimCut>& cuts, const ConvArgs& a) {
-  const at::Tensor g = stack[0].toTensor(), x = stack[1].toTensor(), w = stack[2].toTensor();
-  const auto mask = stack[10].toBoolList();
+void conv_backward_kernel(KernelCall& kc, const DeviceMesh& mesh, const std::vector<DimCut>& cuts,
+                          const ConvArgs& a) {
+  const at::Tensor g = kc.tensor("grad_output"), x = kc.tensor("input"), w = kc.tensor("weight");
+  const auto mask = kc.arg<std::array<bool, 3>>("output_mask");
   Rim rim;
   if (rim_path(cuts, a, rim)) {
     auto [gi, gwt, gb] = rim_backward(g, x, w, mesh, cuts, a, rim, mask[0], mask[1], mask[2]);
-    stack.clear();
-    stack.emplace_back(gi);
-    stack.emplace_back(gwt);
-    stack.emplace_back(gb);
+    kc.finish({gi, gwt, gb});
     return;
   }
-  Split sp = split(cuts, a);
+  CutDims sp = separate_cut_dims(cuts, a);
   const size_t ncut = sp.cut.size();
   // The gradient rows of every output that touches one of each member's input rows.
   std::vector<std::vector<int64_t>> sizes;
@@ -373,10 +368,7 @@ void conv_backward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
     for (int64_t d = 2; d < g.dim(); ++d) dims.push_back(d);
     grad_bias = g.sum(dims);
   }
-  stack.clear();
-  stack.emplace_back(grad_input);
-  stack.emplace_back(grad_weight);
-  stack.emplace_back(grad_bias);
+  kc.finish({grad_input, grad_weight, grad_bias});
 }
 
 // What both convolution rules derive from the input's spec and the arguments.
@@ -385,16 +377,18 @@ struct ConvLayout {
   std::vector<int64_t> weight;
   SpecPtr layout;  // the input's layout for the op
   std::vector<DimCut> cuts;
-  bool windowed = false;  // some spatial dim is cut: the local kernel runs
+  bool windowed = false;  // some spatial dim is cut: the distributed kernel runs
 };
-// `input` / `weight` = argument indices, `first` = the stride argument's.
-ConvLayout conv_layout(const OpCall& call, size_t input, size_t weight, size_t first) {
-  TORCH_CHECK(call.specs[input], "tessera: ", call.describe(), ": the input must be distributed");
-  const auto& in = *call.specs[input];
+// Both convolution ops name their activation `input` and their weight `weight`.
+ConvLayout conv_layout(const OpCall& call) {
+  const DTensorSpec* input = call.spec("input");
+  TORCH_CHECK(input, "tessera: ", call.describe(), ": the input must be distributed");
+  const auto& in = *input;
   const auto dims = spatial::trailing_dims(in.ndim(), static_cast<size_t>(in.ndim() - 2));
   ConvLayout l;
-  l.weight = call.specs[weight] ? call.specs[weight]->sizes() : call.args[weight].toTensor().sizes().vec();
-  l.a = conv_args(call, first, l.weight, dims.size());
+  const DTensorSpec* weight = call.spec("weight");
+  l.weight = weight ? weight->sizes() : call.arg("weight").toTensor().sizes().vec();
+  l.a = conv_args(call, l.weight, dims.size());
   l.layout = spatial::window_layout(in, dims);
   l.cuts = spatial::make_cuts(*l.layout, dims, conv_axes(call, in.sizes(), l.a));
   l.windowed = spatial::any_window_dim_sharded(*l.layout, dims);
@@ -403,38 +397,38 @@ ConvLayout conv_layout(const OpCall& call, size_t input, size_t weight, size_t f
 
 // convolution(input, weight, bias?, stride, padding, dilation, transposed, output_padding, groups)
 OpPlan convolution_rule(const OpCall& call) {
-  const auto l = conv_layout(call, 0, 1, 3);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = l.layout;
-  if (call.specs[1]) plan.inputs[1] = replicated(*call.specs[1]);
-  if (call.specs[2]) plan.inputs[2] = replicated(*call.specs[2]);
-  plan.outputs.push_back(spatial::output_spec(*l.layout, l.cuts, l.layout->dtype(), l.a.out_channels));
+  const auto l = conv_layout(call);
+  OpPlan plan(call);
+  plan.input("input", l.layout);
+  if (const auto* w = call.spec("weight")) plan.input("weight", replicated(*w));
+  if (const auto* b = call.spec("bias")) plan.input("bias", replicated(*b));
+  plan.output(spatial::output_spec(*l.layout, l.cuts, l.layout->dtype(), l.a.out_channels));
   if (l.windowed) {
-    plan.stack_kernel = [mesh = l.layout->mesh(), cuts = l.cuts, a = l.a](torch::jit::Stack& s) {
-      conv_forward_kernel(s, mesh, cuts, a);
+    plan.distributed_kernel = [cuts = l.cuts, a = l.a](KernelCall& kc, const DeviceMesh& mesh) {
+      conv_forward_kernel(kc, mesh, cuts, a);
     };
   }
   return plan;
 }
 
-// convolution_backward(grad_out, input, weight, bias_sizes?, stride, padding, dilation,
+// convolution_backward(grad_output, input, weight, bias_sizes?, stride, padding, dilation,
 //                      transposed, output_padding, groups, output_mask)
 OpPlan convolution_backward_rule(const OpCall& call) {
-  const auto l = conv_layout(call, 1, 2, 4);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[1] = l.layout;
-  if (call.specs[0])
-    plan.inputs[0] = spatial::output_spec(*l.layout, l.cuts, call.specs[0]->dtype(), l.a.out_channels);
-  if (call.specs[2]) plan.inputs[2] = replicated(*call.specs[2]);
-  plan.outputs.push_back(l.layout);
-  plan.outputs.push_back(summed_over_shards(*l.layout, l.weight));
-  plan.outputs.push_back(summed_over_shards(
-      *l.layout, call.args[3].isIntList() ? call.args[3].toIntVector() : std::vector<int64_t>{l.a.out_channels}));
+  const auto l = conv_layout(call);
+  OpPlan plan(call);
+  plan.input("input", l.layout);
+  if (const auto* g = call.spec("grad_output"))
+    plan.input("grad_output", spatial::output_spec(*l.layout, l.cuts, g->dtype(), l.a.out_channels));
+  if (const auto* w = call.spec("weight")) plan.input("weight", replicated(*w));
+  const auto& bias_sizes = call.arg("bias_sizes");
+  plan.output(l.layout)
+      .output(summed_over_shards(*l.layout, l.weight))
+      .output(summed_over_shards(*l.layout, bias_sizes.isIntList()
+                                                ? bias_sizes.toIntVector()
+                                                : std::vector<int64_t>{l.a.out_channels}));
   if (l.windowed) {
-    plan.stack_kernel = [mesh = l.layout->mesh(), cuts = l.cuts, a = l.a](torch::jit::Stack& s) {
-      conv_backward_kernel(s, mesh, cuts, a);
+    plan.distributed_kernel = [cuts = l.cuts, a = l.a](KernelCall& kc, const DeviceMesh& mesh) {
+      conv_backward_kernel(kc, mesh, cuts, a);
     };
   }
   return plan;

@@ -7,7 +7,8 @@
 // circular). Negative padding (the backward of constant padding) crops the edge shards.
 //
 // Circular padding has no ATen kernel of its own (it is composed of slices and copies), so
-// distributed tensors get it from an autograd kernel here, backward included.
+// distributed tensors get it from an autograd kernel here, backward included (see NOTE:
+// [How to add an op], path 3).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
@@ -15,8 +16,8 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
-#include "spatial.h"
 #include "tessera/ops/rule.h"
+#include "tessera/ops/window.h"
 #include "tessera/tensor/api.h"
 #include "tessera/tensor/dtensor_impl.h"
 
@@ -71,45 +72,41 @@ void check_reach(const std::string& op, const std::vector<int64_t>& sizes, const
 
 // constant_pad_nd(self, pad, value) and the reflection / replication pads (self, padding).
 OpPlan pad_rule_with(const OpCall& call, HaloBoundary boundary) {
-  const auto& in = *call.specs[0];
-  const auto p = pad_plan(call.describe(), in.sizes(), call.args[1].toIntVector(),
+  const auto& in = *call.spec("self");
+  const char* pad_arg = call.has("pad") ? "pad" : "padding";
+  const auto p = pad_plan(call.describe(), in.sizes(), call.arg<std::vector<int64_t>>(pad_arg),
                           boundary == HaloBoundary::Zeros);
   check_reach(call.describe(), in.sizes(), p, boundary);
   auto layout = spatial::window_layout(in, p.dims, /*keep_others=*/true);
   const auto cuts = spatial::make_cuts(*layout, p.dims, p.axes);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = layout;
-  plan.outputs.push_back(spatial::output_spec(*layout, cuts, in.dtype()));
+  OpPlan plan(call);
+  plan.input("self", layout);
+  plan.output(spatial::output_spec(*layout, cuts, in.dtype()));
   // Always the window kernel, even without a cut dim: ATen rejects padding a tensor with an
   // empty dim, which a local shard may have.
-  DeviceMesh mesh = in.mesh();
-  plan.stack_kernel = [mesh, cuts, boundary](torch::jit::Stack& s) {
+  plan.distributed_kernel = [cuts, boundary](KernelCall& kc, const DeviceMesh& mesh) {
     // The fill value is read per call: decisions are cached without it.
-    const double value = s.size() > 2 && !s[2].isNone() ? s[2].toScalar().toDouble() : 0.0;
-    at::Tensor y = spatial::fetch(mesh, s[0].toTensor(), cuts, boundary, value);
-    s.clear();
-    s.emplace_back(y);
+    double value = 0.0;
+    if (kc.index("value") >= 0 && !kc.arg("value").isNone())
+      value = kc.arg("value").toScalar().toDouble();
+    kc.finish({spatial::fetch(mesh, kc.tensor("self"), cuts, boundary, value)});
   };
   return plan;
 }
 
 // *_pad{1,2,3}d_backward(grad_output, self, padding)
 OpPlan pad_backward_rule_with(const OpCall& call, HaloBoundary boundary) {
-  const auto& in = *call.specs[1];
-  const auto p = pad_plan(call.describe(), in.sizes(), call.args[2].toIntVector(), false);
+  const auto& in = *call.spec("self");
+  const auto p =
+      pad_plan(call.describe(), in.sizes(), call.arg<std::vector<int64_t>>("padding"), false);
   auto layout = spatial::window_layout(in, p.dims, /*keep_others=*/true);
   const auto cuts = spatial::make_cuts(*layout, p.dims, p.axes);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[1] = layout;
-  plan.inputs[0] = spatial::output_spec(*layout, cuts, call.specs[0]->dtype());
-  plan.outputs.push_back(layout);
-  DeviceMesh mesh = in.mesh();
-  plan.stack_kernel = [mesh, cuts, boundary](torch::jit::Stack& s) {
-    at::Tensor g = spatial::fetch_backward(mesh, s[0].toTensor(), cuts, boundary);
-    s.clear();
-    s.emplace_back(g);
+  OpPlan plan(call);
+  plan.input("self", layout);
+  plan.input("grad_output", spatial::output_spec(*layout, cuts, call.spec("grad_output")->dtype()));
+  plan.output(layout);
+  plan.distributed_kernel = [cuts, boundary](KernelCall& kc, const DeviceMesh& mesh) {
+    kc.finish({spatial::fetch_backward(mesh, kc.tensor("grad_output"), cuts, boundary)});
   };
   return plan;
 }
@@ -123,20 +120,6 @@ OpPlan reflection_pad_backward_rule(const OpCall& c) {
 OpPlan replication_pad_backward_rule(const OpCall& c) {
   return pad_backward_rule_with(c, HaloBoundary::Replicate);
 }
-
-const RuleRegistrar registrar{[] {
-  register_rule("aten::constant_pad_nd", constant_pad_rule);
-  for (const char* op : {"aten::reflection_pad1d", "aten::reflection_pad2d", "aten::reflection_pad3d"})
-    register_rule(op, reflection_pad_rule);
-  for (const char* op : {"aten::replication_pad1d", "aten::replication_pad2d", "aten::replication_pad3d"})
-    register_rule(op, replication_pad_rule);
-  for (const char* op : {"aten::reflection_pad1d_backward", "aten::reflection_pad2d_backward",
-                         "aten::reflection_pad3d_backward"})
-    register_rule(op, reflection_pad_backward_rule);
-  for (const char* op : {"aten::replication_pad1d_backward", "aten::replication_pad2d_backward",
-                         "aten::replication_pad3d_backward"})
-    register_rule(op, replication_pad_backward_rule);
-}};
 
 // ---- circular padding: an autograd kernel for distributed tensors ----------------------
 
@@ -189,10 +172,21 @@ at::Tensor pad_circular(const at::Tensor& self, c10::IntArrayRef pad) {
   return out;
 }
 
+const RuleRegistrar registrar{[] {
+  register_rule("aten::constant_pad_nd", constant_pad_rule);
+  for (const char* op : {"aten::reflection_pad1d", "aten::reflection_pad2d", "aten::reflection_pad3d"})
+    register_rule(op, reflection_pad_rule);
+  for (const char* op : {"aten::replication_pad1d", "aten::replication_pad2d", "aten::replication_pad3d"})
+    register_rule(op, replication_pad_rule);
+  for (const char* op : {"aten::reflection_pad1d_backward", "aten::reflection_pad2d_backward",
+                         "aten::reflection_pad3d_backward"})
+    register_rule(op, reflection_pad_backward_rule);
+  for (const char* op : {"aten::replication_pad1d_backward", "aten::replication_pad2d_backward",
+                         "aten::replication_pad3d_backward"})
+    register_rule(op, replication_pad_backward_rule);
+  register_autograd_kernel("aten::_pad_circular", torch::CppFunction(TORCH_FN(pad_circular)));
+}};
+
 }  // namespace
 
 }  // namespace tessera::ops
-
-TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
-  m.impl("_pad_circular", TORCH_FN(tessera::ops::pad_circular));
-}

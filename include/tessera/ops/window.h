@@ -1,6 +1,7 @@
 #pragma once
-// Shared machinery of the domain-parallel (window) rules: convolution, pooling,
-// interpolation and padding on inputs sharded along spatial dims.
+// The window toolkit: what convolution, pooling, interpolation and padding share on inputs
+// sharded along spatial dims, published so that a new window op can be added from outside
+// the tree (a rule plus a distributed kernel, see NOTE: [How to add an op] in rule.h).
 //
 // NOTE: [Window ops on sharded spatial dims]
 // Along each spatial dim a window op maps input rows to output rows (an Axis). Two questions
@@ -16,7 +17,15 @@
 // The local op then runs on the fetched window with zero padding and exactly reproduces the
 // global op's outputs for the rank's range. Dims are fetched one after another, each time
 // from the already extended tensor, so corner rows arrive without diagonal messages.
-#include <memory>
+//
+// A window op, in outline:
+//   rule:   layout = window_layout(in, dims, keep_others);
+//           cuts = make_cuts(*layout, dims, axes);  // one Axis per window dim
+//           plan.input("self", layout); plan.output(output_spec(*layout, cuts, dtype));
+//           if (any_window_dim_sharded(*layout, dims)) plan.distributed_kernel = ...;
+//   kernel: window = fetch(mesh, local_input, cuts, boundary);  // the rows my outputs read
+//           run the local op on `window` without padding; backward: fetch_backward.
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -29,12 +38,8 @@ namespace tessera::ops::spatial {
 using comm::HaloBoundary;
 using comm::Window;
 
-int64_t floor_div(int64_t a, int64_t b);
-int64_t ceil_div(int64_t a, int64_t b);
 // The last n dims of an ndim-dim tensor (the spatial dims of a window op).
 std::vector<int64_t> trailing_dims(int64_t ndim, size_t n);
-// A per-dim argument as ATen spells it (one value for every dim, or none: `if_empty`).
-std::vector<int64_t> per_dim(std::vector<int64_t> v, size_t n, std::vector<int64_t> if_empty = {});
 
 // How one spatial dim of a window op maps input rows [0, in) to output rows [0, out).
 struct Axis {
@@ -67,14 +72,6 @@ struct Axis {
   Taps taps(int64_t o) const;
   std::string str() const;
 };
-
-// Output sizes per member when member m holds in_sizes[m] input rows.
-std::vector<int64_t> output_sizes(const Axis& axis, const std::vector<int64_t>& in_sizes);
-// An input table whose outputs are exactly `out_sizes` (for backward ops that get only the
-// output's layout), or an empty table when none exists.
-std::vector<int64_t> input_sizes_for(const Axis& axis, const std::vector<int64_t>& out_sizes);
-// Every member's window: the input rows its outputs read.
-std::vector<Window> read_windows(const Axis& axis, const std::vector<int64_t>& out_sizes);
 
 // One spatial dim as a rank sees it: whether (and over which mesh dim) it is cut, every
 // member's input and output rows, and this rank's place among them. An uncut dim is a
@@ -117,16 +114,5 @@ at::Tensor fetch(const DeviceMesh& mesh, const at::Tensor& x, const std::vector<
 // The adjoint of fetch: sends every window row's gradient home (in reverse dim order).
 at::Tensor fetch_backward(const DeviceMesh& mesh, const at::Tensor& grad_window,
                           const std::vector<DimCut>& cuts, HaloBoundary boundary);
-
-// Generic windowed fetch with explicit windows per member and dim (e.g. of gradients in
-// output space). sizes[k] / windows[k] are per member for cuts[k].
-at::Tensor fetch_ranges(const DeviceMesh& mesh, const at::Tensor& x, const std::vector<DimCut>& cuts,
-                        const std::vector<std::vector<int64_t>>& sizes,
-                        const std::vector<std::vector<Window>>& windows);
-
-// x's rows [from.lo, from.hi) along dim placed into rows [to.lo, to.hi) of a tensor of
-// zeros: rows of `to` outside `from` are zero, rows of `from` outside `to` are dropped
-// (a view of x when `to` lies inside `from`).
-at::Tensor place(const at::Tensor& x, int64_t dim, Window from, Window to);
 
 }  // namespace tessera::ops::spatial

@@ -7,12 +7,10 @@
 // after another. Backward scatters each gradient onto its source rows and sends halo rows
 // home. The backward ops carry only the output's layout: the input table is the one whose
 // outputs give that layout (the forward's, in the usual case).
-#include <optional>
-
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include "spatial.h"
+#include "window_internal.h"
 #include "tessera/ops/rule.h"
 
 namespace tessera::ops {
@@ -30,37 +28,39 @@ struct Interp {
   std::vector<double> scales;    // per dim; <= 0: none
 };
 
-std::optional<double> opt_double(const c10::IValue& v) {
-  if (v.isNone()) return std::nullopt;
-  return v.toDouble();
+// The activation: `self`, but `input` in the .vec overloads.
+const char* activation(const OpCall& call) { return call.has("self") ? "self" : "input"; }
+
+// The per-dim scale arguments of the non-.vec overloads.
+std::vector<const char*> scale_names(size_t nsp) {
+  switch (nsp) {
+    case 1: return {"scales"};
+    case 2: return {"scales_h", "scales_w"};
+    default: return {"scales_d", "scales_h", "scales_w"};
+  }
 }
 
-// Reads both the per-dim ("scales_h") and the .vec ("scale_factors") forms.
-// Forward: (self, output_size, [align_corners,] scales...) or .vec(self, output_size?,
-// [align_corners,] scale_factors?). Backward: (grad_output, output_size, input_size, ...).
-Interp parse(const OpCall& call, const std::vector<int64_t>& input_shape, bool backward) {
+// Reads both the per-dim ("scales_h") and the .vec ("scale_factors") forms, forward
+// (self / input, output_size, [align_corners,] scales...) and backward (grad_output,
+// output_size, input_size, [align_corners,] scales...).
+Interp parse(const OpCall& call, const std::vector<int64_t>& input_shape) {
   Interp p;
   const std::string& name = call.name();
   p.linear = name.find("linear") != std::string::npos;
   p.nsp = name.find("3d") != std::string::npos ? 3 : name.find("2d") != std::string::npos ? 2 : 1;
-  const bool vec = call.op.schema().overload_name() == "vec";
-  size_t i = backward ? 3 : 2;  // after output_size (and input_size)
-  if (p.linear) p.align_corners = call.args[i++].toBool();
+  if (p.linear) p.align_corners = call.arg<bool>("align_corners");
   p.in.assign(input_shape.end() - static_cast<int64_t>(p.nsp), input_shape.end());
   p.scales.assign(p.nsp, 0.0);
-  if (vec) {
-    const auto& sf = call.args[i];
-    if (!sf.isNone()) {
-      auto f = sf.toDoubleVector();
-      for (size_t d = 0; d < p.nsp; ++d) p.scales[d] = f.size() == 1 ? f[0] : f[d];
-    }
+  if (call.has("scale_factors")) {
+    if (auto f = call.arg<c10::optional<std::vector<double>>>("scale_factors"))
+      for (size_t d = 0; d < p.nsp; ++d) p.scales[d] = f->size() == 1 ? (*f)[0] : (*f)[d];
   } else {
+    const auto names = scale_names(p.nsp);
     for (size_t d = 0; d < p.nsp; ++d)
-      if (auto s = opt_double(call.args[i + d])) p.scales[d] = *s;
+      if (auto s = call.arg<c10::optional<double>>(names[d])) p.scales[d] = *s;
   }
-  const auto& os = call.args[1];
-  if (!os.isNone()) {
-    p.out = os.toIntVector();
+  if (auto os = call.arg<c10::optional<std::vector<int64_t>>>("output_size")) {
+    p.out = *os;
   } else {
     for (size_t d = 0; d < p.nsp; ++d)
       p.out.push_back(static_cast<int64_t>(std::floor(static_cast<double>(p.in[d]) * p.scales[d])));
@@ -152,14 +152,11 @@ at::Tensor nearest_native_backward(const at::Tensor& g, const std::vector<int64_
   }
 }
 
-void forward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh, const std::vector<DimCut>& cuts,
-                    bool linear) {
-  const at::Tensor x = stack[0].toTensor();
-  at::Tensor y = spatial::fetch(mesh, x, cuts, spatial::HaloBoundary::Zeros);
+void forward_kernel(KernelCall& kc, const DeviceMesh& mesh, const char* act,
+                    const std::vector<DimCut>& cuts, bool linear) {
+  at::Tensor y = spatial::fetch(mesh, kc.tensor(act), cuts, spatial::HaloBoundary::Zeros);
   if (!linear && native_nearest(cuts) && y.numel() > 0) {
-    y = nearest_native(y, cuts);
-    stack.clear();
-    stack.emplace_back(y);
+    kc.finish({nearest_native(y, cuts)});
     return;
   }
   for (const auto& c : cuts) {
@@ -167,20 +164,17 @@ void forward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh, const std:
     at::Tensor z = y.index_select(c.dim, t.i0);
     y = linear ? z * t.w0 + y.index_select(c.dim, t.i1) * t.w1 : z;
   }
-  stack.clear();
-  stack.emplace_back(y);
+  kc.finish({y});
 }
 
-void backward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
-                     const std::vector<DimCut>& cuts, bool linear) {
-  at::Tensor g = stack[0].toTensor();
+void backward_kernel(KernelCall& kc, const DeviceMesh& mesh, const std::vector<DimCut>& cuts,
+                     bool linear) {
+  at::Tensor g = kc.tensor("grad_output");
   if (!linear && native_nearest(cuts) && g.numel() > 0) {
     auto shape = g.sizes().vec();
     for (const auto& c : cuts) shape[c.dim] = c.axis.reads(c.my_outputs().lo, c.my_outputs().hi).size();
-    at::Tensor grad = spatial::fetch_backward(mesh, nearest_native_backward(g, shape, cuts), cuts,
-                                              spatial::HaloBoundary::Zeros);
-    stack.clear();
-    stack.emplace_back(grad);
+    kc.finish({spatial::fetch_backward(mesh, nearest_native_backward(g, shape, cuts), cuts,
+                                       spatial::HaloBoundary::Zeros)});
     return;
   }
   for (auto it = cuts.rbegin(); it != cuts.rend(); ++it) {
@@ -193,34 +187,32 @@ void backward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
     if (linear) h.index_add_(c.dim, t.i1, g * t.w1);
     g = h;
   }
-  at::Tensor grad = spatial::fetch_backward(mesh, g, cuts, spatial::HaloBoundary::Zeros);
-  stack.clear();
-  stack.emplace_back(grad);
+  kc.finish({spatial::fetch_backward(mesh, g, cuts, spatial::HaloBoundary::Zeros)});
 }
 
 OpPlan upsample_rule(const OpCall& call) {
-  const auto& in = *call.specs[0];
-  const Interp p = parse(call, in.sizes(), false);
+  const char* act = activation(call);
+  const auto& in = *call.spec(act);
+  const Interp p = parse(call, in.sizes());
   const auto dims = spatial::trailing_dims(in.ndim(), p.nsp);
   auto layout = spatial::window_layout(in, dims, /*keep_others=*/true);
   const auto cuts = spatial::make_cuts(*layout, dims, axes_of(p));
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = layout;
-  plan.outputs.push_back(spatial::output_spec(*layout, cuts, in.dtype()));
+  OpPlan plan(call);
+  plan.input(act, layout);
+  plan.output(spatial::output_spec(*layout, cuts, in.dtype()));
   if (spatial::any_window_dim_sharded(*layout, dims)) {
-    DeviceMesh mesh = in.mesh();
-    const bool linear = p.linear;
-    plan.stack_kernel = [mesh, cuts, linear](torch::jit::Stack& s) { forward_kernel(s, mesh, cuts, linear); };
+    plan.distributed_kernel = [act, cuts, linear = p.linear](KernelCall& kc, const DeviceMesh& mesh) {
+      forward_kernel(kc, mesh, act, cuts, linear);
+    };
   }
   return plan;
 }
 
 // (grad_output, output_size, input_size, ...): the input's layout follows from grad_output's.
 OpPlan upsample_backward_rule(const OpCall& call) {
-  const auto& g = *call.specs[0];
-  const auto input_shape = call.args[2].toIntVector();
-  const Interp p = parse(call, input_shape, true);
+  const auto& g = *call.spec("grad_output");
+  const auto input_shape = call.arg<std::vector<int64_t>>("input_size");
+  const Interp p = parse(call, input_shape);
   const auto dims = spatial::trailing_dims(g.ndim(), p.nsp);
   const auto axes = axes_of(p);
   auto glayout = spatial::window_layout(g, dims, /*keep_others=*/true);
@@ -234,14 +226,13 @@ OpPlan upsample_backward_rule(const OpCall& call) {
   }
   auto layout = std::make_shared<DTensorSpec>(g.mesh(), glayout->placements(), input_shape, g.dtype(), tables);
   const auto cuts = spatial::make_cuts(*layout, dims, axes);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[0] = spatial::output_spec(*layout, cuts, g.dtype());
-  plan.outputs.push_back(layout);
-  // Always the local kernel: the op's input_size argument is global, the batch may not be.
-  DeviceMesh mesh = g.mesh();
-  const bool linear = p.linear;
-  plan.stack_kernel = [mesh, cuts, linear](torch::jit::Stack& s) { backward_kernel(s, mesh, cuts, linear); };
+  OpPlan plan(call);
+  plan.input("grad_output", spatial::output_spec(*layout, cuts, g.dtype()));
+  plan.output(layout);
+  // Always the window kernel: the op's input_size argument is global, the batch may not be.
+  plan.distributed_kernel = [cuts, linear = p.linear](KernelCall& kc, const DeviceMesh& mesh) {
+    backward_kernel(kc, mesh, cuts, linear);
+  };
   return plan;
 }
 

@@ -11,10 +11,11 @@
 // kernel = stride = in/out; global pooling (1x1) arrives as mean (a reduction: Partial, then
 // Replicate). Other adaptive sizes replicate the spatial dims.
 #include <ATen/ATen.h>
+#include <ATen/native/Pool.h>
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 
-#include "spatial.h"
+#include "window_internal.h"
 #include "tessera/ops/rule.h"
 
 namespace tessera::ops {
@@ -32,32 +33,23 @@ struct PoolArgs {
   int64_t divisor_override = 0;  // 0: none
 };
 
-// `first` = index of the kernel_size argument (1 forward, 2 backward).
-PoolArgs pool_args(const OpCall& call, size_t first, bool max, size_t nsp) {
+// The forward and backward ops name these arguments alike.
+PoolArgs pool_args(const OpCall& call, bool max, size_t nsp) {
+  using Ints = std::vector<int64_t>;
   PoolArgs a;
   a.max = max;
-  a.kernel = spatial::per_dim(call.args[first].toIntVector(), nsp);
-  a.stride = spatial::per_dim(call.args[first + 1].toIntVector(), nsp, a.kernel);
-  a.padding = spatial::per_dim(call.args[first + 2].toIntVector(), nsp);
+  a.kernel = spatial::per_dim(call.arg<Ints>("kernel_size"), nsp);
+  a.stride = spatial::per_dim(call.arg<Ints>("stride"), nsp, a.kernel);
+  a.padding = spatial::per_dim(call.arg<Ints>("padding"), nsp);
   if (max) {
-    a.dilation = spatial::per_dim(call.args[first + 3].toIntVector(), nsp);
-    a.ceil_mode = call.args[first + 4].toBool();
+    a.dilation = spatial::per_dim(call.arg<Ints>("dilation"), nsp);
   } else {
     a.dilation.assign(nsp, 1);
-    a.ceil_mode = call.args[first + 3].toBool();
-    a.count_include_pad = call.args[first + 4].toBool();
-    const auto& div = call.args[first + 5];
-    a.divisor_override = div.isInt() ? div.toInt() : 0;
+    a.count_include_pad = call.arg<bool>("count_include_pad");
+    a.divisor_override = call.arg<c10::optional<int64_t>>("divisor_override").value_or(0);
   }
+  a.ceil_mode = call.arg<bool>("ceil_mode");
   return a;
-}
-
-// ATen's pooling output size (pooling_output_shape).
-int64_t pooled_size(int64_t in, int64_t k, int64_t s, int64_t p, int64_t d, bool ceil) {
-  const int64_t num = in + 2 * p - d * (k - 1) - 1 + (ceil ? s - 1 : 0);
-  int64_t out = spatial::floor_div(num, s) + 1;
-  if (ceil && (out - 1) * s >= in + p) --out;
-  return out;
 }
 
 std::vector<Axis> pool_axes(const OpCall& call, const std::vector<int64_t>& sizes,
@@ -68,7 +60,8 @@ std::vector<Axis> pool_axes(const OpCall& call, const std::vector<int64_t>& size
     const int64_t span = a.dilation[i] * (a.kernel[i] - 1) + 1;
     TORCH_CHECK(2 * a.padding[i] <= (a.max ? span : a.kernel[i]), "tessera: ", call.describe(),
                 ": padding ", a.padding[i], " is more than half the kernel size ", span);
-    const int64_t out = pooled_size(in, a.kernel[i], a.stride[i], a.padding[i], a.dilation[i], a.ceil_mode);
+    const int64_t out = at::native::pooling_output_shape<int64_t>(
+        in, a.kernel[i], a.padding[i], a.stride[i], a.dilation[i], a.ceil_mode);
     TORCH_CHECK(out > 0, "tessera: ", call.describe(), ": output size along dim ", dims[i],
                 " would be ", out);
     axes.push_back(Axis::stencil(in, out, a.kernel[i], a.stride[i], a.padding[i], a.dilation[i]));
@@ -161,37 +154,35 @@ at::Tensor window_sums_backward(const at::Tensor& g, const at::Tensor& win_like,
              : at::avg_pool3d_backward(g, win_like, a.kernel, a.stride, zeros, false, true, 1);
 }
 
-void pool_forward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
-                         const std::vector<DimCut>& cuts, const PoolArgs& a) {
-  const at::Tensor x = stack[0].toTensor();
+void pool_forward_kernel(KernelCall& kc, const DeviceMesh& mesh, const std::vector<DimCut>& cuts,
+                         const PoolArgs& a) {
+  const at::Tensor x = kc.tensor("self");
   const double fill = a.max ? -std::numeric_limits<double>::infinity() : 0.0;
   const at::Tensor win = spatial::fetch(mesh, x, cuts, spatial::HaloBoundary::Zeros, fill);
-  stack.clear();
   if (no_outputs(cuts)) {
-    stack.emplace_back(at::zeros(output_shape(x, cuts), x.options()));
-    if (a.max) stack.emplace_back(at::zeros(output_shape(x, cuts), x.options().dtype(at::kLong)));
+    const at::Tensor out = at::zeros(output_shape(x, cuts), x.options());
+    if (a.max) kc.finish({out, at::zeros(output_shape(x, cuts), x.options().dtype(at::kLong))});
+    else kc.finish({out});
     return;
   }
   if (a.max) {
     at::Tensor idx;
     at::Tensor out = local_max_pool(win, a, idx);
-    stack.emplace_back(out);
-    stack.emplace_back(reindex(idx, cuts, /*to_global=*/true));
+    kc.finish({out, reindex(idx, cuts, /*to_global=*/true)});
   } else {
-    stack.emplace_back(window_sums(win, a) / avg_divisor(cuts, a, x.dim(), x.options()));
+    kc.finish({window_sums(win, a) / avg_divisor(cuts, a, x.dim(), x.options())});
   }
 }
 
-// max: (grad_output, self, ..., indices); avg: (grad_output, self, ...)
-void pool_backward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
-                          const std::vector<DimCut>& cuts, const PoolArgs& a) {
-  const at::Tensor g = stack[0].toTensor(), x = stack[1].toTensor();
+void pool_backward_kernel(KernelCall& kc, const DeviceMesh& mesh, const std::vector<DimCut>& cuts,
+                          const PoolArgs& a) {
+  const at::Tensor g = kc.tensor("grad_output"), x = kc.tensor("self");
   const auto wshape = window_shape(x, cuts);
   at::Tensor gw;
   if (no_outputs(cuts)) {
     gw = at::zeros(wshape, g.options());
   } else if (a.max) {
-    const at::Tensor idx = reindex(stack.back().toTensor(), cuts, /*to_global=*/false);
+    const at::Tensor idx = reindex(kc.tensor("indices"), cuts, /*to_global=*/false);
     const int64_t lead = g.dim() - static_cast<int64_t>(cuts.size());
     auto flat = std::vector<int64_t>(wshape.begin(), wshape.begin() + lead);
     auto flat_out = flat;
@@ -203,37 +194,38 @@ void pool_backward_kernel(torch::jit::Stack& stack, const DeviceMesh& mesh,
     gw = window_sums_backward(g / avg_divisor(cuts, a, g.dim(), g.options()),
                               at::empty(wshape, g.options()), a);
   }
-  at::Tensor grad = spatial::fetch_backward(mesh, gw, cuts, spatial::HaloBoundary::Zeros);
-  stack.clear();
-  stack.emplace_back(grad);
+  kc.finish({spatial::fetch_backward(mesh, gw, cuts, spatial::HaloBoundary::Zeros)});
 }
 
-OpPlan pool_plan(const OpCall& call, size_t act, const PoolArgs& a, bool backward) {
-  const auto& in = *call.specs[act];
+// Forward (self, kernel_size, ...) or backward (grad_output, self, ..., [indices]).
+OpPlan pool_plan(const OpCall& call, const PoolArgs& a) {
+  const bool backward = call.has("grad_output");
+  const auto& in = *call.spec("self");
   const size_t nsp = a.kernel.size();
   const auto dims = spatial::trailing_dims(in.ndim(), nsp);
   auto layout = spatial::window_layout(in, dims, /*keep_others=*/true);
   const auto cuts = spatial::make_cuts(*layout, dims, pool_axes(call, in.sizes(), dims, a));
-  auto out = spatial::output_spec(*layout, cuts, in.dtype());
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[act] = layout;
+  OpPlan plan(call);
+  plan.input("self", layout);
   if (backward) {
-    plan.inputs[0] = spatial::output_spec(*layout, cuts, call.specs[0]->dtype());
-    if (a.max) plan.inputs.back() = spatial::output_spec(*layout, cuts, at::kLong);
-    plan.outputs.push_back(layout);
+    plan.input("grad_output", spatial::output_spec(*layout, cuts, call.spec("grad_output")->dtype()));
+    if (a.max) plan.input("indices", spatial::output_spec(*layout, cuts, at::kLong));
+    plan.output(layout);
   } else {
-    plan.outputs.push_back(out);
-    if (a.max) plan.outputs.push_back(spatial::output_spec(*layout, cuts, at::kLong));
+    plan.output(spatial::output_spec(*layout, cuts, in.dtype()));
+    if (a.max) plan.output(spatial::output_spec(*layout, cuts, at::kLong));
   }
   // Without a cut window dim the local op is exact (batch / channel shards only), except
   // that max pooling's indices are already global along uncut dims: also exact.
   if (spatial::any_window_dim_sharded(*layout, dims)) {
-    DeviceMesh mesh = in.mesh();
     if (backward)
-      plan.stack_kernel = [mesh, cuts, a](torch::jit::Stack& s) { pool_backward_kernel(s, mesh, cuts, a); };
+      plan.distributed_kernel = [cuts, a](KernelCall& kc, const DeviceMesh& mesh) {
+        pool_backward_kernel(kc, mesh, cuts, a);
+      };
     else
-      plan.stack_kernel = [mesh, cuts, a](torch::jit::Stack& s) { pool_forward_kernel(s, mesh, cuts, a); };
+      plan.distributed_kernel = [cuts, a](KernelCall& kc, const DeviceMesh& mesh) {
+        pool_forward_kernel(kc, mesh, cuts, a);
+      };
   }
   return plan;
 }
@@ -242,28 +234,23 @@ size_t nsp_of(const OpCall& call) {
   return call.name().find("3d") != std::string::npos ? 3 : 2;
 }
 
-OpPlan max_pool_rule(const OpCall& c) { return pool_plan(c, 0, pool_args(c, 1, true, nsp_of(c)), false); }
-OpPlan max_pool_backward_rule(const OpCall& c) {
-  return pool_plan(c, 1, pool_args(c, 2, true, nsp_of(c)), true);
-}
-OpPlan avg_pool_rule(const OpCall& c) { return pool_plan(c, 0, pool_args(c, 1, false, nsp_of(c)), false); }
-OpPlan avg_pool_backward_rule(const OpCall& c) {
-  return pool_plan(c, 1, pool_args(c, 2, false, nsp_of(c)), true);
-}
+OpPlan max_pool_rule(const OpCall& c) { return pool_plan(c, pool_args(c, true, nsp_of(c))); }
+OpPlan avg_pool_rule(const OpCall& c) { return pool_plan(c, pool_args(c, false, nsp_of(c))); }
 
 // Adaptive average pooling: as average pooling where every output size divides its input.
 // (self, output_size) / backward (grad_output, self).
-OpPlan adaptive_rule(const OpCall& call, bool backward) {
-  const size_t act = backward ? 1 : 0;
-  const auto& in = *call.specs[act];
+OpPlan adaptive_rule(const OpCall& call) {
+  const bool backward = call.has("grad_output");
+  const auto& in = *call.spec("self");
   const size_t nsp = nsp_of(call);
   const auto dims = spatial::trailing_dims(in.ndim(), nsp);
   std::vector<int64_t> out;
   if (backward) {
-    const auto& g = call.specs[0] ? call.specs[0]->sizes() : call.args[0].toTensor().sizes().vec();
+    const auto* gspec = call.spec("grad_output");
+    const auto& g = gspec ? gspec->sizes() : call.arg("grad_output").toTensor().sizes().vec();
     out.assign(g.end() - static_cast<int64_t>(nsp), g.end());
   } else {
-    out = call.args[1].toIntVector();
+    out = call.arg<std::vector<int64_t>>("output_size");
   }
   bool divides = true;
   PoolArgs a;
@@ -276,43 +263,36 @@ OpPlan adaptive_rule(const OpCall& call, bool backward) {
   a.stride = a.kernel;
   a.padding.assign(nsp, 0);
   a.dilation.assign(nsp, 1);
-  if (divides) return pool_plan(call, act, a, backward);
+  if (divides) return pool_plan(call, a);
   // Uneven bins: keep batch and channel shards, replicate the spatial dims.
-  Placements p = in.placements();
-  auto tables = in.shard_tables();
-  for (auto& x : p)
-    if (x.is_partial() || (x.is_shard() && x.dim() >= dims[0])) x = Replicate();
-  for (auto d : dims) tables[d].clear();
-  auto layout = std::make_shared<DTensorSpec>(in.mesh(), p, in.sizes(), in.dtype(), tables);
-  OpPlan plan;
-  plan.inputs.resize(call.args.size());
-  plan.inputs[act] = layout;
+  auto layout = std::make_shared<DTensorSpec>(in.replicate_where([&](int64_t, const Placement& x) {
+    return x.is_partial() || (x.is_shard() && x.dim() >= dims[0]);
+  }));
+  OpPlan plan(call);
+  plan.input("self", layout);
   auto shape = in.sizes();
   for (size_t i = 0; i < nsp; ++i) shape[dims[i]] = out[i];
   if (backward) {
-    plan.inputs[0] = same_layout_with_shape(*layout, shape, call.specs[0]->dtype());
-    plan.outputs.push_back(layout);
+    plan.input("grad_output",
+               same_layout_with_shape(*layout, shape, call.spec("grad_output")->dtype()));
+    plan.output(layout);
   } else {
-    plan.outputs.push_back(same_layout_with_shape(*layout, shape, in.dtype()));
+    plan.output(same_layout_with_shape(*layout, shape, in.dtype()));
   }
   return plan;
 }
-OpPlan adaptive_forward_rule(const OpCall& c) { return adaptive_rule(c, false); }
-OpPlan adaptive_backward_rule(const OpCall& c) { return adaptive_rule(c, true); }
 
 const RuleRegistrar registrar{[] {
-  for (const char* op : {"aten::max_pool2d_with_indices", "aten::max_pool3d_with_indices"})
-    register_rule(op, max_pool_rule);
-  for (const char* op : {"aten::max_pool2d_with_indices_backward",
+  for (const char* op : {"aten::max_pool2d_with_indices", "aten::max_pool3d_with_indices",
+                         "aten::max_pool2d_with_indices_backward",
                          "aten::max_pool3d_with_indices_backward"})
-    register_rule(op, max_pool_backward_rule);
-  for (const char* op : {"aten::avg_pool2d", "aten::avg_pool3d"}) register_rule(op, avg_pool_rule);
-  for (const char* op : {"aten::avg_pool2d_backward", "aten::avg_pool3d_backward"})
-    register_rule(op, avg_pool_backward_rule);
-  for (const char* op : {"aten::_adaptive_avg_pool2d", "aten::_adaptive_avg_pool3d"})
-    register_rule(op, adaptive_forward_rule);
-  for (const char* op : {"aten::_adaptive_avg_pool2d_backward", "aten::_adaptive_avg_pool3d_backward"})
-    register_rule(op, adaptive_backward_rule);
+    register_rule(op, max_pool_rule);
+  for (const char* op : {"aten::avg_pool2d", "aten::avg_pool3d", "aten::avg_pool2d_backward",
+                         "aten::avg_pool3d_backward"})
+    register_rule(op, avg_pool_rule);
+  for (const char* op : {"aten::_adaptive_avg_pool2d", "aten::_adaptive_avg_pool3d",
+                         "aten::_adaptive_avg_pool2d_backward", "aten::_adaptive_avg_pool3d_backward"})
+    register_rule(op, adaptive_rule);
 }};
 
 }  // namespace
