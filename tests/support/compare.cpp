@@ -1,5 +1,6 @@
 #include "support/compare.h"
 
+#include <cmath>
 #include <iomanip>
 #include <limits>
 #include <sstream>
@@ -23,12 +24,16 @@ std::vector<int64_t> unravel(int64_t flat, at::IntArrayRef sizes) {
 
 bool exact(at::ScalarType t) { return at::isIntegralType(t, /*includeBool=*/true); }
 
-std::string value_at(const at::Tensor& flat, int64_t i) {
+std::string num(double v, int digits = 6) {
   std::ostringstream s;
-  const at::Tensor v = flat[i];
-  if (exact(flat.scalar_type())) s << v.item<int64_t>();
-  else s << std::setprecision(std::numeric_limits<double>::max_digits10) << v.item<double>();
+  s << std::setprecision(digits) << v;
   return s.str();
+}
+
+std::string value_at(const at::Tensor& flat, int64_t i) {
+  const at::Tensor v = flat[i];
+  if (exact(flat.scalar_type())) return std::to_string(v.item<int64_t>());
+  return num(v.item<double>(), std::numeric_limits<double>::max_digits10);
 }
 
 std::string ranks_str(const DTensorSpec& spec, const std::vector<int64_t>& index) {
@@ -74,10 +79,9 @@ std::string ranks_str(const DTensorSpec& spec, const std::vector<int64_t>& index
     const at::Tensor diff =
         (a.index_select(0, bad).to(at::kDouble) - e.index_select(0, bad).to(at::kDouble)).abs();
     const int64_t worst = bad[diff.argmax().item<int64_t>()].item<int64_t>();
-    r << ", largest |diff| " << std::setprecision(6)
-      << (a[worst].item<double>() - e[worst].item<double>()) << " at "
-      << shape_str(global(worst)) << " (tolerance " << tol.atol << " + " << tol.rtol
-      << " * |expected|)";
+    r << ", largest |diff| " << num(std::abs(a[worst].item<double>() - e[worst].item<double>()))
+      << " at " << shape_str(global(worst)) << " (tolerance " << num(tol.atol) << " + "
+      << num(tol.rtol) << " * |expected|)";
   }
   if (layout) r << "; " << shape_str(global(first)) << " is held by " << ranks_str(*layout, global(first))
                 << " under " << layout->str();
