@@ -3,7 +3,6 @@
 // and any shard tables from a full tensor, cutting a rank's block out of a full tensor,
 // and random layouts. Everything is deterministic from a seed, so all ranks agree.
 #include <functional>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -12,6 +11,8 @@
 
 #include <gtest/gtest.h>
 
+#include "support/compare.h"
+#include "support/property.h"
 #include "tessera/tessera.h"
 
 namespace tessera::test {
@@ -87,14 +88,14 @@ inline at::Tensor make_dtensor_from_full(const at::Tensor& full, const DeviceMes
 }
 
 // Random shard sizes summing to `total` over `parts` pieces; zero-size pieces are likely.
-inline ShardTable random_table(std::mt19937& rng, int64_t total, int64_t parts) {
+inline ShardTable random_table(Rng& rng, int64_t total, int64_t parts) {
   ShardTable t(parts, 0);
-  for (int64_t i = 0; i < total; ++i) t[std::uniform_int_distribution<int64_t>(0, parts - 1)(rng)]++;
+  for (int64_t i = 0; i < total; ++i) t[rng.uniform(0, parts - 1)]++;
   return t;
 }
 
 // Random tables for every tensor dim that `placements` shards.
-inline std::vector<ShardTable> random_tables(std::mt19937& rng, const DeviceMesh& mesh,
+inline std::vector<ShardTable> random_tables(Rng& rng, const DeviceMesh& mesh,
                                              const Placements& placements,
                                              const std::vector<int64_t>& sizes) {
   std::vector<ShardTable> tables(sizes.size());
@@ -127,7 +128,8 @@ struct Operand {
   std::vector<ShardTable> tables = {};
 };
 
-// Runs fn on distributed operands and on the full tensors; compares value and gradients.
+// Runs fn on distributed operands and on the full tensors; compares value and gradients
+// (a mismatch names the first differing index and the ranks that hold it).
 inline void differential(const DeviceMesh& mesh, const std::vector<Operand>& ops, const Fn& fn,
                   const std::string& what, uint64_t seed = 7) {
   std::vector<at::Tensor> full, dist;
@@ -142,8 +144,7 @@ inline void differential(const DeviceMesh& mesh, const std::vector<Operand>& ops
   auto got = fn(dist);
   ASSERT_TRUE(is_dtensor(got)) << what << ": result is not distributed";
   ASSERT_EQ(got.sizes(), expected.sizes()) << what;
-  ASSERT_TRUE(same_values(full_tensor(got), expected.detach())) << what << " (forward) "
-                                                               << spec(got).str();
+  ASSERT_TRUE(full_matches(got, expected)) << what << " (forward)";
   if (!at::isFloatingType(expected.scalar_type())) return;
   auto g = tessera::test::randn(expected.sizes(), seed + 100);
   expected.backward(g);
@@ -153,7 +154,7 @@ inline void differential(const DeviceMesh& mesh, const std::vector<Operand>& ops
   got.backward(gd);
   for (size_t i = 0; i < ops.size(); ++i) {
     ASSERT_TRUE(dist[i].grad().defined()) << what << " operand " << i << " has no gradient";
-    ASSERT_TRUE(same_values(full_tensor(dist[i].grad()), full[i].grad()))
+    ASSERT_TRUE(full_matches(dist[i].grad(), full[i].grad()))
         << what << " (gradient of operand " << i << ")";
   }
 }

@@ -7,7 +7,6 @@
 
 #include <numeric>
 #include <optional>
-#include <random>
 
 #include "helpers.h"
 
@@ -116,7 +115,7 @@ TEST(CreationDistribute, SweepMeshesShapesDtypesAndSources) {
 TEST(CreationDistribute, ShardSizesGivenUnevenAndZero) {
   for (const auto& ms : kMeshes) {
     on_mesh(ms, [&](int rank, const DeviceMesh& mesh) {
-      std::mt19937 rng(1234);  // same sequence on every rank
+      tessera::test::Rng rng(1234);  // same sequence on every rank
       uint64_t seed = 500;
       for (const auto& pl : placements_for(ms.size())) {
         for (const Shape& shape : {Shape{9, 4}, Shape{1, 3}, Shape{0, 2}}) {
@@ -234,7 +233,7 @@ TEST(CreationScatter, BackwardToSourceOnly) {
 TEST(CreationFromLocal, InferUnevenAndZeroShapes) {
   for (const Shape& ms : {Shape{2}, Shape{3}, Shape{4}, Shape{2, 2}, Shape{2, 3}}) {
     on_mesh(ms, [&](int rank, const DeviceMesh& mesh) {
-      std::mt19937 rng(77);
+      tessera::test::Rng rng(77);
       uint64_t seed = 300;
       for (const auto& pl : placements_for(ms.size())) {
         if (pl[0] == Shard(-1)) continue;  // random_tables reads raw dims
@@ -257,7 +256,7 @@ TEST(CreationFromLocal, InferUnevenAndZeroShapes) {
 TEST(CreationFromLocal, ChunkAndGivenWithRunCheck) {
   for (const auto& ms : kMeshes) {
     on_mesh(ms, [&](int rank, const DeviceMesh& mesh) {
-      std::mt19937 rng(5);
+      tessera::test::Rng rng(5);
       uint64_t seed = 700;
       for (const auto& pl : placements_for(ms.size())) {
         // Even everywhere: 12 splits into 1, 2, 3, 4 and 6 pieces.
@@ -338,7 +337,7 @@ TEST(CreationToLocal, BackwardWithExplicitPartialGradPlacements) {
 TEST(CreationFullTensor, Backward) {
   for (const auto& ms : kMeshes) {
     on_mesh(ms, [&](int rank, const DeviceMesh& mesh) {
-      std::mt19937 rng(8);
+      tessera::test::Rng rng(8);
       for (const auto& pl : placements_for(ms.size())) {
         if (pl[0] == Shard(-1)) continue;
         const Shape shape = {6, 5};

@@ -4,21 +4,16 @@
 #include <functional>
 
 #include "helpers.h"
+#include "support/meshes.h"
 
 using namespace tessera;
 using tessera::test::differential;
+using tessera::test::full_matches;
 using tessera::test::make_dtensor_from_full;
+using tessera::test::on_meshes;
 using tessera::test::Operand;
-using tessera::test::same_values;
 
 namespace {
-
-void on_meshes(const std::function<void(const DeviceMesh&)>& body) {
-  for (int world : {1, 2, 3}) {
-    tessera::testing::run_ranks(world, [&](int) { body(init_device_mesh("cpu", {world})); });
-  }
-  tessera::testing::run_ranks(4, [&](int) { body(init_device_mesh("cpu", {2, 2})); });
-}
 
 std::vector<ShardTable> uneven_rows(const DeviceMesh& mesh, int64_t rows) {
   if (mesh.ndim() != 1) return {};
@@ -110,7 +105,7 @@ TEST(Dispatch, InPlaceAndItem) {
     auto d = make_dtensor_from_full(full, mesh, p);
     auto e = make_dtensor_from_full(full * 2, mesh, p);
     d.add_(e, 0.5).mul_(2);
-    EXPECT_TRUE(same_values(full_tensor(d), (full + full) * 2));
+    EXPECT_TRUE(full_matches(d, (full + full) * 2));
     d.zero_();
     EXPECT_EQ(full_tensor(d).abs().sum().item<float>(), 0.f);
     d.fill_(1.5);
@@ -118,10 +113,10 @@ TEST(Dispatch, InPlaceAndItem) {
     // copy_ between layouts and from a plain tensor.
     auto r = make_dtensor_from_full(full, mesh, Placements(mesh.ndim(), Replicate()));
     d.copy_(r);
-    EXPECT_TRUE(same_values(full_tensor(d), full));
+    EXPECT_TRUE(full_matches(d, full));
     EXPECT_EQ(placements(d), p);
     d.copy_(full * 3);
-    EXPECT_TRUE(same_values(full_tensor(d), full * 3));
+    EXPECT_TRUE(full_matches(d, full * 3));
     EXPECT_FLOAT_EQ(d.mean().item<float>(), (full * 3).mean().item<float>());
   });
 }

@@ -6,9 +6,7 @@
 // code on full tensors in one process (double precision). Also: torch::nn GroupNorm and
 // BatchNorm2d modules (distribute_module) for SGD steps on an H x W decomposition, the
 // communication a spatially sharded norm costs, and the error for sharded running stats.
-// Reproduce a failure with TESSERA_NORM_SEED=<seed> and the printed case.
-#include <cstdlib>
-#include <random>
+// A failure of the randomized test prints the command that replays its case.
 
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
@@ -17,6 +15,7 @@
 #include <torch/optim/sgd.h>
 
 #include "helpers.h"
+#include "support/meshes.h"
 
 using namespace tessera;
 namespace nn = torch::nn;
@@ -24,21 +23,9 @@ namespace nn = torch::nn;
 namespace {
 
 using Shape = std::vector<int64_t>;
-using Rng = std::mt19937;
+using test::Rng;
 
-int64_t pick(Rng& rng, int64_t lo, int64_t hi) {
-  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
-}
-bool coin(Rng& rng, double p = 0.5) { return std::bernoulli_distribution(p)(rng); }
-
-uint64_t base_seed() {
-  const char* s = std::getenv("TESSERA_NORM_SEED");
-  return s ? std::strtoull(s, nullptr, 10) : 2024;
-}
-
-bool close(const at::Tensor& a, const at::Tensor& b) {
-  return a.sizes() == b.sizes() && at::allclose(a, b, 1e-9, 1e-9, /*equal_nan=*/true);
-}
+const test::Tolerance kTol{1e-9, 1e-9, /*equal_nan=*/true};
 double max_diff(const at::Tensor& a, const at::Tensor& b) {
   return a.sizes() == b.sizes() ? (a - b).abs().max().item<double>() : -1.0;
 }
@@ -96,24 +83,24 @@ int64_t stat_count(const Case& c) {
 Case make_case(Rng& rng, Kind kind) {
   Case c;
   c.kind = kind;
-  const int64_t nsp = kind == Kind::Instance ? pick(rng, 1, 3) : (coin(rng, 0.1) ? 0 : pick(rng, 1, 3));
-  const int64_t batch = pick(rng, 1, 4);
-  int64_t channels = pick(rng, 1, 4);
+  const int64_t nsp = kind == Kind::Instance ? rng.uniform(1, 3) : (rng.coin(0.1) ? 0 : rng.uniform(1, 3));
+  const int64_t batch = rng.uniform(1, 4);
+  int64_t channels = rng.uniform(1, 4);
   if (kind == Kind::GroupNorm) {
-    c.groups = pick(rng, 1, 3);
-    channels = c.groups * pick(rng, 1, 3);
+    c.groups = rng.uniform(1, 3);
+    channels = c.groups * rng.uniform(1, 3);
   }
   c.input = {batch, channels};
-  for (int64_t i = 0; i < nsp; ++i) c.input.push_back(pick(rng, 1, nsp == 1 ? 12 : nsp == 2 ? 8 : 5));
-  c.affine = coin(rng, 0.75);
-  c.eps = coin(rng) ? 1e-5 : 1e-3;
-  c.momentum = coin(rng) ? 0.1 : 0.37;
+  for (int64_t i = 0; i < nsp; ++i) c.input.push_back(rng.uniform(1, nsp == 1 ? 12 : nsp == 2 ? 8 : 5));
+  c.affine = rng.coin(0.75);
+  c.eps = rng.coin() ? 1e-5 : 1e-3;
+  c.momentum = rng.coin() ? 0.1 : 0.37;
   if (kind == Kind::BatchTrain || kind == Kind::Instance) {
-    const int64_t r = pick(rng, 0, 2);
+    const int64_t r = rng.uniform(0, 2);
     c.stats = r == 0 ? Stats::None : r == 1 ? Stats::Plain : Stats::Replicated;
   }
-  if (kind == Kind::BatchEval) c.stats = coin(rng) ? Stats::Plain : Stats::Replicated;
-  if (kind == Kind::Instance && c.stats != Stats::None) c.use_input_stats = coin(rng, 0.7);
+  if (kind == Kind::BatchEval) c.stats = rng.coin() ? Stats::Plain : Stats::Replicated;
+  if (kind == Kind::Instance && c.stats != Stats::None) c.use_input_stats = rng.coin(0.7);
   if (stat_count(c) < 2) return make_case(rng, kind);
   c.desc = std::string(kind_name(kind)) + " input " + shape_str(c.input) +
            (kind == Kind::GroupNorm ? " groups " + std::to_string(c.groups) : "") +
@@ -129,8 +116,8 @@ Placements random_placements(Rng& rng, const DeviceMesh& mesh, const Shape& inpu
   const int64_t nsp = static_cast<int64_t>(input.size()) - 2;
   Placements p;
   for (int64_t m = 0; m < mesh.ndim(); ++m) {
-    const int64_t r = pick(rng, 0, 19);
-    if (r < 12 && nsp > 0) p.push_back(Shard(2 + pick(rng, 0, nsp - 1)));
+    const int64_t r = rng.uniform(0, 19);
+    if (r < 12 && nsp > 0) p.push_back(Shard(2 + rng.uniform(0, nsp - 1)));
     else if (r < 16) p.push_back(Shard(0));
     else if (r < 17) p.push_back(Shard(1));
     else if (r < 18) p.push_back(Partial());
@@ -164,14 +151,12 @@ void check(const DeviceMesh& mesh, const Case& c, const Placements& placements,
   at::Tensor expected = run(c, x, w, b, rm, rv);
   at::Tensor got = run(c, dx, dw, db, drm, drv);
   ASSERT_TRUE(is_dtensor(got)) << desc;
-  at::Tensor got_full = full_tensor(got);
-  ASSERT_TRUE(close(got_full, expected.detach()))
-      << desc << "\n  result " << spec(got).str() << "\n  max |diff| " << max_diff(got_full, expected);
+  ASSERT_TRUE(test::full_matches(got, expected, kTol)) << desc;
   if (c.stats != Stats::None) {
     ASSERT_EQ(is_dtensor(drm), c.stats == Stats::Replicated) << desc;
     if (is_dtensor(drm)) ASSERT_TRUE(spec(drm).is_replicated()) << desc << ": " << spec(drm).str();
-    ASSERT_TRUE(close(whole(drm), rm)) << desc << ": running_mean, max |diff| " << max_diff(whole(drm), rm);
-    ASSERT_TRUE(close(whole(drv), rv)) << desc << ": running_var, max |diff| " << max_diff(whole(drv), rv);
+    ASSERT_TRUE(test::matches(whole(drm), rm, kTol)) << desc << ": running_mean";
+    ASSERT_TRUE(test::matches(whole(drv), rv, kTol)) << desc << ": running_var";
   }
 
   at::Tensor g = test::randn(expected.sizes(), seed + 99, at::kDouble);
@@ -179,55 +164,30 @@ void check(const DeviceMesh& mesh, const Case& c, const Placements& placements,
   got.backward(distribute_tensor(g, mesh, spec(got).partial_as_replicate().placements(),
                                  std::nullopt, ShardSizes::Given(spec(got).shard_tables())));
   ASSERT_TRUE(dx.grad().defined()) << desc << ": no input gradient";
-  ASSERT_TRUE(close(full_tensor(dx.grad()), x.grad()))
-      << desc << ": input gradient, max |diff| " << max_diff(full_tensor(dx.grad()), x.grad());
+  ASSERT_TRUE(test::full_matches(dx.grad(), x.grad(), kTol)) << desc << ": input gradient";
   if (c.affine) {
     ASSERT_TRUE(dw.grad().defined() && db.grad().defined()) << desc << ": no weight/bias gradient";
-    ASSERT_TRUE(close(full_tensor(dw.grad()), w.grad()))
-        << desc << ": weight gradient " << spec(dw.grad()).str() << ", max |diff| "
-        << max_diff(full_tensor(dw.grad()), w.grad());
-    ASSERT_TRUE(close(full_tensor(db.grad()), b.grad()))
-        << desc << ": bias gradient " << spec(db.grad()).str() << ", max |diff| "
-        << max_diff(full_tensor(db.grad()), b.grad());
+    ASSERT_TRUE(test::full_matches(dw.grad(), w.grad(), kTol)) << desc << ": weight gradient";
+    ASSERT_TRUE(test::full_matches(db.grad(), b.grad(), kTol)) << desc << ": bias gradient";
   }
 }
 
-void run_cases(const Shape& mesh_shape, int cases_per_kind, uint64_t seed) {
-  int world = 1;
-  for (auto s : mesh_shape) world *= static_cast<int>(s);
-  tessera::testing::run_ranks(world, [&](int) {
-    auto mesh = init_device_mesh("cpu", mesh_shape);
-    Rng rng(static_cast<unsigned>(seed));
-    const Kind kinds[] = {Kind::GroupNorm, Kind::BatchTrain, Kind::BatchEval, Kind::Instance};
-    for (int i = 0; i < 4 * cases_per_kind && !::testing::Test::HasFatalFailure(); ++i) {
-      Case c = make_case(rng, kinds[i % 4]);
-      Placements p = random_placements(rng, mesh, c.input);
-      auto tables = coin(rng, 0.8) ? test::random_tables(rng, mesh, p, c.input)
-                                   : std::vector<ShardTable>{};
-      std::string desc = "seed " + std::to_string(seed) + " case " + std::to_string(i) + " mesh " +
-                         shape_str(mesh_shape) + ": " + c.desc + " placements " + to_string(p);
-      for (size_t t = 0; t < tables.size(); ++t)
-        if (!tables[t].empty()) desc += " t" + std::to_string(t) + "=" + shape_str(tables[t]);
-      try {
-        check(mesh, c, p, tables, seed + static_cast<uint64_t>(i) * 17, desc);
-      } catch (const std::exception& e) {
-        throw std::runtime_error(desc + ": " + e.what());
-      }
-    }
-  });
-}
-
-uint64_t seed_for(const Shape& mesh) {
-  uint64_t seed = base_seed() * 31 + 5;
-  for (auto s : mesh) seed = seed * 10 + static_cast<uint64_t>(s);
-  return seed;
-}
-
-std::string mesh_name(const Shape& shape) {
-  std::string s = "mesh";
-  for (auto d : shape) s += std::to_string(d) + "x";
-  s.pop_back();
-  return s;
+// Case i draws a norm of kind i % 4, so every kind gets a quarter of the cases.
+void run_case(const DeviceMesh& mesh, int64_t i, Rng& rng, const std::string& label) {
+  const Kind kinds[] = {Kind::GroupNorm, Kind::BatchTrain, Kind::BatchEval, Kind::Instance};
+  Case c = make_case(rng, kinds[i % 4]);
+  Placements p = random_placements(rng, mesh, c.input);
+  auto tables = rng.coin(0.8) ? test::random_tables(rng, mesh, p, c.input)
+                              : std::vector<ShardTable>{};
+  std::string desc = label + " mesh " + shape_str(mesh.shape()) + ": " + c.desc +
+                     " placements " + to_string(p);
+  for (size_t t = 0; t < tables.size(); ++t)
+    if (!tables[t].empty()) desc += " t" + std::to_string(t) + "=" + shape_str(tables[t]);
+  try {
+    check(mesh, c, p, tables, rng.bits(), desc);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(desc + ": " + e.what());
+  }
 }
 
 }  // namespace
@@ -235,11 +195,16 @@ std::string mesh_name(const Shape& shape) {
 // 4 meshes x 4 kinds x 14 cases = 224 random cases.
 class DomainNorm : public ::testing::TestWithParam<Shape> {};
 TEST_P(DomainNorm, RandomNormalisationsMatchOneDevice) {
-  run_cases(GetParam(), 14, seed_for(GetParam()));
+  test::Sweep sweep;
+  const auto cases = sweep.cases(4 * 14);
+  if (!cases.any()) return;
+  test::on_mesh(GetParam(), [&](const DeviceMesh& mesh) {
+    cases.run([&](Rng& rng, int64_t i) { run_case(mesh, i, rng, sweep.label(i)); });
+  });
 }
 INSTANTIATE_TEST_SUITE_P(Meshes, DomainNorm,
                          ::testing::Values(Shape{2}, Shape{3}, Shape{4}, Shape{2, 2}),
-                         [](const auto& info) { return mesh_name(info.param); });
+                         [](const auto& info) { return test::mesh_name(info.param); });
 
 // A spatially sharded norm moves only its statistics: two all-reduces of [N, groups] or [C]
 // per sharding mesh dim forward, one (both gradient sums stacked) backward.

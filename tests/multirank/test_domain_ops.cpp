@@ -3,24 +3,18 @@
 // random sizes, kernels, strides, dilations, paddings, groups and uneven shard tables (empty
 // shards and shards thinner than the halo included) on 1-D and 2-D meshes; forward and
 // backward against the same code on full tensors in one process.
-// Reproduce a failure with TESSERA_DOMAIN_SEED=<seed> and the printed case.
-#include <cstdlib>
+// A failure prints the command that replays its case (support/property.h).
 #include <functional>
-#include <random>
 
 #include "helpers.h"
+#include "support/meshes.h"
 
 using namespace tessera;
 
 namespace {
 
 using Shape = std::vector<int64_t>;
-using Rng = std::mt19937;
-
-int64_t pick(Rng& rng, int64_t lo, int64_t hi) {
-  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
-}
-bool coin(Rng& rng, double p = 0.5) { return std::bernoulli_distribution(p)(rng); }
+using test::Rng;
 
 // One random case: the input's shape, the parameters' shapes (replicated), the op.
 struct Case {
@@ -32,20 +26,12 @@ struct Case {
   bool exact_grad = true;            // false: only the forward is compared
 };
 
-uint64_t base_seed() {
-  const char* s = std::getenv("TESSERA_DOMAIN_SEED");
-  return s ? std::strtoull(s, nullptr, 10) : 4242;
-}
-
-bool close(const at::Tensor& a, const at::Tensor& b) {
-  return a.sizes() == b.sizes() && at::allclose(a, b, 1e-9, 1e-10, /*equal_nan=*/true);
-}
+const test::Tolerance kTol{1e-9, 1e-10, /*equal_nan=*/true};
 
 // Runs c.fn sharded (input shards from `placements`/`tables`, parameters replicated) and on
 // the full tensors; compares outputs and every gradient.
 void check(const DeviceMesh& mesh, const Case& c, const Placements& placements,
            const std::vector<ShardTable>& tables, uint64_t seed, const std::string& desc) {
-  auto opts = at::TensorOptions().dtype(at::kDouble);
   at::Tensor x = test::randn(c.input, seed, at::kDouble).requires_grad_();
   std::vector<at::Tensor> ps, dps;
   for (size_t i = 0; i < c.params.size(); ++i) {
@@ -58,52 +44,45 @@ void check(const DeviceMesh& mesh, const Case& c, const Placements& placements,
   at::Tensor expected = c.fn(x, ps);
   at::Tensor got = c.fn(dx, dps);
   ASSERT_TRUE(is_dtensor(got)) << desc;
-  at::Tensor got_full = full_tensor(got);
-  ASSERT_TRUE(close(got_full, expected.detach()))
-      << desc << "\n  result " << spec(got).str() << "\n  max |diff| "
-      << (got_full.sizes() == expected.sizes() ? (got_full - expected).abs().max().item<double>() : -1.0);
+  ASSERT_TRUE(test::full_matches(got, expected, kTol)) << desc;
   if (!c.exact_grad || !expected.requires_grad()) return;
   at::Tensor g = test::randn(expected.sizes(), seed + 99, at::kDouble);
   expected.backward(g);
   got.backward(distribute_tensor(g, mesh, spec(got).partial_as_replicate().placements(),
                                  std::nullopt, ShardSizes::Given(spec(got).shard_tables())));
   ASSERT_TRUE(dx.grad().defined()) << desc << ": no input gradient";
-  ASSERT_TRUE(close(full_tensor(dx.grad()), x.grad()))
-      << desc << ": input gradient, max |diff| "
-      << (full_tensor(dx.grad()) - x.grad()).abs().max().item<double>();
+  ASSERT_TRUE(test::full_matches(dx.grad(), x.grad(), kTol)) << desc << ": input gradient";
   for (size_t i = 0; i < ps.size(); ++i) {
     ASSERT_TRUE(dps[i].grad().defined()) << desc << ": no gradient for parameter " << i;
-    ASSERT_TRUE(close(full_tensor(dps[i].grad()), ps[i].grad()))
-        << desc << ": gradient of parameter " << i << ", max |diff| "
-        << (full_tensor(dps[i].grad()) - ps[i].grad()).abs().max().item<double>();
+    ASSERT_TRUE(test::full_matches(dps[i].grad(), ps[i].grad(), kTol))
+        << desc << ": gradient of parameter " << i;
   }
-  (void)opts;
 }
 
 // ---- case generators --------------------------------------------------------------------
 
 Case conv_case(Rng& rng) {
   Case c;
-  const int64_t nsp = pick(rng, 1, 3);
-  const bool transposed = coin(rng, 0.25);
-  const int64_t groups = coin(rng, 0.3) ? 2 : 1;
-  const int64_t cin = groups * pick(rng, 1, 2), cout = groups * pick(rng, 1, 2);
-  const int64_t batch = pick(rng, 1, 3);
+  const int64_t nsp = rng.uniform(1, 3);
+  const bool transposed = rng.coin(0.25);
+  const int64_t groups = rng.coin(0.3) ? 2 : 1;
+  const int64_t cin = groups * rng.uniform(1, 2), cout = groups * rng.uniform(1, 2);
+  const int64_t batch = rng.uniform(1, 3);
   std::vector<int64_t> k, s, p, d, op, sizes;
   for (int64_t i = 0; i < nsp; ++i) {
-    k.push_back(pick(rng, 1, nsp == 3 ? 3 : 7));
-    s.push_back(pick(rng, 1, 3));
-    d.push_back(pick(rng, 1, nsp == 3 ? 2 : 3));
+    k.push_back(rng.uniform(1, nsp == 3 ? 3 : 7));
+    s.push_back(rng.uniform(1, 3));
+    d.push_back(rng.uniform(1, nsp == 3 ? 2 : 3));
     const int64_t reach = d.back() * (k.back() - 1);
     if (transposed) {
-      p.push_back(pick(rng, 0, reach / 2));
-      op.push_back(pick(rng, 0, std::max(s.back(), d.back()) - 1));
-      sizes.push_back(pick(rng, 1, nsp == 3 ? 5 : 12));
+      p.push_back(rng.uniform(0, reach / 2));
+      op.push_back(rng.uniform(0, std::max(s.back(), d.back()) - 1));
+      sizes.push_back(rng.uniform(1, nsp == 3 ? 5 : 12));
     } else {
-      p.push_back(pick(rng, 0, std::max<int64_t>(0, (reach + 1) / 2)));
+      p.push_back(rng.uniform(0, std::max<int64_t>(0, (reach + 1) / 2)));
       op.push_back(0);
       const int64_t min_in = std::max<int64_t>(1, reach + 1 - 2 * p.back());
-      sizes.push_back(pick(rng, min_in, min_in + (nsp == 3 ? 5 : 12)));
+      sizes.push_back(rng.uniform(min_in, min_in + (nsp == 3 ? 5 : 12)));
     }
   }
   c.input = {batch, cin};
@@ -111,7 +90,7 @@ Case conv_case(Rng& rng) {
   Shape w = transposed ? Shape{cin, cout / groups} : Shape{cout, cin / groups};
   w.insert(w.end(), k.begin(), k.end());
   c.params = {w};
-  const bool bias = coin(rng);
+  const bool bias = rng.coin();
   if (bias) c.params.push_back({cout});
   for (int64_t i = 0; i < nsp; ++i) c.window_dims.push_back(2 + i);
   c.desc = std::string(transposed ? "conv_transpose" : "conv") + std::to_string(nsp) + "d in " +
@@ -134,7 +113,7 @@ Case conv_case(Rng& rng) {
 
 // A batched input [N, C, spatial...] with nsp spatial dims of the given sizes.
 Shape batched(Rng& rng, const std::vector<int64_t>& spatial) {
-  Shape s = {pick(rng, 1, 2), pick(rng, 1, 3)};
+  Shape s = {rng.uniform(1, 2), rng.uniform(1, 3)};
   s.insert(s.end(), spatial.begin(), spatial.end());
   return s;
 }
@@ -146,23 +125,23 @@ std::vector<int64_t> trailing_dims(const Shape& s, int64_t n) {
 
 Case pool_case(Rng& rng) {
   Case c;
-  const int64_t nsp = pick(rng, 1, 3);
-  const bool max = coin(rng);
-  const bool ceil = coin(rng, 0.3), include_pad = coin(rng);
+  const int64_t nsp = rng.uniform(1, 3);
+  const bool max = rng.coin();
+  const bool ceil = rng.coin(0.3), include_pad = rng.coin();
   std::vector<int64_t> k, s, p, d, sizes;
   for (int64_t i = 0; i < nsp; ++i) {
-    k.push_back(pick(rng, 1, nsp == 3 ? 3 : 4));
-    s.push_back(pick(rng, 1, 3));
-    p.push_back(pick(rng, 0, k.back() / 2));
-    d.push_back(max ? pick(rng, 1, 2) : 1);
+    k.push_back(rng.uniform(1, nsp == 3 ? 3 : 4));
+    s.push_back(rng.uniform(1, 3));
+    p.push_back(rng.uniform(0, k.back() / 2));
+    d.push_back(max ? rng.uniform(1, 2) : 1);
     // (3-D pooling also wants the unpadded input to cover the kernel; max pooling too, or
     // a window may hold padding only, for which ATen returns an index outside the input.)
     const int64_t span = d.back() * (k.back() - 1) + 1;
     const int64_t min_in = std::max<int64_t>(1, nsp == 3 || max ? span : span - 2 * p.back());
-    sizes.push_back(pick(rng, min_in, min_in + (nsp == 3 ? 5 : 11)));
+    sizes.push_back(rng.uniform(min_in, min_in + (nsp == 3 ? 5 : 11)));
   }
-  const int64_t divisor = (!max && nsp > 1 && coin(rng, 0.2)) ? pick(rng, 1, 5) : 0;
-  const bool indices = max && nsp > 1 && coin(rng, 0.2);
+  const int64_t divisor = (!max && nsp > 1 && rng.coin(0.2)) ? rng.uniform(1, 5) : 0;
+  const bool indices = max && nsp > 1 && rng.coin(0.2);
   c.input = batched(rng, sizes);
   c.window_dims = trailing_dims(c.input, nsp);
   c.desc = std::string(indices ? "max_pool_indices" : max ? "max_pool" : "avg_pool") +
@@ -194,12 +173,12 @@ Case pool_case(Rng& rng) {
 
 Case adaptive_case(Rng& rng) {
   Case c;
-  const int64_t nsp = pick(rng, 2, 3);
+  const int64_t nsp = rng.uniform(2, 3);
   std::vector<int64_t> out, sizes;
   for (int64_t i = 0; i < nsp; ++i) {
-    out.push_back(pick(rng, 1, 3));
+    out.push_back(rng.uniform(1, 3));
     // Mostly divisible sizes (the window path), sometimes not (spatial dims replicated).
-    sizes.push_back(coin(rng, 0.8) ? out.back() * pick(rng, 1, 4) : pick(rng, 1, 9));
+    sizes.push_back(rng.coin(0.8) ? out.back() * rng.uniform(1, 4) : rng.uniform(1, 9));
   }
   c.input = batched(rng, sizes);
   c.window_dims = trailing_dims(c.input, nsp);
@@ -212,18 +191,18 @@ Case adaptive_case(Rng& rng) {
 
 Case upsample_case(Rng& rng) {
   Case c;
-  const int64_t nsp = pick(rng, 1, 3);
-  const bool linear = coin(rng), align = coin(rng);
-  const bool by_scale = coin(rng), vec = coin(rng);
+  const int64_t nsp = rng.uniform(1, 3);
+  const bool linear = rng.coin(), align = rng.coin();
+  const bool by_scale = rng.coin(), vec = rng.coin();
   static const double kScales[] = {0.5, 1.0, 1.5, 2.0, 2.5, 3.0};
   std::vector<int64_t> sizes, out;
   std::vector<double> scales;
   for (int64_t i = 0; i < nsp; ++i) {
-    sizes.push_back(pick(rng, 1, nsp == 3 ? 5 : 9));
-    const double sc = kScales[pick(rng, 0, 5)];
+    sizes.push_back(rng.uniform(1, nsp == 3 ? 5 : 9));
+    const double sc = kScales[rng.uniform(0, 5)];
     scales.push_back(sc);
     out.push_back(by_scale ? std::max<int64_t>(1, static_cast<int64_t>(std::floor(sizes.back() * sc)))
-                           : pick(rng, 1, 2 * sizes.back() + 2));
+                           : rng.uniform(1, 2 * sizes.back() + 2));
   }
   if (by_scale)
     for (int64_t i = 0; i < nsp; ++i)
@@ -258,23 +237,23 @@ Case upsample_case(Rng& rng) {
 
 Case pad_case(Rng& rng) {
   Case c;
-  const int64_t nsp = pick(rng, 1, 3);
-  const int mode = static_cast<int>(pick(rng, 0, 3));  // constant, reflect, replicate, circular
+  const int64_t nsp = rng.uniform(1, 3);
+  const int mode = static_cast<int>(rng.uniform(0, 3));  // constant, reflect, replicate, circular
   static const char* kModes[] = {"constant", "reflect", "replicate", "circular"};
   std::vector<int64_t> sizes, pad;
-  for (int64_t i = 0; i < nsp; ++i) sizes.push_back(pick(rng, 1, nsp == 3 ? 5 : 9));
+  for (int64_t i = 0; i < nsp; ++i) sizes.push_back(rng.uniform(1, nsp == 3 ? 5 : 9));
   for (int64_t i = nsp; i-- > 0;) {  // pairs from the last dim backwards
     for (int side = 0; side < 2; ++side) {
       const int64_t n = sizes[i];
       switch (mode) {
-        case 0: pad.push_back(pick(rng, -std::min<int64_t>((n - 1) / 2, 2), 3)); break;  // keeps >= 1 row
-        case 1: pad.push_back(pick(rng, 0, std::min<int64_t>(n - 1, 3))); break;
-        case 2: pad.push_back(pick(rng, 0, 3)); break;
-        default: pad.push_back(pick(rng, 0, std::min<int64_t>(n, 3))); break;
+        case 0: pad.push_back(rng.uniform(-std::min<int64_t>((n - 1) / 2, 2), 3)); break;  // keeps >= 1 row
+        case 1: pad.push_back(rng.uniform(0, std::min<int64_t>(n - 1, 3))); break;
+        case 2: pad.push_back(rng.uniform(0, 3)); break;
+        default: pad.push_back(rng.uniform(0, std::min<int64_t>(n, 3))); break;
       }
     }
   }
-  const double value = static_cast<double>(pick(rng, -2, 2));
+  const double value = static_cast<double>(rng.uniform(-2, 2));
   c.input = batched(rng, sizes);
   c.window_dims = trailing_dims(c.input, nsp);
   c.desc = std::string("pad_") + kModes[mode] + " in " + shape_str(c.input) + " pad " + shape_str(pad);
@@ -293,89 +272,82 @@ Case pad_case(Rng& rng) {
 
 using Generator = Case (*)(Rng&);
 
-void run_cases(const std::vector<int64_t>& mesh_shape, Generator gen, int cases, uint64_t seed) {
-  int world = 1;
-  for (auto s : mesh_shape) world *= static_cast<int>(s);
-  tessera::testing::run_ranks(world, [&](int) {
-    auto mesh = init_device_mesh("cpu", mesh_shape);
-    Rng rng(static_cast<unsigned>(seed));
-    for (int i = 0; i < cases && !::testing::Test::HasFatalFailure(); ++i) {
-      Case c = gen(rng);
-      // Each mesh dim shards a random window dim (or the batch, or nothing); two mesh dims
-      // may cut two different spatial dims (H x W decompositions).
-      Placements p;
-      std::vector<bool> used(c.input.size(), false);
-      for (int64_t m = 0; m < mesh.ndim(); ++m) {
-        const int64_t choice = pick(rng, 0, 9);
-        int64_t dim = -1;
-        if (choice < 7) dim = c.window_dims[pick(rng, 0, c.window_dims.size() - 1)];
-        else if (choice < 8) dim = 0;
-        if (dim >= 0 && !used[dim]) {
-          used[dim] = true;
-          p.push_back(Shard(dim));
-        } else {
-          p.push_back(Replicate());
-        }
-      }
-      auto tables = coin(rng, 0.8) ? test::random_tables(rng, mesh, p, c.input)
-                                   : std::vector<ShardTable>{};
-      std::string desc = "seed " + std::to_string(seed) + " case " + std::to_string(i) + " mesh " +
-                         shape_str(mesh_shape) + ": " + c.desc + " placements " + to_string(p);
-      for (size_t t = 0; t < tables.size(); ++t)
-        if (!tables[t].empty()) desc += " t" + std::to_string(t) + "=" + shape_str(tables[t]);
-      try {
-        check(mesh, c, p, tables, seed + static_cast<uint64_t>(i) * 13, desc);
-      } catch (const std::exception& e) {
-        throw std::runtime_error(desc + ": " + e.what());
-      }
+// One random case of `gen` on `mesh`. Each mesh dim shards a random window dim (or the
+// batch, or nothing); two mesh dims may cut two different spatial dims (H x W).
+void run_case(const DeviceMesh& mesh, Generator gen, Rng& rng, const std::string& label) {
+  Case c = gen(rng);
+  Placements p;
+  std::vector<bool> used(c.input.size(), false);
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    const int64_t choice = rng.uniform(0, 9);
+    int64_t dim = -1;
+    if (choice < 7) dim = rng.pick(c.window_dims);
+    else if (choice < 8) dim = 0;
+    if (dim >= 0 && !used[dim]) {
+      used[dim] = true;
+      p.push_back(Shard(dim));
+    } else {
+      p.push_back(Replicate());
     }
-  });
+  }
+  auto tables = rng.coin(0.8) ? test::random_tables(rng, mesh, p, c.input)
+                              : std::vector<ShardTable>{};
+  std::string desc = label + " mesh " + shape_str(mesh.shape()) + ": " + c.desc +
+                     " placements " + to_string(p);
+  for (size_t t = 0; t < tables.size(); ++t)
+    if (!tables[t].empty()) desc += " t" + std::to_string(t) + "=" + shape_str(tables[t]);
+  try {
+    check(mesh, c, p, tables, rng.bits(), desc);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(desc + ": " + e.what());
+  }
 }
 
-std::string mesh_name(const std::vector<int64_t>& shape) {
-  std::string s = "mesh";
-  for (auto d : shape) s += std::to_string(d) + "x";
-  s.pop_back();
-  return s;
+// The next `count` cases of this test, drawn by `gen`, on a mesh of this shape.
+void run_cases(const std::vector<int64_t>& mesh_shape, test::Sweep& sweep, Generator gen,
+               int64_t count) {
+  const auto cases = sweep.cases(count);
+  if (!cases.any()) return;
+  test::on_mesh(mesh_shape, [&](const DeviceMesh& mesh) {
+    cases.run([&](Rng& rng, int64_t c) { run_case(mesh, gen, rng, sweep.label(c)); });
+  });
 }
 
 const auto kMeshes = ::testing::Values(std::vector<int64_t>{1}, std::vector<int64_t>{2},
                                        std::vector<int64_t>{3}, std::vector<int64_t>{4},
                                        std::vector<int64_t>{2, 2}, std::vector<int64_t>{1, 3});
 
-uint64_t seed_for(const std::vector<int64_t>& mesh, uint64_t salt) {
-  uint64_t seed = base_seed() * 31 + salt;
-  for (auto s : mesh) seed = seed * 10 + static_cast<uint64_t>(s);
-  return seed;
+std::string mesh_param(const ::testing::TestParamInfo<std::vector<int64_t>>& info) {
+  return test::mesh_name(info.param);
 }
 
 }  // namespace
 
 class DomainConv : public ::testing::TestWithParam<std::vector<int64_t>> {};
 TEST_P(DomainConv, RandomConvolutionsMatchOneDevice) {
-  run_cases(GetParam(), conv_case, 300, seed_for(GetParam(), 1));
+  test::Sweep sweep;
+  run_cases(GetParam(), sweep, conv_case, 300);
 }
-INSTANTIATE_TEST_SUITE_P(Meshes, DomainConv, kMeshes,
-                         [](const auto& info) { return mesh_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(Meshes, DomainConv, kMeshes, mesh_param);
 
 class DomainPool : public ::testing::TestWithParam<std::vector<int64_t>> {};
 TEST_P(DomainPool, RandomPoolingMatchesOneDevice) {
-  run_cases(GetParam(), pool_case, 150, seed_for(GetParam(), 2));
-  run_cases(GetParam(), adaptive_case, 30, seed_for(GetParam(), 3));
+  test::Sweep sweep;
+  run_cases(GetParam(), sweep, pool_case, 150);  // cases 0-149
+  run_cases(GetParam(), sweep, adaptive_case, 30);  // cases 150-179
 }
-INSTANTIATE_TEST_SUITE_P(Meshes, DomainPool, kMeshes,
-                         [](const auto& info) { return mesh_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(Meshes, DomainPool, kMeshes, mesh_param);
 
 class DomainUpsample : public ::testing::TestWithParam<std::vector<int64_t>> {};
 TEST_P(DomainUpsample, RandomInterpolationMatchesOneDevice) {
-  run_cases(GetParam(), upsample_case, 100, seed_for(GetParam(), 4));
+  test::Sweep sweep;
+  run_cases(GetParam(), sweep, upsample_case, 100);
 }
-INSTANTIATE_TEST_SUITE_P(Meshes, DomainUpsample, kMeshes,
-                         [](const auto& info) { return mesh_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(Meshes, DomainUpsample, kMeshes, mesh_param);
 
 class DomainPad : public ::testing::TestWithParam<std::vector<int64_t>> {};
 TEST_P(DomainPad, RandomPaddingMatchesOneDevice) {
-  run_cases(GetParam(), pad_case, 100, seed_for(GetParam(), 5));
+  test::Sweep sweep;
+  run_cases(GetParam(), sweep, pad_case, 100);
 }
-INSTANTIATE_TEST_SUITE_P(Meshes, DomainPad, kMeshes,
-                         [](const auto& info) { return mesh_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(Meshes, DomainPad, kMeshes, mesh_param);

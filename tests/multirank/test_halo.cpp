@@ -16,12 +16,12 @@ TEST(Halo, ExchangeAndAdjointMatchOneDevice) {
   for (int world : {1, 2, 3, 4}) {
     tessera::testing::run_ranks(world, [&](int rank) {
       auto mesh = init_device_mesh("cpu", {world});
-      std::mt19937 rng(1000 + world);
+      tessera::test::Rng rng(1000 + world);
       for (int c = 0; c < 40; ++c) {
-        const int64_t total = std::uniform_int_distribution<int64_t>(1, 9)(rng);
+        const int64_t total = rng.uniform(1, 9);
         auto sizes = tessera::test::random_table(rng, total, world);
-        const int64_t before = std::uniform_int_distribution<int64_t>(0, 4)(rng);
-        const int64_t after = std::uniform_int_distribution<int64_t>(0, 4)(rng);
+        const int64_t before = rng.uniform(0, 4);
+        const int64_t after = rng.uniform(0, 4);
         const auto boundary = c % 2 ? HaloBoundary::Periodic : HaloBoundary::Zeros;
         const std::string what = "world " + std::to_string(world) + " case " + std::to_string(c) +
                                  " sizes " + shape_str(sizes) + " halo " + std::to_string(before) +

@@ -54,7 +54,7 @@ void compare(nn::Sequential ref, nn::Sequential dist, const std::vector<double>&
   for (const auto& item : pa) {
     auto got = *pb.find(item.key());
     ASSERT_TRUE(is_dtensor(got)) << what << " " << item.key() << " is not distributed";
-    ASSERT_TRUE(at::allclose(full_tensor(got).detach(), item.value().detach(), 1e-4, 1e-5))
+    ASSERT_TRUE(tessera::test::full_matches(got, item.value().detach(), {1e-4, 1e-5}))
         << what << " parameter " << item.key();
   }
 }

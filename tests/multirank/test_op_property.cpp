@@ -1,15 +1,16 @@
 // Seeded randomized differential test over the op families: a random op, random operand
 // shapes, meshes, placements (Partial included) and uneven shard tables; forward and
 // backward against the same code on full tensors in one process.
-// Reproduce a failure with TESSERA_OP_SEED=<seed> and the printed case index.
-#include <cstdlib>
+// A failure prints the command that replays its case (support/property.h).
 #include <functional>
 
 #include "helpers.h"
+#include "support/meshes.h"
 
 using namespace tessera;
 using tessera::test::differential;
 using tessera::test::Operand;
+using tessera::test::Rng;
 
 namespace {
 
@@ -84,55 +85,41 @@ const std::vector<OpCase>& op_table() {
   return table;
 }
 
-Placement random_placement(std::mt19937& rng, int64_t ndim) {
-  switch (std::uniform_int_distribution<int>(0, 4)(rng)) {
+Placement random_placement(Rng& rng, int64_t ndim) {
+  switch (rng.uniform(0, 4)) {
     case 0:
-    case 1: return Shard(std::uniform_int_distribution<int64_t>(0, ndim - 1)(rng));
+    case 1: return Shard(rng.uniform(0, ndim - 1));
     case 2:
     case 3: return Replicate();
     default: return Partial();
   }
 }
 
-uint64_t base_seed() {
-  const char* s = std::getenv("TESSERA_OP_SEED");
-  return s ? std::strtoull(s, nullptr, 10) : 777;
-}
-
-void run_cases(const std::vector<int64_t>& mesh_shape, int cases, uint64_t seed) {
-  int world = 1;
-  for (auto s : mesh_shape) world *= static_cast<int>(s);
-  tessera::testing::run_ranks(world, [&](int) {
-    auto mesh = init_device_mesh("cpu", mesh_shape);
-    std::mt19937 rng(static_cast<unsigned>(seed));
-    const auto& table = op_table();
-    for (int c = 0; c < cases && !::testing::Test::HasFatalFailure(); ++c) {
-      const auto& op = table[std::uniform_int_distribution<size_t>(0, table.size() - 1)(rng)];
-      Shape base;
-      const int64_t nd = std::uniform_int_distribution<int64_t>(2, 3)(rng);
-      for (int64_t d = 0; d < nd; ++d) base.push_back(std::uniform_int_distribution<int64_t>(1, 6)(rng));
-      std::vector<Operand> operands;
-      std::string desc = "seed " + std::to_string(seed) + " case " + std::to_string(c) + " op " +
-                         op.name + " mesh " + shape_str(mesh_shape);
-      for (const auto& shape : op.shapes(base)) {
-        Placements p;
-        for (int64_t m = 0; m < mesh.ndim(); ++m)
-          p.push_back(random_placement(rng, static_cast<int64_t>(shape.size())));
-        auto tables = std::uniform_int_distribution<int>(0, 2)(rng) == 0
-                          ? std::vector<ShardTable>{}
-                          : tessera::test::random_tables(rng, mesh, p, shape);
-        desc += " | " + shape_str(shape) + " " + to_string(p);
-        for (size_t t = 0; t < tables.size(); ++t)
-          if (!tables[t].empty()) desc += " t" + std::to_string(t) + "=" + shape_str(tables[t]);
-        operands.push_back({shape, p, tables});
-      }
-      try {
-        differential(mesh, operands, op.fn, desc, seed + static_cast<uint64_t>(c));
-      } catch (const std::exception& e) {
-        throw std::runtime_error(desc + ": " + e.what());  // name the case
-      }
-    }
-  });
+// One random case: an op from the table, a base shape, each operand's layout and tables.
+void run_case(const DeviceMesh& mesh, Rng& rng, const std::string& label) {
+  const auto& table = op_table();
+  const auto& op = rng.pick(table);
+  Shape base;
+  const int64_t nd = rng.uniform(2, 3);
+  for (int64_t d = 0; d < nd; ++d) base.push_back(rng.uniform(1, 6));
+  std::vector<Operand> operands;
+  std::string desc = label + " op " + op.name + " mesh " + shape_str(mesh.shape());
+  for (const auto& shape : op.shapes(base)) {
+    Placements p;
+    for (int64_t m = 0; m < mesh.ndim(); ++m)
+      p.push_back(random_placement(rng, static_cast<int64_t>(shape.size())));
+    auto tables = rng.uniform(0, 2) == 0 ? std::vector<ShardTable>{}
+                                         : tessera::test::random_tables(rng, mesh, p, shape);
+    desc += " | " + shape_str(shape) + " " + to_string(p);
+    for (size_t t = 0; t < tables.size(); ++t)
+      if (!tables[t].empty()) desc += " t" + std::to_string(t) + "=" + shape_str(tables[t]);
+    operands.push_back({shape, p, tables});
+  }
+  try {
+    differential(mesh, operands, op.fn, desc, rng.bits());
+  } catch (const std::exception& e) {
+    throw std::runtime_error(desc + ": " + e.what());  // name the case
+  }
 }
 
 }  // namespace
@@ -141,9 +128,12 @@ void run_cases(const std::vector<int64_t>& mesh_shape, int cases, uint64_t seed)
 class OpProperty : public ::testing::TestWithParam<std::vector<int64_t>> {};
 
 TEST_P(OpProperty, RandomOpsMatchOneDevice) {
-  uint64_t seed = base_seed();
-  for (auto s : GetParam()) seed = seed * 10 + static_cast<uint64_t>(s);
-  run_cases(GetParam(), 300, seed);
+  tessera::test::Sweep sweep;
+  const auto cases = sweep.cases(300);
+  if (!cases.any()) return;
+  tessera::test::on_mesh(GetParam(), [&](const DeviceMesh& mesh) {
+    cases.run([&](Rng& rng, int64_t c) { run_case(mesh, rng, sweep.label(c)); });
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Meshes, OpProperty,
@@ -152,9 +142,4 @@ INSTANTIATE_TEST_SUITE_P(Meshes, OpProperty,
                                            std::vector<int64_t>{2, 2},
                                            std::vector<int64_t>{2, 3},
                                            std::vector<int64_t>{1, 2}),
-                         [](const auto& info) {
-                           std::string s = "mesh";
-                           for (auto d : info.param) s += std::to_string(d) + "x";
-                           s.pop_back();
-                           return s;
-                         });
+                         [](const auto& info) { return tessera::test::mesh_name(info.param); });

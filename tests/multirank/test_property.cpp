@@ -1,48 +1,41 @@
 // Seeded randomized property test: random shapes (empty dims included), meshes, placements
 // (nested and partial), uneven shard tables and chains of redistributes, checked at every
 // step against the full tensor, plus the gradient through the whole chain.
-// Reproduce a failure with TESSERA_PROPERTY_SEED=<seed> and the printed case index.
-#include <cstdlib>
-
+// A failure prints the command that replays its case (support/property.h).
 #include "helpers.h"
+#include "support/meshes.h"
 
 using namespace tessera;
-using tessera::test::local_block;
 using tessera::test::make_dtensor_from_full;
-using tessera::test::same_values;
+using tessera::test::Rng;
+using tessera::test::shard_matches;
 
 namespace {
 
-uint64_t base_seed() {
-  const char* s = std::getenv("TESSERA_PROPERTY_SEED");
-  return s ? std::strtoull(s, nullptr, 10) : 20261121;
-}
-
-Placement random_placement(std::mt19937& rng, int64_t ndim, bool allow_partial) {
-  const int kinds = allow_partial ? 4 : 3;
-  switch (std::uniform_int_distribution<int>(0, kinds - 1)(rng)) {
+Placement random_placement(Rng& rng, int64_t ndim, bool allow_partial) {
+  switch (rng.uniform(0, allow_partial ? 3 : 2)) {
     case 0:
     case 1:
-      if (ndim > 0) return Shard(std::uniform_int_distribution<int64_t>(-ndim, ndim - 1)(rng));
+      if (ndim > 0) return Shard(rng.uniform(-ndim, ndim - 1));
       return Replicate();
     case 2: return Replicate();
     default: {
       static const PartialOp ops[] = {PartialOp::Sum, PartialOp::Avg, PartialOp::Max,
                                       PartialOp::Min};
-      return Partial(ops[std::uniform_int_distribution<int>(0, 3)(rng)]);
+      return Partial(ops[rng.uniform(0, 3)]);
     }
   }
 }
 
-Placements random_placements(std::mt19937& rng, int64_t mesh_ndim, int64_t ndim, bool partial) {
+Placements random_placements(Rng& rng, int64_t mesh_ndim, int64_t ndim, bool partial) {
   Placements p;
   for (int64_t d = 0; d < mesh_ndim; ++d) p.push_back(random_placement(rng, ndim, partial));
   return p;
 }
 
-std::vector<ShardTable> maybe_uneven(std::mt19937& rng, const DeviceMesh& mesh,
-                                     const Placements& p, const std::vector<int64_t>& shape) {
-  if (std::uniform_int_distribution<int>(0, 3)(rng) == 0) return {};  // chunk layout
+std::vector<ShardTable> maybe_uneven(Rng& rng, const DeviceMesh& mesh, const Placements& p,
+                                     const std::vector<int64_t>& shape) {
+  if (rng.uniform(0, 3) == 0) return {};  // chunk layout
   Placements norm;
   for (auto& x : p) norm.push_back(x.normalized(static_cast<int64_t>(shape.size())));
   return tessera::test::random_tables(rng, mesh, norm, shape);
@@ -55,40 +48,32 @@ std::string tables_str(const std::vector<ShardTable>& t) {
   return s + "}";
 }
 
-// Runs `cases` random cases on one mesh; returns through gtest assertions.
-void run_cases(const std::vector<int64_t>& mesh_shape, int cases, uint64_t seed) {
-  int world = 1;
-  for (auto s : mesh_shape) world *= static_cast<int>(s);
-  tessera::testing::run_ranks(world, [&](int) {
-    auto mesh = init_device_mesh("cpu", mesh_shape);
-    std::mt19937 rng(static_cast<unsigned>(seed));  // same stream on every rank
-    for (int c = 0; c < cases; ++c) {
-      const int64_t ndim = std::uniform_int_distribution<int64_t>(1, 3)(rng);
-      std::vector<int64_t> shape;
-      for (int64_t i = 0; i < ndim; ++i)
-        shape.push_back(std::uniform_int_distribution<int64_t>(0, 6)(rng));
-      const auto dtype = std::uniform_int_distribution<int>(0, 3)(rng) == 0 ? at::kDouble : at::kFloat;
-      const auto full = tessera::test::randn(shape, seed + c, dtype);
-      auto src_p = random_placements(rng, mesh.ndim(), ndim, /*partial=*/true);
-      auto src_t = maybe_uneven(rng, mesh, src_p, shape);
-      std::string ctx = "seed " + std::to_string(seed) + " case " + std::to_string(c) + ": mesh " +
-                        shape_str(mesh_shape) + " shape " + shape_str(shape) + " " +
-                        c10::toString(dtype) + " src " + to_string(src_p) + tables_str(src_t);
-      auto x = make_dtensor_from_full(full, mesh, src_p, src_t).detach().requires_grad_();
-      at::Tensor y = x;
-      const int steps = std::uniform_int_distribution<int>(1, 4)(rng);
-      for (int s = 0; s < steps; ++s) {
-        auto p = random_placements(rng, mesh.ndim(), ndim, false);
-        auto t = maybe_uneven(rng, mesh, p, shape);
-        ctx += " -> " + to_string(p) + tables_str(t);
-        y = redistribute(y, std::make_shared<DTensorSpec>(mesh, p, shape, dtype, t));
-        ASSERT_TRUE(same_values(to_local(y), local_block(full, spec(y)))) << ctx;
-      }
-      const auto g = tessera::test::randn(shape, seed + 7919 * c, dtype);
-      to_local(y).backward(local_block(g, spec(y)));
-      ASSERT_TRUE(same_values(full_tensor(x.grad()), g)) << ctx << " (backward)";
-    }
-  });
+// One random case on `mesh`: a source layout and a chain of 1-4 redistributes, each step
+// checked shard by shard, then the gradient through the chain.
+void run_case(const DeviceMesh& mesh, Rng& rng, const std::string& label) {
+  const int64_t ndim = rng.uniform(1, 3);
+  std::vector<int64_t> shape;
+  for (int64_t i = 0; i < ndim; ++i) shape.push_back(rng.uniform(0, 6));
+  const auto dtype = rng.uniform(0, 3) == 0 ? at::kDouble : at::kFloat;
+  const uint64_t data_seed = rng.bits();
+  const auto full = tessera::test::randn(shape, data_seed, dtype);
+  auto src_p = random_placements(rng, mesh.ndim(), ndim, /*partial=*/true);
+  auto src_t = maybe_uneven(rng, mesh, src_p, shape);
+  std::string ctx = label + ": mesh " + shape_str(mesh.shape()) + " shape " + shape_str(shape) +
+                    " " + c10::toString(dtype) + " src " + to_string(src_p) + tables_str(src_t);
+  auto x = make_dtensor_from_full(full, mesh, src_p, src_t).detach().requires_grad_();
+  at::Tensor y = x;
+  const int64_t steps = rng.uniform(1, 4);
+  for (int64_t s = 0; s < steps; ++s) {
+    auto p = random_placements(rng, mesh.ndim(), ndim, false);
+    auto t = maybe_uneven(rng, mesh, p, shape);
+    ctx += " -> " + to_string(p) + tables_str(t);
+    y = redistribute(y, std::make_shared<DTensorSpec>(mesh, p, shape, dtype, t));
+    ASSERT_TRUE(shard_matches(y, full)) << ctx;
+  }
+  const auto g = tessera::test::randn(shape, data_seed + 7919, dtype);
+  to_local(y).backward(tessera::test::local_block(g, spec(y)));
+  ASSERT_TRUE(tessera::test::full_matches(x.grad(), g)) << ctx << " (backward)";
 }
 
 }  // namespace
@@ -97,10 +82,12 @@ void run_cases(const std::vector<int64_t>& mesh_shape, int cases, uint64_t seed)
 class RedistributeProperty : public ::testing::TestWithParam<std::vector<int64_t>> {};
 
 TEST_P(RedistributeProperty, RandomChainsMatchOneDevice) {
-  const auto& shape = GetParam();
-  uint64_t seed = base_seed();
-  for (auto s : shape) seed = seed * 10 + static_cast<uint64_t>(s);
-  run_cases(shape, 200, seed);
+  tessera::test::Sweep sweep;
+  const auto cases = sweep.cases(200);
+  if (!cases.any()) return;
+  tessera::test::on_mesh(GetParam(), [&](const DeviceMesh& mesh) {
+    cases.run([&](Rng& rng, int64_t c) { run_case(mesh, rng, sweep.label(c)); });
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(Meshes, RedistributeProperty,
@@ -108,9 +95,4 @@ INSTANTIATE_TEST_SUITE_P(Meshes, RedistributeProperty,
                                            std::vector<int64_t>{3}, std::vector<int64_t>{4},
                                            std::vector<int64_t>{2, 2},
                                            std::vector<int64_t>{2, 3}),
-                         [](const auto& info) {
-                           std::string s = "mesh";
-                           for (auto d : info.param) s += std::to_string(d) + "x";
-                           s.pop_back();
-                           return s;
-                         });
+                         [](const auto& info) { return tessera::test::mesh_name(info.param); });

@@ -4,9 +4,9 @@
 #include "helpers.h"
 
 using namespace tessera;
+using tessera::test::full_matches;
 using tessera::test::local_block;
 using tessera::test::make_dtensor_from_full;
-using tessera::test::same_values;
 
 namespace {
 
@@ -51,7 +51,7 @@ std::vector<ShardTable> tables_for(Layout layout, const DeviceMesh& mesh, const 
     if (layout == Layout::ZeroSize) {
       tab[(salt + t) % parts] = sizes[t];  // everything on one shard, the rest empty
     } else {
-      std::mt19937 rng(salt * 31 + static_cast<unsigned>(t));
+      tessera::test::Rng rng(salt * 31 + static_cast<unsigned>(t));
       tab = tessera::test::random_table(rng, sizes[t], parts);
     }
     tables[t] = tab;
@@ -137,7 +137,7 @@ void run_transitions(const std::vector<int64_t>& mesh_shape, at::ScalarType dtyp
           auto y = redistribute(x, target);
           const int64_t sent = comm.total_bytes_sent(), recv = comm.total_bytes_received();
           ASSERT_TRUE(spec(y) == *target) << ctx;
-          ASSERT_TRUE(same_values(to_local(y), local_block(full, *target))) << ctx;
+          ASSERT_TRUE(tessera::test::shard_matches(y, full)) << ctx;  // spec(y) == *target
           if (mesh.ndim() == 1) {
             auto expected = min_bytes_1d(spec(x), *target, full.element_size());
             EXPECT_EQ(sent, expected.first) << ctx << " (bytes sent)";
@@ -149,7 +149,7 @@ void run_transitions(const std::vector<int64_t>& mesh_shape, at::ScalarType dtyp
             auto gx = x.grad();
             ASSERT_TRUE(is_dtensor(gx)) << ctx;
             EXPECT_FALSE(spec(gx).has_partial()) << ctx << " gradient must not stay partial";
-            ASSERT_TRUE(same_values(full_tensor(gx), grad_full.to(dtype))) << ctx << " (backward)";
+            ASSERT_TRUE(full_matches(gx, grad_full.to(dtype))) << ctx << " (backward)";
           }
           ++checked;
         }

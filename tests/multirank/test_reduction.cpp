@@ -7,34 +7,29 @@
 // and the skip is printed; forwards are always checked.
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <functional>
 #include <iostream>
-#include <random>
 #include <sstream>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "helpers.h"
+#include "support/meshes.h"
 #include "tessera/ops/rule.h"
 
 using namespace tessera;
 using tessera::test::differential;
 using tessera::test::Fn;
+using tessera::test::full_matches;
 using tessera::test::make_dtensor_from_full;
 using tessera::test::Operand;
+using tessera::test::on_meshes;
+using tessera::test::Rng;
 using tessera::test::same_values;
 
 namespace {
 
 const double kInf = std::numeric_limits<double>::infinity();
-
-void on_meshes(const std::function<void(const DeviceMesh&)>& body) {
-  for (int world : {1, 2, 3}) {
-    tessera::testing::run_ranks(world, [&](int) { body(init_device_mesh("cpu", {world})); });
-  }
-  tessera::testing::run_ranks(4, [&](int) { body(init_device_mesh("cpu", {2, 2})); });
-}
 
 bool has_rule(const char* name) {
   auto op = c10::Dispatcher::singleton().findOp({name, ""});
@@ -179,7 +174,7 @@ void check(const DeviceMesh& mesh, const Operand& o, const Red& r, const std::st
   auto expected = fn({full});
   auto got = fn({dist});
   ASSERT_TRUE(is_dtensor(got)) << what;
-  ASSERT_TRUE(same_values(full_tensor(got), expected)) << what << " (forward) " << spec(got).str();
+  ASSERT_TRUE(full_matches(got, expected)) << what << " (forward)";
 }
 
 // Shard table of n elements in `parts` pieces: 0 torch.chunk, 1 uneven (ones, then the
@@ -302,7 +297,7 @@ TEST(Reduction, LayoutsAndCommunication) {
       EXPECT_EQ(comm.get_total_counts(), 1) << comm.table();
       EXPECT_EQ(comm.get_comm_counts()["all_to_all"], 1) << comm.table();
       EXPECT_EQ(placements(y), (Placements{Shard(0)}));
-      EXPECT_TRUE(same_values(full_tensor(y), fn(full)));
+      EXPECT_TRUE(full_matches(y, fn(full)));
     }
     {
       CommDebugMode comm;
@@ -314,7 +309,7 @@ TEST(Reduction, LayoutsAndCommunication) {
     auto p = make_dtensor_from_full(full, mesh, {Partial()});
     auto v = p.var(1);
     EXPECT_EQ(placements(v), (Placements{Shard(0)}));
-    EXPECT_TRUE(same_values(full_tensor(v), full.var(1)));
+    EXPECT_TRUE(full_matches(v, full.var(1)));
   });
 }
 
@@ -339,11 +334,11 @@ TEST(Reduction, OutVariants) {
     const Placements r(mesh.ndim(), Replicate());
     auto a = distribute_tensor(at::zeros({0}), mesh, r), b = a.clone(), c = a.clone();
     at::sum_out(a, x, {0});
-    EXPECT_TRUE(same_values(full_tensor(a), full.sum(0))) << spec(a).str();
+    EXPECT_TRUE(full_matches(a, full.sum(0))) << spec(a).str();
     at::mean_out(b, x, {1}, true);
-    EXPECT_TRUE(same_values(full_tensor(b), full.mean(1, true))) << spec(b).str();
+    EXPECT_TRUE(full_matches(b, full.mean(1, true))) << spec(b).str();
     at::nansum_out(c, x, {0});
-    EXPECT_TRUE(same_values(full_tensor(c), at::nansum(full, {0}))) << spec(c).str();
+    EXPECT_TRUE(full_matches(c, at::nansum(full, {0}))) << spec(c).str();
   });
 }
 
@@ -362,7 +357,7 @@ TEST(Reduction, IntegersScalarsAndEmptyTensors) {
       auto x = make_dtensor_from_full(full, mesh, p, empty_first);
       for (const auto& r : ints) {
         auto got = make_fn(r)({x});
-        EXPECT_TRUE(same_values(full_tensor(got), make_fn(r)({full}))) << r.str() << " " << dtype;
+        EXPECT_TRUE(full_matches(got, make_fn(r)({full}))) << r.str() << " " << dtype;
       }
     }
     // 0-dim: only Replicate or Partial.
@@ -370,7 +365,7 @@ TEST(Reduction, IntegersScalarsAndEmptyTensors) {
     for (auto pl : {Partial(), Partial(PartialOp::Max), Replicate()}) {
       auto x = make_dtensor_from_full(s, mesh, Placements(mesh.ndim(), pl));
       for (const auto& r : std::vector<Red>{{"amax"}, {"amin"}, {"sum"}, {"prod()"}, {"norm()"}})
-        EXPECT_TRUE(same_values(full_tensor(make_fn(r)({x})), make_fn(r)({s}))) << r.str();
+        EXPECT_TRUE(full_matches(make_fn(r)({x}), make_fn(r)({s}))) << r.str();
     }
     // Globally empty: reductions over the non-empty dim, and sums over the empty one.
     Placements q(mesh.ndim(), Replicate());
@@ -379,69 +374,80 @@ TEST(Reduction, IntegersScalarsAndEmptyTensors) {
     auto x = make_dtensor_from_full(e, mesh, q);
     for (const auto& r : std::vector<Red>{{"sum", {0}}, {"mean", {1}}, {"amax", {1}}, {"var", {1}},
                                           {"norm", {1}}, {"prod", {}, 0}, {"max.dim", {}, 1}})
-      EXPECT_TRUE(same_values(full_tensor(make_fn(r)({x})), make_fn(r)({e}))) << r.str();
+      EXPECT_TRUE(full_matches(make_fn(r)({x}), make_fn(r)({e}))) << r.str();
   });
 }
 
-// Seeded random sweep: random op, shape (1-3 dims of 1-6), placements, uneven tables, dims
-// and keepdim. A failure names the seed, the mesh, the case index and the case;
-// TESSERA_REDUCTION_SEED=<seed> reruns another sweep.
-TEST(Reduction, RandomizedAgainstOneDevice) {
-  gaps();
-  const char* env = std::getenv("TESSERA_REDUCTION_SEED");  // to explore other sweeps
-  const uint64_t kSeed = env ? std::strtoull(env, nullptr, 10) : 20240611;
-  constexpr int kCasesPerMesh = 90;
+namespace {
+
+// One random case: op, shape (1-3 dims of 1-6), placements, uneven tables, dims and keepdim.
+void random_case(const DeviceMesh& mesh, Rng& rng, const std::string& label) {
   static const char* kOps[] = {"sum", "mean", "nansum", "amax", "amin", "max()", "min()", "prod",
                                "prod()", "max.dim", "min.dim", "max.indices", "argmax", "argmin",
                                "var", "std", "var_mean", "std_mean", "norm", "linalg_vector_norm"};
-  std::atomic<int> total{0};  // cases run by the first rank of each mesh
-  on_meshes([&](const DeviceMesh& mesh) {
-    std::mt19937 rng(kSeed + mesh.size());
-    auto pick = [&](int n) { return std::uniform_int_distribution<int>(0, n - 1)(rng); };
-    for (int i = 0; i < kCasesPerMesh; ++i) {
-      Red r{kOps[pick(sizeof(kOps) / sizeof(kOps[0]))]};
-      const int nd = 1 + pick(3);
-      std::vector<int64_t> shape(nd);
-      for (auto& s : shape) s = 1 + pick(6);
-      // Partial(avg) test terms do not add up exactly on 3 ranks, and the backward of
-      // amax/max/inf-norms compares values bitwise: avg only for the linear-ish families.
-      const bool avg =
-          r.op == "sum" || r.op == "mean" || starts(r.op, "var") || starts(r.op, "std");
-      Placements p;
-      for (int64_t m = 0; m < mesh.ndim(); ++m) {
-        const int k = pick(6);
-        p.push_back(k < 3 ? Shard(pick(nd)) : k == 3 ? Replicate()
-                    : Partial(k == 4 ? (avg && pick(2) ? PartialOp::Avg : PartialOp::Sum)
-                                     : pick(2) ? PartialOp::Max : PartialOp::Min));
-      }
-      auto tables = tessera::test::random_tables(rng, mesh, p, shape);
-      for (int t = 0; t < nd; ++t)
-        if (pick(2)) r.dims.push_back(pick(2) ? t : t - nd);
-      std::shuffle(r.dims.begin(), r.dims.end(), rng);
-      r.none = r.dims.empty() && pick(2) && (starts(r.op, "var") || starts(r.op, "std") ||
-                                             starts(r.op, "linalg"));
-      r.dim = pick(2) ? pick(nd) : pick(nd) - nd;
-      r.keepdim = pick(2);
-      const double ps[] = {1, 2, 3, kInf, 0.5};
-      r.p = ps[pick(5)];
-      int64_t count = 1;  // elements per reduced slice: no NaN variances
-      for (int t = 0; t < nd; ++t)
-        if (r.dims.empty() || std::count(r.dims.begin(), r.dims.end(), t) ||
-            std::count(r.dims.begin(), r.dims.end(), t - nd))
-          count *= shape[t];
-      r.correction = count > 1 ? 1 : 0;
-      std::ostringstream what;
-      what << "seed " << kSeed << " mesh" << shape_str(mesh.shape()) << " case " << i << ": "
-           << r.str() << " shape " << shape_str(shape) << " " << to_string(p) << " tables {";
-      for (auto& t : tables) what << shape_str(t);
-      what << "}";
-      try {
-        check(mesh, {shape, p, tables}, r, what.str(), kSeed + i);
-      } catch (const std::exception& e) {
-        throw std::runtime_error(what.str() + ": " + e.what());
-      }
-      if (mesh.coordinate() == std::vector<int64_t>(mesh.ndim(), 0)) ++total;
-    }
-  });
-  EXPECT_GE(total.load(), 300);
+  auto pick = [&](int64_t n) { return rng.uniform(0, n - 1); };
+  Red r{kOps[pick(sizeof(kOps) / sizeof(kOps[0]))]};
+  const int64_t nd = 1 + pick(3);
+  std::vector<int64_t> shape(nd);
+  for (auto& s : shape) s = 1 + pick(6);
+  // Partial(avg) test terms do not add up exactly on 3 ranks, and the backward of
+  // amax/max/inf-norms compares values bitwise: avg only for the linear-ish families.
+  const bool avg = r.op == "sum" || r.op == "mean" || starts(r.op, "var") || starts(r.op, "std");
+  Placements p;
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    const int64_t k = pick(6);
+    if (k < 3) p.push_back(Shard(pick(nd)));
+    else if (k == 3) p.push_back(Replicate());
+    else if (k == 4) p.push_back(Partial(avg && pick(2) ? PartialOp::Avg : PartialOp::Sum));
+    else p.push_back(Partial(pick(2) ? PartialOp::Max : PartialOp::Min));
+  }
+  auto tables = tessera::test::random_tables(rng, mesh, p, shape);
+  for (int64_t t = 0; t < nd; ++t)
+    if (pick(2)) r.dims.push_back(pick(2) ? t : t - nd);
+  rng.shuffle(r.dims);
+  r.none = r.dims.empty() && pick(2) &&
+           (starts(r.op, "var") || starts(r.op, "std") || starts(r.op, "linalg"));
+  r.dim = pick(2) ? pick(nd) : pick(nd) - nd;
+  r.keepdim = pick(2);
+  const double ps[] = {1, 2, 3, kInf, 0.5};
+  r.p = ps[pick(5)];
+  int64_t count = 1;  // elements per reduced slice: no NaN variances
+  for (int64_t t = 0; t < nd; ++t)
+    if (r.dims.empty() || std::count(r.dims.begin(), r.dims.end(), t) ||
+        std::count(r.dims.begin(), r.dims.end(), t - nd))
+      count *= shape[t];
+  r.correction = count > 1 ? 1 : 0;
+  std::ostringstream what;
+  what << label << " mesh" << shape_str(mesh.shape()) << ": " << r.str() << " shape "
+       << shape_str(shape) << " " << to_string(p) << " tables {";
+  for (auto& t : tables) what << shape_str(t);
+  what << "}";
+  try {
+    check(mesh, {shape, p, tables}, r, what.str(), rng.bits());
+  } catch (const std::exception& e) {
+    throw std::runtime_error(what.str() + ": " + e.what());
+  }
+}
+
+}  // namespace
+
+// Seeded random sweep, 90 cases on each standard mesh (cases 0-89 on one rank, 90-179 on
+// two, ...). A failure prints the command that replays its case.
+TEST(Reduction, RandomizedAgainstOneDevice) {
+  gaps();
+  tessera::test::Sweep sweep;
+  int64_t expected = 0;
+  std::atomic<int64_t> ran{0};  // cases run by the first rank of each mesh
+  for (const auto& shape : tessera::test::standard_meshes()) {
+    const auto cases = sweep.cases(90);
+    if (!cases.any()) continue;
+    expected += cases.selected();
+    tessera::test::on_mesh(shape, [&](const DeviceMesh& mesh) {
+      cases.run([&](Rng& rng, int64_t c) {
+        random_case(mesh, rng, sweep.label(c));
+        if (mesh.coordinate() == std::vector<int64_t>(mesh.ndim(), 0)) ++ran;
+      });
+    });
+  }
+  EXPECT_EQ(ran.load(), expected);
 }

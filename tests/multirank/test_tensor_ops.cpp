@@ -1,22 +1,19 @@
 // Indexing and joining ops (slice/narrow/select, split/chunk/unbind, cat/stack,
 // index_select/index_add, gather/scatter, embedding, index) on even, uneven and zero-size
 // shard tables, forward and backward, against the same code on one device.
+#include <atomic>
 #include <functional>
-#include <random>
 
 #include "helpers.h"
+#include "support/meshes.h"
 
 using namespace tessera;
 using tessera::test::differential;
+using tessera::test::on_meshes;
 using tessera::test::Operand;
+using tessera::test::Rng;
 
 namespace {
-
-void on_meshes(const std::function<void(const DeviceMesh&)>& body) {
-  for (int world : {1, 2, 3})
-    tessera::testing::run_ranks(world, [&](int) { body(init_device_mesh("cpu", {world})); });
-  tessera::testing::run_ranks(4, [&](int) { body(init_device_mesh("cpu", {2, 2})); });
-}
 
 // Uneven, the middle pieces empty: [total - total/3, 0, ..., 0, total/3]; or everything on
 // the last piece.
@@ -301,108 +298,140 @@ TEST(TensorOps, LocalFormsDoNotCommunicate) {
   });
 }
 
-// Random ops, shapes, layouts and tables; every rank draws the same cases from the seed.
+namespace {
+
+// A random layout of an operand: each mesh dim shards a dim, replicates, or holds partial
+// terms (uniformly), with random shard tables.
+Operand random_operand(Rng& rng, const DeviceMesh& mesh, const std::vector<int64_t>& shape) {
+  const int64_t nd = static_cast<int64_t>(shape.size());
+  Placements p;
+  for (int64_t m = 0; m < mesh.ndim(); ++m) {
+    const int64_t k = rng.uniform(0, nd + 1);
+    p.push_back(k < nd ? Shard(k) : k == nd ? Replicate() : Partial());
+  }
+  return Operand{shape, p, tessera::test::random_tables(rng, mesh, p, shape)};
+}
+
+// What a random case draws before choosing its op: the first operand's shape, a dim d of it,
+// slice bounds, a step, a second operand's shape (d resized) and the seed of any indices.
+struct Draw {
+  std::vector<int64_t> shape, other;
+  int64_t nd, d, size, a, b, step;
+  uint64_t ids_seed;
+};
+
+Draw draw(Rng& rng) {
+  Draw x;
+  x.shape = {rng.uniform(1, 6), rng.uniform(1, 5), rng.uniform(1, 4)};
+  x.nd = rng.uniform(2, 3);
+  x.shape.resize(x.nd);
+  x.d = rng.uniform(0, x.nd - 1);
+  x.size = x.shape[x.d];
+  x.a = rng.uniform(-x.size, x.size);
+  x.b = rng.uniform(-x.size, x.size + 2);
+  x.step = rng.uniform(1, 3);
+  x.ids_seed = rng.bits();
+  x.other = x.shape;
+  x.other[x.d] = rng.uniform(0, 4);
+  return x;
+}
+
+struct RandomOp {
+  std::string what;
+  std::vector<Operand> ops;
+  tessera::test::Fn fn;
+};
+
+auto str(std::initializer_list<int64_t> xs) { return shape_str(xs); }
+
+// Kinds 0-3: views and lists of one operand (slice, select, split + cat, unbind + stack).
+RandomOp view_op(int64_t kind, const Draw& x, Operand first) {
+  const int64_t d = x.d, a = x.a, b = x.b, step = x.step, size = x.size, nd = x.nd;
+  switch (kind) {
+    case 0:
+      return {"slice" + str({d, a, b, step}), {first},
+              [=](auto& v) { return v[0].slice(d, a, b, step) * 2; }};
+    case 1:
+      return {"select" + str({d, a % size}), {first},
+              [=](auto& v) { return v[0].select(d, a % size) + 1; }};
+    case 2:
+      return {"split" + str({step, d}) + " + cat", {first},
+              [=](auto& v) { return weighted_cat(v[0].split(step, d), d); }};
+    default:
+      return {"unbind" + str({d}) + " + stack", {first},
+              [=](auto& v) { return at::stack(v[0].unbind(d), nd - 1) * 2; }};
+  }
+}
+
+// Kinds 4-9: ops with a second operand or random indices (cat, index_select, gather,
+// index_add, scatter_add, embedding).
+RandomOp joining_op(int64_t kind, const Draw& x, Operand first, Rng& rng, const DeviceMesh& mesh) {
+  const int64_t d = x.d, size = x.size;
+  auto other = x.other;
+  switch (kind) {
+    case 4:
+      return {"cat" + str({d}), {first, random_operand(rng, mesh, other)},
+              [=](auto& v) { return at::cat({v[1], v[0] * 2}, d); }};
+    case 5: {
+      auto ids = randint(size, {rng.uniform(0, 5)}, x.ids_seed);
+      return {"index_select" + str({d}), {first}, [=](auto& v) { return v[0].index_select(d, ids); }};
+    }
+    case 6: {
+      other[d] = std::max<int64_t>(other[d], 1);
+      auto ids = randint(size, other, x.ids_seed);
+      return {"gather" + str({d}), {first}, [=](auto& v) { return v[0].gather(d, ids); }};
+    }
+    case 7: {
+      auto ids = randint(size, {other[d]}, x.ids_seed);
+      return {"index_add" + str({d}), {first, random_operand(rng, mesh, other)},
+              [=](auto& v) { return v[0].index_add(d, ids, v[1]); }};
+    }
+    case 8: {
+      auto ids = randint(size, other, x.ids_seed);
+      return {"scatter_add" + str({d}), {first, random_operand(rng, mesh, other)},
+              [=](auto& v) { return v[0].scatter_add(d, ids, v[1]); }};
+    }
+    default: {
+      const int64_t rows = rng.uniform(1, 3), cols = rng.uniform(0, 4);
+      auto ids = randint(size, {rows, cols}, x.ids_seed);
+      return {"embedding", {random_operand(rng, mesh, {size, x.shape[x.nd - 1]})},
+              [=](auto& v) { return at::embedding(v[0], ids); }};
+    }
+  }
+}
+
+void random_case(const DeviceMesh& mesh, Rng& rng, const std::string& label) {
+  const Draw x = draw(rng);
+  Operand first = random_operand(rng, mesh, x.shape);
+  const int64_t kind = rng.uniform(0, 9);
+  RandomOp op = kind < 4 ? view_op(kind, x, first) : joining_op(kind, x, first, rng, mesh);
+  std::string desc = label + " mesh " + shape_str(mesh.shape()) + ": " + op.what;
+  for (auto& o : op.ops) desc += " | " + shape_str(o.shape) + " " + name(o);
+  try {
+    differential(mesh, op.ops, op.fn, desc, rng.bits());
+  } catch (const std::exception& e) {
+    throw std::runtime_error(desc + ": " + e.what());
+  }
+}
+
+}  // namespace
+
+// Random ops, shapes, layouts and tables: 60 cases on each standard mesh (cases 0-59 on one
+// rank, 60-119 on two, ...). A failure prints the command that replays its case.
 TEST(TensorOps, Randomized) {
-  const char* env = std::getenv("TESSERA_TEST_SEED");  // replays another seed
-  const uint64_t seed = env ? std::stoull(env) : 20240611;
-  int cases = 0;
-  for (int world : {1, 2, 3, 4}) {
-    tessera::testing::run_ranks(world, [&](int rank) {
-      auto mesh = init_device_mesh("cpu", world == 4 ? std::vector<int64_t>{2, 2}
-                                                     : std::vector<int64_t>{world});
-      std::mt19937 rng(seed + world);
-      auto uni = [&](int64_t lo, int64_t hi) {
-        return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
-      };
-      auto operand = [&](std::vector<int64_t> shape) {
-        const int64_t nd = static_cast<int64_t>(shape.size());
-        Placements p;
-        for (int64_t m = 0; m < mesh.ndim(); ++m) {
-          const int64_t k = uni(0, nd + 1);
-          p.push_back(k < nd ? Shard(k) : k == nd ? Replicate() : Partial());
-        }
-        return Operand{shape, p, tessera::test::random_tables(rng, mesh, p, shape)};
-      };
-      auto str = [](std::initializer_list<int64_t> xs) { return shape_str(xs); };
-      for (int i = 0; i < 60; ++i) {
-        std::vector<int64_t> shape = {uni(1, 6), uni(1, 5), uni(1, 4)};
-        const int64_t nd = uni(2, 3);
-        shape.resize(nd);
-        const int64_t d = uni(0, nd - 1), size = shape[d];
-        std::vector<Operand> ops = {operand(shape)};
-        std::string what;
-        tessera::test::Fn fn;
-        const int64_t a = uni(-size, size), b = uni(-size, size + 2), step = uni(1, 3);
-        const uint64_t ids_seed = seed * 7 + i;
-        auto other = shape;  // a second operand's shape
-        other[d] = uni(0, 4);
-        switch (uni(0, 9)) {
-          case 0:
-            what = "slice" + str({d, a, b, step});
-            fn = [=](auto& v) { return v[0].slice(d, a, b, step) * 2; };
-            break;
-          case 1:
-            what = "select" + str({d, a % size});
-            fn = [=](auto& v) { return v[0].select(d, a % size) + 1; };
-            break;
-          case 2:
-            what = "split" + str({step, d}) + " + cat";
-            fn = [=](auto& v) { return weighted_cat(v[0].split(step, d), d); };
-            break;
-          case 3:
-            what = "unbind" + str({d}) + " + stack";
-            fn = [=](auto& v) { return at::stack(v[0].unbind(d), nd - 1) * 2; };
-            break;
-          case 4:
-            ops.push_back(operand(other));
-            what = "cat" + str({d});
-            fn = [=](auto& v) { return at::cat({v[1], v[0] * 2}, d); };
-            break;
-          case 5: {
-            auto ids = randint(size, {uni(0, 5)}, ids_seed);
-            what = "index_select" + str({d});
-            fn = [=](auto& v) { return v[0].index_select(d, ids); };
-            break;
-          }
-          case 6: {
-            other[d] = std::max<int64_t>(other[d], 1);
-            auto ids = randint(size, other, ids_seed);
-            what = "gather" + str({d});
-            fn = [=](auto& v) { return v[0].gather(d, ids); };
-            break;
-          }
-          case 7: {
-            ops.push_back(operand(other));
-            auto ids = randint(size, {other[d]}, ids_seed);
-            what = "index_add" + str({d});
-            fn = [=](auto& v) { return v[0].index_add(d, ids, v[1]); };
-            break;
-          }
-          case 8: {
-            ops.push_back(operand(other));
-            auto ids = randint(size, other, ids_seed);
-            what = "scatter_add" + str({d});
-            fn = [=](auto& v) { return v[0].scatter_add(d, ids, v[1]); };
-            break;
-          }
-          default: {
-            ops[0] = operand({size, shape[nd - 1]});
-            auto ids = randint(size, {uni(1, 3), uni(0, 4)}, ids_seed);
-            what = "embedding";
-            fn = [=](auto& v) { return at::embedding(v[0], ids); };
-          }
-        }
-        std::string desc = "seed " + std::to_string(seed) + " world " + std::to_string(world) +
-                           " case " + std::to_string(i) + ": " + what;
-        for (auto& o : ops) desc += " | " + shape_str(o.shape) + " " + name(o);
-        try {
-          differential(mesh, ops, fn, desc, seed + i);
-        } catch (const std::exception& e) {
-          throw std::runtime_error(desc + ": " + e.what());
-        }
-        if (rank == 0) ++cases;
-      }
+  tessera::test::Sweep sweep;
+  int64_t expected = 0;
+  std::atomic<int64_t> ran{0};  // cases run by rank 0 of each mesh
+  for (const auto& shape : tessera::test::standard_meshes()) {
+    const auto cases = sweep.cases(60);
+    if (!cases.any()) continue;
+    expected += cases.selected();
+    tessera::test::on_mesh(shape, [&](const DeviceMesh& mesh) {
+      cases.run([&](Rng& rng, int64_t c) {
+        random_case(mesh, rng, sweep.label(c));
+        if (mesh.coordinate() == std::vector<int64_t>(mesh.ndim(), 0)) ++ran;
+      });
     });
   }
-  EXPECT_GE(cases, 200);
+  EXPECT_EQ(ran.load(), expected);
 }

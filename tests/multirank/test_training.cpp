@@ -88,7 +88,7 @@ void expect_same_training(const DeviceMesh& mesh, const Placements& w1p, const P
           << ctx << " step " << s;
     auto a = ref.list(), b = dist.list();
     for (size_t i = 0; i < a.size(); ++i)
-      ASSERT_TRUE(at::allclose(full_tensor(b[i]).detach(), a[i].detach(), 1e-4, 1e-5))
+      ASSERT_TRUE(tessera::test::full_matches(b[i], a[i].detach(), {1e-4, 1e-5}))
           << ctx << " parameter " << i << " " << spec(b[i]).str();
   }
 }
