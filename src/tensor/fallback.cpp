@@ -407,7 +407,7 @@ void unwrap(Frame& f) {
 // Step 5: the op itself on the local shards, or the plan's kernel in its place.
 void run(Frame& f) {
   const ops::OpPlan& plan = f.plan();
-  if (!plan.local_kernel && !plan.distributed_kernel && !plan.stack_kernel) {
+  if (!plan.local_kernel && !plan.distributed_kernel) {
     f.op.callBoxed(f.stack);
     return;
   }
@@ -415,8 +415,7 @@ void run(Frame& f) {
   f.stack->resize(f.base);
   ops::KernelCall kernel(f.op, own);
   if (plan.local_kernel) plan.local_kernel(kernel);
-  else if (plan.distributed_kernel) plan.distributed_kernel(kernel, f.ref().mesh());
-  else plan.stack_kernel(own);
+  else plan.distributed_kernel(kernel, f.ref().mesh());
   f.stack->insert(f.stack->end(), std::make_move_iterator(own.begin()),
                   std::make_move_iterator(own.end()));
 }
@@ -443,13 +442,18 @@ SpecPtr next_output_spec(Frame& f, const at::Tensor& local) {
   return sp;
 }
 
-// The planned spec of a result that writes argument `alias` (in-place and out= ops).
-SpecPtr next_aliased_spec(Frame& f, const SpecPtr& otherwise) {
+// The planned spec of a result that writes argument `alias` (in-place and out= ops), with
+// the dtype the written argument has (an out= tensor keeps its own).
+SpecPtr next_aliased_spec(Frame& f, const SpecPtr& otherwise, const at::Tensor& local) {
   const ops::OpPlan& plan = f.plan();
   const size_t r = f.next_out++;
   if (f.hit) return plan.outputs[r];
   SpecPtr planned = f.decision->replicate_all || plan.outputs.size() <= r ? otherwise
                                                                            : plan.outputs[r];
+  if (planned && local.defined() && planned->dtype() != local.scalar_type())
+    planned = std::make_shared<DTensorSpec>(planned->mesh(), planned->placements(),
+                                            planned->sizes(), local.scalar_type(),
+                                            planned->shard_tables());
   f.final_outputs.push_back(planned);
   return planned;
 }
@@ -468,7 +472,7 @@ void wrap_results(Frame& f) {
     if (alias >= 0 && plain != f.admitted_plain.end()) {
       // An in-place op on a plain tensor: it must end up holding the whole result. If the
       // plan worked on a redistributed copy, gather that copy back into it.
-      SpecPtr planned = next_aliased_spec(f, nullptr);
+      SpecPtr planned = next_aliased_spec(f, nullptr, f.locals[alias]);
       at::Tensor& target = plain->second;
       if (planned && (!f.locals[alias].is_same(target) || !planned->is_replicated())) {
         auto whole = std::make_shared<DTensorSpec>(
@@ -478,7 +482,7 @@ void wrap_results(Frame& f) {
       f.stack->push_back(target);
     } else if (alias >= 0 && f.holds[alias] == Holds::Tensor && f.impls[alias]) {
       auto* self = f.impls[alias];
-      SpecPtr planned = next_aliased_spec(f, self->spec_ptr());
+      SpecPtr planned = next_aliased_spec(f, self->spec_ptr(), f.locals[alias]);
       if (!f.locals[alias].is_same(self->local()) ||
           (planned != self->spec_ptr() && *planned != self->spec()))
         self->set_local_and_spec(f.locals[alias], planned);
@@ -524,7 +528,7 @@ void report(const Frame& f, detail::FallbackReport* out) {
   const ops::OpPlan& plan = f.plan();
   if (f.lists || !f.keep_alive.empty() || f.decision->replicate_all ||
       plan.data_dependent_shapes || plan.local_kernel || plan.distributed_kernel ||
-      plan.stack_kernel || f.schema.returns().size() != 1 || plan.outputs.size() != 1)
+      f.schema.returns().size() != 1 || plan.outputs.size() != 1)
     return;
   for (size_t i = 0; i < f.nargs; ++i) {
     if (!f.impls[i]) continue;

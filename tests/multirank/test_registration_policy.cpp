@@ -501,11 +501,11 @@ TEST(PointwiseTables, OverloadsFromTheDispatcher) {
 namespace {
 
 // Every placement kind on every mesh dim, Shard(0) with uneven tables.
-Placement any_placement(std::mt19937& rng) {
+Placement any_placement(tessera::test::Rng& rng) {
   static const Placement kinds[] = {Shard(0), Shard(1), Replicate(), Partial(PartialOp::Sum),
                                     Partial(PartialOp::Avg), Partial(PartialOp::Max),
                                     Partial(PartialOp::Min)};
-  return kinds[rng() % 7];
+  return kinds[rng.index(7)];
 }
 
 struct PointwiseCase {
@@ -541,21 +541,23 @@ const std::vector<PointwiseCase>& pointwise_cases() {
   return cases;
 }
 
-void random_partial_cases(const std::vector<int64_t>& mesh_shape, int cases) {
+void random_partial_cases(tessera::test::Sweep& sweep, const std::vector<int64_t>& mesh_shape,
+                          int cases) {
   int world = 1;
   for (auto s : mesh_shape) world *= static_cast<int>(s);
+  const auto block = sweep.cases(cases);
+  if (!block.any()) return;
   tessera::testing::run_ranks(world, [&](int) {
     auto mesh = init_device_mesh("cpu", mesh_shape);
-    std::mt19937 rng(4242 + world);
     const auto mask = tessera::test::randn({5, 4}, 40) > 0;
-    for (int c = 0; c < cases && !::testing::Test::HasFailure(); ++c) {
-      const auto& pc = pointwise_cases()[rng() % pointwise_cases().size()];
+    block.run([&](tessera::test::Rng& rng, int64_t c) {
+      const auto& pc = pointwise_cases()[rng.index(pointwise_cases().size())];
       std::vector<at::Tensor> full, dist;
       std::string what = std::string(pc.name) + " case " + std::to_string(c) + " mesh " +
                          shape_str(mesh_shape);
       for (int i = 0; i < pc.operands; ++i) {
         // Operands may broadcast: [5, 4] or [4].
-        const bool row = i > 0 && rng() % 4 == 0;
+        const bool row = i > 0 && rng.index(4) == 0;
         full.push_back(row ? tessera::test::randn({4}, 50 + c * 3 + i)
                            : tessera::test::randn({5, 4}, 50 + c * 3 + i));
         Placements p;
@@ -571,7 +573,7 @@ void random_partial_cases(const std::vector<int64_t>& mesh_shape, int cases) {
       const auto expected = pc.fn(full, mask);
       const auto got = pc.fn(dist, mask);
       ASSERT_TRUE(same_values(full_tensor(got), expected)) << what << " -> " << spec(got).str();
-    }
+    });
   });
 }
 
@@ -580,7 +582,8 @@ void random_partial_cases(const std::vector<int64_t>& mesh_shape, int cases) {
 // Partial rows under random layouts (all four partial ops, uneven shards, broadcasting),
 // against one device.
 TEST(PointwiseTables, RandomLayoutsMatchOneDevice) {
-  random_partial_cases({2}, 150);
-  random_partial_cases({3}, 150);
-  random_partial_cases({2, 2}, 150);
+  tessera::test::Sweep sweep;
+  random_partial_cases(sweep, {2}, 150);
+  random_partial_cases(sweep, {3}, 150);
+  random_partial_cases(sweep, {2, 2}, 150);
 }

@@ -1,8 +1,8 @@
-// The window axis maps of the domain-parallel rules (src/ops/spatial.h, a private header)
+// The window axis maps of the domain-parallel rules (src/ops/window/window_internal.h, a private header)
 // against ATen on one device: which input rows an output range depends on (autograd of the
 // real op), the interpolation source rows and weights (the op on an index ramp), and the
 // per-member output/input tables against brute-force assignment.
-#include "../../src/ops/spatial.h"
+#include "../../src/ops/window/window_internal.h"
 #include "helpers.h"
 
 using namespace tessera;

@@ -78,6 +78,7 @@ class KernelCall {
   const c10::OperatorHandle& op() const { return op_; }
   torch::jit::Stack& stack() { return stack_; }
   int index(const char* name) const { return arg_position(op_.schema(), name); }
+  bool has(const char* name) const { return index(name) >= 0; }
   c10::IValue& arg(const char* name);
   template <class T>
   T arg(const char* name) {
@@ -125,8 +126,6 @@ struct OpPlan {
   // capture values (offsets, counts), never meshes: a distributed kernel is handed its mesh.
   LocalKernel local_kernel;
   DistributedKernel distributed_kernel;
-  // Transitional: a kernel over the raw stack, being replaced by the two above.
-  std::function<void(torch::jit::Stack&)> stack_kernel;
   // Outputs whose shape depends on the data (nonzero, unique): computed on replicated
   // inputs, wrapped as replicated with the shape each call produces.
   bool data_dependent_shapes = false;
