@@ -158,8 +158,10 @@ std::vector<int64_t> input_sizes_for(const Axis& axis, const std::vector<int64_t
   for (int64_t m = 0; m < n; ++m) {
     const int64_t out_end = out_start + out_sizes[m];
     int64_t end = axis.in;
+    // The next member's first output reads row source_row clamped into the domain, as in
+    // output_sizes: that row must be the next member's.
     if (m + 1 < n && out_end < axis.out)
-      end = std::clamp<int64_t>(axis.source_row(out_end), prev, axis.in);
+      end = std::max(prev, std::min(axis.source_row(out_end), axis.in - 1));
     in[m] = end - prev;
     prev = end;
     out_start = out_end;
