@@ -63,9 +63,6 @@ void probe(Probe& p, c10::SymIntArrayRef sizes) {
 void probe(Probe& p, c10::optional<at::ScalarType> t) {
   p.extras.push_back(t ? 0x700 + static_cast<int64_t>(*t) : 0x6ff);
 }
-void probe(Probe& p, const c10::optional<c10::string_view>& s) {
-  p.extras.push_back(s ? static_cast<int64_t>(std::hash<std::string>()(std::string(*s))) : 0x5ff);
-}
 
 template <class A>
 decltype(auto) local_arg(A&& a) {
