@@ -189,16 +189,19 @@ std::string OpCall::describe() const {
 
 OpPlan cheapest(const OpCall& call, const std::vector<Strategy>& candidates) {
   TORCH_CHECK(!candidates.empty(), "tessera: ", call.describe(), ": no sharding strategy applies");
+  // Fewest bytes first, then fewest layout changes: a move that costs no bytes (any move on
+  // a 1-rank mesh) still changes specs, and a plan that keeps them can be replayed cheaply.
   size_t best = 0;
-  double best_cost = 0;
+  std::pair<double, int> best_cost{0, 0};
   for (size_t c = 0; c < candidates.size(); ++c) {
-    double cost = 0;
+    std::pair<double, int> cost{0, 0};
     const auto& cand = candidates[c];
     for (size_t i = 0; i < cand.inputs.size() && i < call.specs.size(); ++i) {
       if (!cand.inputs[i] || !call.specs[i]) continue;
       // The call's spec is borrowed; a shared_ptr that does not own it is enough for planning.
       SpecPtr from(std::shared_ptr<const DTensorSpec>(), call.specs[i]);
-      cost += redistribute_cost(from, cand.inputs[i]);
+      cost.first += redistribute_cost(from, cand.inputs[i]);
+      cost.second += *cand.inputs[i] != *call.specs[i];
     }
     if (c == 0 || cost < best_cost) {
       best = c;

@@ -160,7 +160,8 @@ struct Strategy {
   std::vector<SpecPtr> inputs;   // per argument (null: not a distributed argument)
   std::vector<SpecPtr> outputs;
 };
-// The strategy whose input redistributions cost the fewest modelled bytes (ties: the first),
+// The strategy whose input redistributions cost the fewest modelled bytes (ties: the fewest
+// inputs whose layout changes, then the first),
 // as a plan. Every rank computes the same choice.
 OpPlan cheapest(const OpCall& call, const std::vector<Strategy>& candidates);
 
