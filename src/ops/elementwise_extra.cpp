@@ -1,0 +1,104 @@
+// Elementwise ops beyond pointwise.cpp's list: activations a network uses (elu / selu, celu,
+// softplus, mish, hardswish, hardsigmoid, log_sigmoid, hard / soft shrink, threshold) with
+// their backward ops, and the rest of the elementwise math (inverse and hyperbolic
+// trigonometry, log10, logit, erfc / erfinv, lgamma / digamma / polygamma, logaddexp, ...).
+//
+// One rule for all of them, the one pointwise.cpp uses for ops a Partial cannot pass through:
+// the output takes the layout of one operand of the output's shape (the cheapest to reach when
+// several could), Partial mesh dims replicated; every other operand is aligned to it
+// (broadcast dims replicated). In-place ops keep self's layout; out= arguments take the result.
+// Every overload the running LibTorch lists is registered (functional, in-place, out=).
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include <c10/util/Exception.h>
+
+#include "tessera/ops/rule.h"
+
+namespace tessera::ops {
+
+namespace {
+
+std::vector<int64_t> broadcast(const std::vector<int64_t>& a, const std::vector<int64_t>& b,
+                               const OpCall& call) {
+  const size_t n = std::max(a.size(), b.size());
+  std::vector<int64_t> out(n, 1);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t x = i < n - a.size() ? 1 : a[i - (n - a.size())];
+    const int64_t y = i < n - b.size() ? 1 : b[i - (n - b.size())];
+    TORCH_CHECK(x == y || x == 1 || y == 1, "tessera: ", call.describe(), ": shapes ",
+                shape_str(a), " and ", shape_str(b), " do not broadcast");
+    out[i] = x == 1 ? y : x;
+  }
+  return out;
+}
+
+bool writes(const c10::Argument& a) { return a.alias_info() && a.alias_info()->isWrite(); }
+
+OpPlan elementwise(const OpCall& call) {
+  const auto& args = call.schema().arguments();
+  const size_t n = call.args.size();
+  auto is_out = [&](size_t i) { return args[i].kwarg_only() && writes(args[i]); };
+  std::vector<int64_t> shape;
+  for (size_t i = 0; i < n; ++i) {
+    if (is_out(i) || !call.args[i].isTensor() || !call.args[i].toTensor().defined()) continue;
+    shape = broadcast(shape, call.specs[i] ? call.specs[i]->sizes()
+                                           : call.args[i].toTensor().sizes().vec(), call);
+  }
+  std::vector<const DTensorSpec*> refs;
+  if (n > 0 && writes(args[0]) && !is_out(0)) {  // in place: self is the output
+    TORCH_CHECK(call.specs[0] && call.specs[0]->sizes() == shape, "tessera: ", call.describe(),
+                ": an in-place op needs `self` distributed with the broadcast shape ",
+                shape_str(shape));
+    refs.push_back(call.specs[0]);
+  } else {
+    for (size_t i = 0; i < n; ++i)
+      if (call.specs[i] && !is_out(i) && call.specs[i]->sizes() == shape) refs.push_back(call.specs[i]);
+  }
+  const size_t nret = call.schema().returns().size();
+  std::vector<Strategy> candidates;
+  for (const DTensorSpec* ref : refs) {
+    auto target = std::make_shared<DTensorSpec>(ref->partial_as_replicate());
+    Strategy s;
+    s.inputs.resize(n);
+    for (size_t i = 0; i < n; ++i)
+      if (call.specs[i] && !is_out(i))
+        s.inputs[i] = call.specs[i] == ref ? target : align_to(*target, *call.specs[i], false);
+    s.outputs.assign(nret, target);
+    candidates.push_back(std::move(s));
+  }
+  if (candidates.empty()) {  // every operand broadcasts: computed replicated
+    const auto& like = call.first();
+    Strategy s;
+    s.inputs.resize(n);
+    for (size_t i = 0; i < n; ++i)
+      if (call.specs[i] && !is_out(i)) s.inputs[i] = replicated(*call.specs[i]);
+    s.outputs.assign(nret, std::make_shared<DTensorSpec>(
+                               like.mesh(), Placements(like.mesh().ndim(), Replicate()), shape,
+                               like.dtype()));
+    candidates.push_back(std::move(s));
+  }
+  return cheapest(call, candidates);
+}
+
+const RuleRegistrar registrar{[] {
+  for (const char* base :
+       {// activations and their backward ops
+        "elu", "elu_backward", "celu", "softplus", "softplus_backward", "mish", "mish_backward",
+        "hardswish", "hardswish_backward", "hardsigmoid", "hardsigmoid_backward",
+        "log_sigmoid_forward", "log_sigmoid_backward", "hardshrink", "hardshrink_backward",
+        "softshrink", "softshrink_backward", "threshold", "logit", "logit_backward",
+        // math
+        "log10", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "erfc",
+        "erfinv", "lgamma", "digamma", "polygamma", "mvlgamma", "i0", "sinc", "deg2rad",
+        "rad2deg", "logaddexp", "logaddexp2", "logical_xor", "heaviside", "nextafter",
+        "special_xlog1py", "float_power"}) {
+    register_rule_for_overloads(std::string("aten::") + base, elementwise);
+    register_rule_for_overloads(std::string("aten::") + base + "_", elementwise);
+  }
+}};
+
+}  // namespace
+
+}  // namespace tessera::ops
