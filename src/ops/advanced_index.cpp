@@ -20,6 +20,8 @@
 //     on the dims it keeps (a free slice): the backward of index, zeros then an accumulate,
 //     keeps the gradient sharded. A Partial self is reduced first.
 //
+// index_fill / index_copy (rules) write the index entries in a rank's own rows the same way.
+//
 // masked_scatter(self, mask, source) is a rule: self keeps its layout, mask and source are
 // replicated, and each rank picks, for the mask entries in its block, the source elements their
 // global row-major position selects (a cumulative count over the whole mask).
@@ -335,7 +337,45 @@ OpPlan masked_scatter_rule(const OpCall& call) {
   return plan;
 }
 
+// index_fill(self, dim, index, value) and index_copy(self, dim, index, source), in place too:
+// self keeps its layout; where its shard cuts `dim`, a rank fills / copies only the index
+// entries in its rows (the index is replicated). index_copy's source follows self with `dim`
+// whole.
+OpPlan index_fill_copy_rule(const OpCall& call) {
+  const DTensorSpec* self = call.spec("self");
+  TORCH_CHECK(self, "tessera: ", call.describe(), ": writing into a plain 0-dim tensor");
+  const int64_t nd = std::max<int64_t>(self->ndim(), 1);
+  int64_t d = call.arg<int64_t>("dim");
+  if (d < 0) d += nd;
+  auto in = std::make_shared<DTensorSpec>(self->partial_as_replicate());
+  OpPlan plan(call);
+  plan.input("self", in).output(in);
+  if (const auto* idx = call.spec("index")) plan.input("index", replicated(*idx));
+  if (call.has("value"))
+    if (const auto* v = call.spec("value")) plan.input("value", replicated(*v));
+  const bool copy = call.has("source");
+  if (copy)
+    if (const auto* src = call.spec("source")) {
+      const auto lay = in->replicate_where([d](int64_t, const Placement& x) { return x.is_shard(d); });
+      plan.input("source", std::make_shared<DTensorSpec>(lay.mesh(), lay.placements(), src->sizes(),
+                                                         src->dtype(), lay.shard_tables()));
+    }
+  if (in->ndim() == 0 || in->mesh_dims_sharding(d).empty()) return plan;
+  const int64_t off = in->local_offsets()[d], len = in->local_sizes()[d], size = in->sizes()[d];
+  plan.local_kernel = [d, off, len, size, copy](KernelCall& k) {
+    at::Tensor idx = k.tensor("index").reshape(-1);
+    idx = at::where(idx < 0, idx + size, idx);
+    const at::Tensor rows = ((idx >= off) & (idx < off + len)).nonzero().squeeze(1);
+    k.set("index", idx.index_select(0, rows) - off);
+    if (copy) k.set("source", k.tensor("source").index_select(d, rows));
+    k.call_op();
+  };
+  return plan;
+}
+
 const RuleRegistrar registrar{[] {
+  for (const char* base : {"aten::index_fill", "aten::index_fill_", "aten::index_copy", "aten::index_copy_"})
+    register_rule_for_overloads(base, index_fill_copy_rule);
   register_kernel("aten::index.Tensor", torch::CppFunction::makeFromBoxedFunction<&index_kernel>());
   for (const char* op : {"aten::index_put_", "aten::index_put", "aten::_index_put_impl_"})
     register_kernel(op, torch::CppFunction::makeFromBoxedFunction<&index_put_kernel>());

@@ -342,6 +342,126 @@ OpPlan trace_rule(const OpCall& call) {
   return plan;
 }
 
+// linalg_cross(self, other, dim): `dim` whole on both.
+OpPlan cross_rule(const OpCall& call) {
+  const auto& self = self_of(call);
+  const DTensorSpec* other = call.spec("other");
+  if (other && other->sizes() != self.sizes()) return replicated_rule(call);  // broadcasting
+  const int64_t d = wrap(call.arg<int64_t>("dim"), self.ndim());
+  auto in = whole_along(self, {d});
+  OpPlan plan(call);
+  plan.input("self", in).output(in);
+  if (other) plan.input("other", align_to(*in, *other, false));
+  return plan;
+}
+
+// ---- ops over the trailing dims, batch dims kept ------------------------------------------------
+// Pooling to a fixed size, pixel (un)shuffle and im2col / col2im (nn::Unfold / Fold) read whole
+// channel or spatial planes: the trailing dims they touch are whole, the leading (batch) dims
+// keep their shards. (Sharded spatial dims with halos are the window ops' business, spatial.h.)
+
+// `self` made whole on its last `k` dims; results of `sizes` over those dims.
+OpPlan trailing(const OpCall& call, int64_t k, const std::vector<int64_t>& trailing_sizes,
+                size_t results = 1) {
+  const auto& self = self_of(call);
+  TORCH_CHECK(self.ndim() >= k, "tessera: ", call.describe(), ": needs ", k, " or more dims");
+  std::vector<int64_t> dims;
+  for (int64_t t = self.ndim() - k; t < self.ndim(); ++t) dims.push_back(t);
+  auto in = whole_along(self, dims);
+  const int64_t lead = self.ndim() - k;
+  std::vector<int64_t> sizes(in->sizes().begin(), in->sizes().begin() + lead);
+  sizes.insert(sizes.end(), trailing_sizes.begin(), trailing_sizes.end());
+  auto tables = in->shard_tables();
+  tables.resize(lead);
+  tables.resize(sizes.size());
+  auto out = std::make_shared<DTensorSpec>(in->mesh(), in->placements(), sizes, in->dtype(), tables);
+  OpPlan plan(call);
+  plan.input("self", in);
+  for (size_t r = 0; r < results; ++r) plan.output(out);
+  // An empty shard: some of these ops return their empty input as it is (pixel_unshuffle).
+  const auto local = out->local_sizes();
+  plan.local_kernel = [local](KernelCall& k) {
+    const bool empty = k.tensor("self").numel() == 0;
+    k.call_op();
+    if (!empty) return;
+    for (auto& r : k.stack())
+      if (r.isTensor()) r = r.toTensor().reshape(local);
+  };
+  return plan;
+}
+
+std::vector<int64_t> last(const DTensorSpec& s, int64_t k) {
+  return std::vector<int64_t>(s.sizes().end() - k, s.sizes().end());
+}
+
+// adaptive_max_pool2d / 3d(self, output_size) -> (values, indices)
+OpPlan adaptive_max_pool_rule(const OpCall& call) {
+  const auto out = call.arg<std::vector<int64_t>>("output_size");
+  return trailing(call, static_cast<int64_t>(out.size()), out, 2);
+}
+
+// adaptive_max_poolNd_backward(grad_output, self, indices): the planes whole on all three.
+OpPlan adaptive_max_pool_backward_rule(const OpCall& call) {
+  const auto& self = self_of(call);
+  const DTensorSpec* g = call.spec("grad_output");
+  TORCH_INTERNAL_ASSERT(g, call.describe());
+  const int64_t planes = call.name().find("3d") != std::string::npos ? 3 : 2;
+  std::vector<int64_t> dims;
+  for (int64_t t = self.ndim() - planes; t < self.ndim(); ++t) dims.push_back(t);
+  auto in = whole_along(self, dims);
+  auto grad_layout = [&](const DTensorSpec& like) {  // the planes differ in size only
+    return std::make_shared<DTensorSpec>(in->mesh(), in->placements(), like.sizes(), like.dtype(),
+                                         in->shard_tables());
+  };
+  OpPlan plan(call);
+  plan.input("self", in).input("grad_output", grad_layout(*g)).output(in);
+  if (const auto* idx = call.spec("indices")) plan.input("indices", grad_layout(*idx));
+  return plan;
+}
+
+// pixel_shuffle(self, upscale_factor): [..., C r^2, H, W] -> [..., C, H r, W r]
+OpPlan pixel_shuffle_rule(const OpCall& call) {
+  const int64_t r = call.arg<int64_t>("upscale_factor");
+  auto s = last(self_of(call), 3);
+  return trailing(call, 3, {s[0] / (r * r), s[1] * r, s[2] * r});
+}
+
+// pixel_unshuffle(self, downscale_factor): [..., C, H, W] -> [..., C r^2, H / r, W / r]
+OpPlan pixel_unshuffle_rule(const OpCall& call) {
+  const int64_t r = call.arg<int64_t>("downscale_factor");
+  auto s = last(self_of(call), 3);
+  return trailing(call, 3, {s[0] * r * r, s[1] / r, s[2] / r});
+}
+
+// channel_shuffle(self, groups): [N, C, ...] with C and the planes whole.
+OpPlan channel_shuffle_rule(const OpCall& call) {
+  const auto& self = self_of(call);
+  return trailing(call, self.ndim() - 1, last(self, self.ndim() - 1));
+}
+
+int64_t windows(int64_t n, int64_t k, int64_t d, int64_t p, int64_t s) {
+  return (n + 2 * p - d * (k - 1) - 1) / s + 1;
+}
+
+// im2col(self, kernel_size, dilation, padding, stride): [N?, C, H, W] -> [N?, C kh kw, L]
+OpPlan im2col_rule(const OpCall& call) {
+  const auto k = call.arg<std::vector<int64_t>>("kernel_size");
+  const auto d = call.arg<std::vector<int64_t>>("dilation");
+  const auto p = call.arg<std::vector<int64_t>>("padding");
+  const auto st = call.arg<std::vector<int64_t>>("stride");
+  auto s = last(self_of(call), 3);
+  const int64_t l = windows(s[1], k[0], d[0], p[0], st[0]) * windows(s[2], k[1], d[1], p[1], st[1]);
+  return trailing(call, 3, {s[0] * k[0] * k[1], l});
+}
+
+// col2im(self, output_size, kernel_size, dilation, padding, stride): [N?, C kh kw, L] -> [N?, C, H, W]
+OpPlan col2im_rule(const OpCall& call) {
+  const auto out = call.arg<std::vector<int64_t>>("output_size");
+  const auto k = call.arg<std::vector<int64_t>>("kernel_size");
+  auto s = last(self_of(call), 2);
+  return trailing(call, 2, {s[0] / (k[0] * k[1]), out[0], out[1]});
+}
+
 // ---- scans ---------------------------------------------------------------------------------
 
 // NOTE: [Scans on a sharded dim]
@@ -586,6 +706,16 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::diagonal_backward", diagonal_backward_rule);
   register_rule("aten::diag", replicated_rule);
   register_rule("aten::trace", trace_rule);
+  register_rule("aten::linalg_cross", cross_rule);
+  for (const char* op : {"aten::adaptive_max_pool2d", "aten::adaptive_max_pool3d"})
+    register_rule(op, adaptive_max_pool_rule);
+  for (const char* op : {"aten::adaptive_max_pool2d_backward", "aten::adaptive_max_pool3d_backward"})
+    register_rule(op, adaptive_max_pool_backward_rule);
+  register_rule("aten::pixel_shuffle", pixel_shuffle_rule);
+  register_rule("aten::pixel_unshuffle", pixel_unshuffle_rule);
+  register_rule("aten::channel_shuffle", channel_shuffle_rule);
+  register_rule("aten::im2col", im2col_rule);
+  register_rule("aten::col2im", col2im_rule);
   register_kernel("aten::cumprod_backward",
                   torch::CppFunction::makeFromBoxedFunction<&cumprod_backward_kernel>());
   register_kernel("aten::cummaxmin_backward",

@@ -1,7 +1,8 @@
 // Elementwise ops beyond pointwise.cpp's list: activations a network uses (elu / selu, celu,
-// softplus, mish, hardswish, hardsigmoid, log_sigmoid, hard / soft shrink, threshold) with
-// their backward ops, and the rest of the elementwise math (inverse and hyperbolic
-// trigonometry, log10, logit, erfc / erfinv, lgamma / digamma / polygamma, logaddexp, ...).
+// softplus, mish, hardswish, hardsigmoid, log_sigmoid, hard / soft shrink, threshold, prelu)
+// with their backward ops, the rest of the elementwise math (inverse and hyperbolic
+// trigonometry, log10, logit, erfc / erfinv, lgamma / digamma / polygamma, logaddexp, ...),
+// and bucketize / searchsorted (elementwise in their values, the boundaries whole).
 //
 // One rule for all of them, the one pointwise.cpp uses for ops a Partial cannot pass through:
 // the output takes the layout of one operand of the output's shape (the cheapest to reach when
@@ -14,6 +15,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "dimwise.h"
 #include "tessera/ops/rule.h"
 
 namespace tessera::ops {
@@ -82,7 +84,82 @@ OpPlan elementwise(const OpCall& call) {
   return cheapest(call, candidates);
 }
 
+// prelu(self, weight): the weight [C] applies along dim 1, so C is whole there (one weight
+// for every channel: elementwise).
+SpecPtr prelu_layout(const OpCall& call) {
+  const DTensorSpec* self = call.spec("self");
+  TORCH_CHECK(self, "tessera: ", call.describe(), ": the input must be distributed");
+  const DTensorSpec* w = call.spec("weight");
+  const int64_t n = w ? w->numel() : call.arg("weight").toTensor().numel();
+  if (n == 1 || self->ndim() < 2) return std::make_shared<DTensorSpec>(self->partial_as_replicate());
+  return whole_along(*self, {1});
+}
+
+OpPlan prelu_rule(const OpCall& call) {
+  auto in = prelu_layout(call);
+  OpPlan plan(call);
+  plan.input("self", in).output(in);
+  if (const auto* w = call.spec("weight")) plan.input("weight", replicated(*w));
+  return plan;
+}
+
+// prelu_backward(grad_output, self, weight) -> (grad_input, grad_weight): the weight's gradient
+// sums over every dim but the channels, so it is Partial(sum) where the input is sharded.
+OpPlan prelu_backward_rule(const OpCall& call) {
+  auto in = prelu_layout(call);
+  OpPlan plan(call);
+  plan.input("self", in).output(in);
+  if (const auto* g = call.spec("grad_output")) plan.input("grad_output", align_to(*in, *g, false));
+  const DTensorSpec* w = call.spec("weight");
+  if (w) plan.input("weight", replicated(*w));
+  plan.output(summed_over_shards(*in, w ? w->sizes() : call.arg("weight").toTensor().sizes().vec()));
+  return plan;
+}
+
+// bucketize(self, boundaries): elementwise in self; the boundaries whole.
+OpPlan bucketize_rule(const OpCall& call) {
+  const DTensorSpec* self = call.spec("self");
+  if (!self) return replicate_everything(call);  // a Scalar self
+  auto in = std::make_shared<DTensorSpec>(self->partial_as_replicate());
+  OpPlan plan(call);
+  plan.input("self", in).output(in);
+  if (const auto* b = call.spec("boundaries")) plan.input("boundaries", replicated(*b));
+  return plan;
+}
+
+// searchsorted(sorted_sequence, self, ..., sorter): elementwise in self. A 1-D sequence is
+// whole; an N-D one shares self's leading shards and has its last dim whole.
+OpPlan searchsorted_rule(const OpCall& call) {
+  const DTensorSpec* self = call.spec("self");
+  if (!self) return replicate_everything(call);  // a Scalar self
+  auto in = std::make_shared<DTensorSpec>(self->partial_as_replicate());
+  OpPlan plan(call);
+  plan.input("self", in).output(in);
+  for (const char* name : {"sorted_sequence", "sorter"}) {
+    const DTensorSpec* s = call.has(name) ? call.spec(name) : nullptr;
+    if (!s) continue;
+    if (s->ndim() <= 1 || s->ndim() != in->ndim()) {
+      plan.input(name, replicated(*s));
+      continue;
+    }
+    Placements p(in->mesh().ndim(), Replicate());
+    std::vector<ShardTable> tables(s->ndim());
+    for (int64_t m = 0; m < in->mesh().ndim(); ++m) {
+      const auto& x = in->placement(m);
+      if (!x.is_shard() || x.dim() == in->ndim() - 1) continue;
+      p[m] = x;
+      tables[x.dim()] = in->shard_table(x.dim());
+    }
+    plan.input(name, std::make_shared<DTensorSpec>(in->mesh(), p, s->sizes(), s->dtype(), tables));
+  }
+  return plan;
+}
+
 const RuleRegistrar registrar{[] {
+  register_rule("aten::prelu", prelu_rule);
+  register_rule("aten::prelu_backward", prelu_backward_rule);
+  for (const char* base : {"aten::bucketize"}) register_rule_for_overloads(base, bucketize_rule);
+  for (const char* base : {"aten::searchsorted"}) register_rule_for_overloads(base, searchsorted_rule);
   for (const char* base :
        {// activations and their backward ops
         "elu", "elu_backward", "celu", "softplus", "softplus_backward", "mish", "mish_backward",
@@ -93,7 +170,9 @@ const RuleRegistrar registrar{[] {
         "log10", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "erfc",
         "erfinv", "lgamma", "digamma", "polygamma", "mvlgamma", "i0", "sinc", "deg2rad",
         "rad2deg", "logaddexp", "logaddexp2", "logical_xor", "heaviside", "nextafter",
-        "special_xlog1py", "float_power"}) {
+        "special_xlog1py", "float_power",
+        // LibTorch 2.x's prelu kernels take a weight already shaped to broadcast
+        "_prelu_kernel", "_prelu_kernel_backward"}) {
     register_rule_for_overloads(std::string("aten::") + base, elementwise);
     register_rule_for_overloads(std::string("aten::") + base + "_", elementwise);
   }

@@ -1,4 +1,5 @@
-// Reductions next to reduction.cpp's families: logsumexp, any / all, count_nonzero, aminmax.
+// Reductions next to reduction.cpp's families: logsumexp, any / all, count_nonzero, aminmax,
+// and equal / allclose (one bool: local answers all-reduced).
 // Unreduced dims keep their shards (renumbered without keepdim); Partial inputs are reduced
 // first. What happens to a mesh dim that shards a reduced dim:
 //   logsumexp      two all-reduces inside the op (NOTE: [logsumexp on a sharded dim]); the
@@ -211,7 +212,32 @@ OpPlan aminmax_rule(const OpCall& call) {
   return plan;
 }
 
+// ---- equal / allclose ------------------------------------------------------------------------
+
+// One bool for the whole tensors: the local op on aligned shards, then an all-reduce (min) over
+// the mesh dims that shard them.
+OpPlan whole_bool_rule(const OpCall& call) {
+  const DTensorSpec* self = call.spec("self");
+  const DTensorSpec* other = call.spec("other");
+  if (!self || !other || self->sizes() != other->sizes()) return replicate_inputs(call);
+  auto in = std::make_shared<DTensorSpec>(self->partial_as_replicate());
+  OpPlan plan(call);
+  plan.input("self", in).input("other", align_to(*in, *other, false));
+  std::vector<int64_t> across;
+  for (int64_t m = 0; m < in->mesh().ndim(); ++m)
+    if (in->placement(m).is_shard()) across.push_back(m);
+  if (across.empty()) return plan;
+  plan.distributed_kernel = [across](KernelCall& k, const DeviceMesh& mesh) {
+    k.call_op();
+    at::Tensor agree = at::scalar_tensor(k.stack()[0].toBool() ? 1 : 0, at::kByte);
+    for (auto md : across) agree = comm::all_reduce(mesh.group(md), agree, PartialOp::Min);
+    k.finish({c10::IValue(agree.item<uint8_t>() != 0)});
+  };
+  return plan;
+}
+
 const RuleRegistrar registrar{[] {
+  for (const char* op : {"aten::equal", "aten::allclose"}) register_rule(op, whole_bool_rule);
   register_rule("aten::logsumexp", logsumexp_rule);
   for (const char* op : {"aten::any", "aten::any.dim", "aten::any.dims"})
     register_rule(op, [](const OpCall& c) { return any_all_rule(c, true); });
