@@ -18,9 +18,14 @@
 //     values, so nothing of self moves. Values follow the indexing result's layout (kept dims
 //     as self's, index dims whole). A replicated self that is not a view takes values' shards
 //     on the dims it keeps (a free slice): the backward of index, zeros then an accumulate,
-//     keeps the gradient sharded. A Partial self is reduced first.
+//     keeps the gradient sharded.
+//   - Writes never change a Partial self's layout (it may be a view, whose base would not see
+//     a new layout): a rank where a Partial(sum) mesh dim's coordinate is not 0 writes zeros,
+//     its term of the written values; every other rank writes the values (the avg, max or min
+//     of equal terms is the term, and adding to every term adds to their avg, max or min).
 //
-// index_fill / index_copy (rules) write the index entries in a rank's own rows the same way.
+// index_fill / index_copy (rules) write the index entries in a rank's own rows the same way,
+// Partial self included.
 //
 // masked_scatter(self, mask, source) is a rule: self keeps its layout, mask and source are
 // replicated, and each rank picks, for the mask entries in its block, the source elements their
@@ -202,6 +207,15 @@ SpecPtr adopt_shards(const SpecPtr& lay, const DTensorSpec& values, const Index&
   return std::make_shared<DTensorSpec>(lay->mesh(), p, lay->sizes(), lay->dtype(), tables);
 }
 
+// Does this rank hold a Partial(sum) term other than coordinate 0's? It writes zeros.
+bool writes_zeros(const DTensorSpec& s) {
+  for (int64_t m = 0; m < s.mesh().ndim(); ++m)
+    if (s.placement(m).is_partial() && s.placement(m).reduce_op() == PartialOp::Sum &&
+        s.mesh().coordinate()[m] != 0)
+      return true;
+  return false;
+}
+
 bool writes_self(const c10::FunctionSchema& schema) {
   const auto* a = schema.arguments()[0].alias_info();
   return a && a->isWrite();
@@ -223,7 +237,6 @@ void index_put_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const DeviceMesh& mesh = impl->spec().mesh();
   const Index ix = read_index(args[1], self.dim(), name + "(" + impl->spec().str() + ")");
   SpecPtr lay = impl->spec_ptr();
-  if (lay->has_partial()) lay = std::make_shared<DTensorSpec>(lay->partial_as_replicate());
   if (is_dtensor(values) && !(inplace && self.is_view()))
     lay = adopt_shards(lay, dtensor_impl(values)->spec(), ix);
   // Values, laid out as the indexing result (index dims whole), expanded to its local shape.
@@ -236,6 +249,7 @@ void index_put_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                                          : align_to(*result, *layout_of(values, mesh), false);
     vals = local_as(values, *vlay).expand(result->local_sizes());
   }
+  if (writes_zeros(*lay)) vals = at::zeros_like(vals);
   at::Tensor local = local_as(self, *lay);
   // Sharded indexed dims: keep the entries in this rank's rows, at local positions.
   const auto off = lay->local_offsets(), len = lay->local_sizes();
@@ -304,13 +318,13 @@ OpPlan masked_scatter_rule(const OpCall& call) {
     plan.data_dependent_shapes = true;
     return plan;
   }
-  auto in = std::make_shared<DTensorSpec>(self->partial_as_replicate());
+  auto in = std::make_shared<DTensorSpec>(*self);
   plan.input("self", in).output(in);
   if (in->is_replicated()) return plan;
   const auto sizes = in->sizes(), off = in->local_offsets(), len = in->local_sizes();
-  const bool inplace = writes_self(call.schema());
+  const bool inplace = writes_self(call.schema()), zeros = writes_zeros(*in);
   const std::string what = call.describe();
-  plan.local_kernel = [sizes, off, len, inplace, what](KernelCall& k) {
+  plan.local_kernel = [sizes, off, len, inplace, zeros, what](KernelCall& k) {
     at::Tensor self = k.tensor("self");
     const at::Tensor full = k.tensor("mask").to(at::kBool).expand(sizes);
     const at::Tensor source = k.tensor("source").reshape(-1);
@@ -324,8 +338,9 @@ OpPlan masked_scatter_rule(const OpCall& call) {
       p = p.narrow(static_cast<int64_t>(t), off[t], len[t]);
     }
     const at::Tensor picked =
-        source.numel() == 0 ? at::zeros_like(self)
-                            : source.index_select(0, p.clamp_min(0).reshape(-1)).view(self.sizes());
+        source.numel() == 0 || zeros
+            ? at::zeros_like(self)
+            : source.index_select(0, p.clamp_min(0).reshape(-1)).view(self.sizes());
     const at::Tensor out = at::where(m, picked, self);
     if (inplace) {
       self.copy_(out);
@@ -347,7 +362,7 @@ OpPlan index_fill_copy_rule(const OpCall& call) {
   const int64_t nd = std::max<int64_t>(self->ndim(), 1);
   int64_t d = call.arg<int64_t>("dim");
   if (d < 0) d += nd;
-  auto in = std::make_shared<DTensorSpec>(self->partial_as_replicate());
+  auto in = std::make_shared<DTensorSpec>(*self);
   OpPlan plan(call);
   plan.input("self", in).output(in);
   if (const auto* idx = call.spec("index")) plan.input("index", replicated(*idx));
@@ -356,13 +371,22 @@ OpPlan index_fill_copy_rule(const OpCall& call) {
   const bool copy = call.has("source");
   if (copy)
     if (const auto* src = call.spec("source")) {
-      const auto lay = in->replicate_where([d](int64_t, const Placement& x) { return x.is_shard(d); });
+      const auto lay = in->replicate_where(
+          [d](int64_t, const Placement& x) { return x.is_partial() || x.is_shard(d); });
       plan.input("source", std::make_shared<DTensorSpec>(lay.mesh(), lay.placements(), src->sizes(),
                                                          src->dtype(), lay.shard_tables()));
     }
-  if (in->ndim() == 0 || in->mesh_dims_sharding(d).empty()) return plan;
-  const int64_t off = in->local_offsets()[d], len = in->local_sizes()[d], size = in->sizes()[d];
-  plan.local_kernel = [d, off, len, size, copy](KernelCall& k) {
+  const bool cut = in->ndim() > 0 && !in->mesh_dims_sharding(d).empty(), zeros = writes_zeros(*in);
+  if (!cut && !zeros) return plan;
+  const int64_t off = cut ? in->local_offsets()[d] : 0, len = cut ? in->local_sizes()[d] : 0;
+  const int64_t size = in->ndim() > 0 ? in->sizes()[d] : 1;
+  plan.local_kernel = [d, off, len, size, copy, cut, zeros](KernelCall& k) {
+    if (zeros) {
+      if (copy) k.set("source", at::zeros_like(k.tensor("source")));
+      else if (k.arg("value").isTensor()) k.set("value", at::zeros_like(k.tensor("value")));
+      else k.set("value", c10::IValue(c10::Scalar(0)));
+    }
+    if (!cut) return k.call_op();
     at::Tensor idx = k.tensor("index").reshape(-1);
     idx = at::where(idx < 0, idx + size, idx);
     const at::Tensor rows = ((idx >= off) & (idx < off + len)).nonzero().squeeze(1);
