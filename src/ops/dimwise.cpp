@@ -1,7 +1,9 @@
-// Ops that work along some dims of one tensor and leave the others alone: scans (cumsum,
-// cumprod, logcumsumexp, cummax / cummin), sort / argsort, topk, kthvalue, median / nanmedian
-// / mode along a dim, glu, flip, roll, tril / triu, unfold, repeat, diagonal and trace, and the
-// backward ops these need.
+// Ops that work along some dims of a tensor and leave the others alone: scans (cumsum,
+// cumprod, logcumsumexp, cummax / cummin), sort / argsort, _safe_softmax, topk, kthvalue, median / nanmedian
+// / mode along a dim, glu, flip, roll, tril / triu, unfold, repeat, diagonal, trace,
+// linalg_cross; ops over the trailing dims that keep the batch dims' shards (adaptive max
+// pooling, pixel (un)shuffle, channel_shuffle, im2col / col2im); and the backward ops these
+// need.
 //
 // NOTE: [Dim-wise ops]
 // The op's own dims must be whole on every rank; every other dim keeps its shards. A mesh
@@ -18,8 +20,9 @@
 //   - trace: each rank sums the part of the diagonal inside its block, Partial(sum).
 //
 // Backward ops that autograd builds from plain buffers (cumprod_backward, cummaxmin_backward,
-// trace_backward) get kernels at the distributed-tensor key instead (NOTE: [How to add an op],
-// case 2): they lay their arguments out with the op's dim whole and run the op on the shards.
+// trace_backward) and one_hot get kernels at the distributed-tensor key instead (NOTE: [How to
+// add an op], case 2): the backward ops lay their arguments out with the op's dim whole and
+// run the op on the shards.
 #include <algorithm>
 #include <limits>
 #include <vector>
@@ -77,7 +80,7 @@ SpecPtr whole_along(const DTensorSpec& in, const std::vector<int64_t>& dims, boo
 namespace {
 
 const DTensorSpec& self_of(const OpCall& call) {
-  // Every op here has `self` as its only tensor argument.
+  // Every op here has a `self`; the other tensor arguments are laid out after it.
   const DTensorSpec* self = call.spec("self");
   TORCH_INTERNAL_ASSERT(self != nullptr, call.describe());
   return *self;
@@ -120,7 +123,7 @@ std::vector<int64_t> every_dim(const DTensorSpec& s) {
   return all;
 }
 
-// sort, sort.stable, argsort.stable: one `dim`, results of the input's shape.
+// sort, sort.stable, argsort.stable, _safe_softmax: one `dim`, results of the input's shape.
 OpPlan along_dim(const OpCall& call) {
   if (self_of(call).ndim() == 0) return along(call, {});
   return along(call, {call.arg<int64_t>("dim")});
@@ -689,7 +692,8 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::logcumsumexp", [](const OpCall& c) { return scan_rule(c, Scan::LogSumExp); });
   register_rule("aten::cummax", [](const OpCall& c) { return scan_rule(c, Scan::Max); });
   register_rule("aten::cummin", [](const OpCall& c) { return scan_rule(c, Scan::Min); });
-  for (const char* op : {"aten::sort", "aten::sort.stable", "aten::argsort.stable"})
+  // _safe_softmax: what LibTorch 2.5+'s attention math path calls instead of softmax.
+  for (const char* op : {"aten::sort", "aten::sort.stable", "aten::argsort.stable", "aten::_safe_softmax"})
     register_rule(op, along_dim);
   register_rule("aten::topk", topk_rule);
   for (const char* op : {"aten::kthvalue", "aten::median.dim", "aten::nanmedian.dim", "aten::mode"})
@@ -702,7 +706,7 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::unfold", unfold_rule);
   register_rule("aten::unfold_backward", unfold_backward_rule);
   register_rule("aten::repeat", repeat_rule);
-  register_rule("aten::diagonal", diagonal_rule);
+  for (const char* op : {"aten::diagonal", "aten::diagonal_copy"}) register_rule(op, diagonal_rule);
   register_rule("aten::diagonal_backward", diagonal_backward_rule);
   register_rule("aten::diag", replicated_rule);
   register_rule("aten::trace", trace_rule);
