@@ -33,6 +33,9 @@ const std::set<std::string> kOtherVersionsOnly = {
     "aten::upsample_bilinear2d_backward.vec", "aten::upsample_linear1d_backward.vec",
     "aten::upsample_nearest1d_backward.vec", "aten::upsample_nearest2d_backward.vec",
     "aten::upsample_nearest3d_backward.vec", "aten::upsample_trilinear3d_backward.vec",
+    // 2.x only: ops the dim-wise, reduction-collective, loss and attention families rule there.
+    "aten::_safe_softmax", "aten::all.dims", "aten::any.dims",
+    "aten::binary_cross_entropy_with_logits_backward",
 };
 
 // Ops whose out= overloads (a written kwarg-only tensor: out, values, grad_input) have no
@@ -96,6 +99,20 @@ const std::set<std::string> kOutFormsWithoutRule = {
     "aten::upsample_nearest2d_backward", "aten::upsample_nearest3d",
     "aten::upsample_nearest3d_backward", "aten::upsample_trilinear3d",
     "aten::upsample_trilinear3d_backward",
+    // TODO(dimwise.cpp, reduction_collective.cpp, distance.cpp, advanced_index.cpp,
+    // elementwise_extra.cpp, loss_binary.cpp, matrix_vector.cpp, window/pool.cpp): out= forms.
+    "aten::_cdist_backward", "aten::_cdist_forward", "aten::_euclidean_dist",
+    "aten::adaptive_max_pool2d", "aten::adaptive_max_pool2d_backward",
+    "aten::adaptive_max_pool3d", "aten::adaptive_max_pool3d_backward", "aten::all",
+    "aten::aminmax", "aten::any", "aten::argsort", "aten::binary_cross_entropy",
+    "aten::binary_cross_entropy_backward", "aten::binary_cross_entropy_with_logits",
+    "aten::channel_shuffle", "aten::col2im", "aten::count_nonzero", "aten::cummax",
+    "aten::cummin", "aten::cumprod", "aten::diag", "aten::diagonal_backward",
+    "aten::diagonal_copy", "aten::glu", "aten::glu_backward", "aten::im2col", "aten::kthvalue",
+    "aten::linalg_cross", "aten::logsumexp", "aten::masked_scatter", "aten::median",
+    "aten::mode", "aten::nanmedian", "aten::pixel_shuffle", "aten::pixel_unshuffle",
+    "aten::prelu", "aten::prelu_backward", "aten::repeat", "aten::topk", "aten::trace",
+    "aten::unfold_backward",
     // TODO(view.cpp): out= forms.
     "aten::_unsafe_view", "aten::new_empty", "aten::new_empty_strided", "aten::new_full",
     "aten::new_ones", "aten::new_zeros",
