@@ -12,6 +12,29 @@ OpPlan keep_layout(const OpCall& call) {
   return plan;
 }
 
+// A cast keeps the layout, except that Partial terms cast to a non-floating dtype are reduced
+// first: the truncated sum of terms is not the sum of truncated terms.
+OpPlan cast_rule(const OpCall& call) {
+  const DTensorSpec& self = call.first();
+  const auto dtype = call.arg<c10::optional<at::ScalarType>>("dtype");
+  if (!self.has_partial() || !dtype || c10::isFloatingType(*dtype) || c10::isComplexType(*dtype))
+    return keep_layout(call);
+  auto whole = std::make_shared<DTensorSpec>(self.partial_as_replicate());
+  OpPlan plan(call);
+  plan.input("self", whole).output(whole);
+  return plan;
+}
+
+// as_strided addresses storage, which a distributed tensor's wrapper does not have (its
+// strides are the global contiguous ones). Autograd calls it for an in-place op on a view of
+// a tensor that requires grad (CopySlices); run locally it would pick the wrong elements.
+OpPlan as_strided_rule(const OpCall& call) {
+  TORCH_CHECK(false, "tessera: ", call.describe(), ": as_strided addresses storage, and a ",
+              "distributed tensor has none of its own; autograd calls it for an in-place op on ",
+              "a view of a tensor that requires grad: do that op out of place, or on the base");
+  return OpPlan(call);
+}
+
 // New values (ones, fill, random) are not partial terms: Partial dims become Replicate.
 OpPlan fresh_values(const OpCall& call) {
   OpPlan plan(call);
@@ -40,7 +63,7 @@ OpPlan copy_rule(const OpCall& call) {
 
 const RuleRegistrar registrar{[] {
   for (const char* op : {"aten::detach", "aten::alias", "aten::clone", "aten::zeros_like",
-                         "aten::_to_copy", "aten::zero_", "aten::lift_fresh",
+                         "aten::zero_", "aten::lift_fresh",
                          "aten::detach_", "aten::_conj", "aten::conj_physical",
                          "aten::resolve_conj", "aten::resolve_neg"})
     register_rule(op, keep_layout);
@@ -50,6 +73,8 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::_local_scalar_dense", needs_replicate);
   register_rule("aten::is_nonzero", needs_replicate);
   register_rule("aten::copy_", copy_rule);
+  register_rule("aten::_to_copy", cast_rule);
+  register_rule("aten::as_strided", as_strided_rule);
 }};
 
 }  // namespace

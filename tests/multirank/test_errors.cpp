@@ -234,12 +234,12 @@ TEST(ErrorsMesh, TensorsOnDifferentMeshes) {
 TEST(ErrorsOps, NoShardingRuleOnShardedInput) {
   on_mesh_fails({2}, [](int, const DeviceMesh& m) {
     auto dt = distribute_tensor(values({6, 3}), m, {Shard(0)});
-    at::cumprod(dt, 0);
-  }, {"aten::cumprod", "(S(0))", "[6, 3]", "no sharding rule"});
+    at::histc(dt, 4);
+  }, {"aten::histc", "(S(0))", "[6, 3]", "no sharding rule"});
   on_mesh_fails({2, 2}, [](int, const DeviceMesh& m) {
     auto dt = distribute_tensor(values({6, 4}), m, {Replicate(), Shard(1)});
-    at::cumprod(dt, 1);
-  }, {"aten::cumprod", "(R, S(1))", "no sharding rule"});
+    at::histc(dt, 4);
+  }, {"aten::histc", "(R, S(1))", "no sharding rule"});
 }
 
 TEST(ErrorsOps, TriangleOfOneDimTensor) {

@@ -353,10 +353,8 @@ std::vector<OpCase> shape_cases() {
          y.index_put_(idx, at::scalar_tensor(0.5, at::kDouble));
          return y;
        }},
-      // Fails on R and P(sum) with a wrong gradient, silently: autograd's CopySlices runs
-      // as_strided with the wrapper's geometry (contiguous, offset 0), which on a replicated
-      // gradient picks the wrong rows (src/tensor). Sharded gradients raise instead (see the
-      // expected-error list).
+      // Raises (see the expected-error list): autograd's CopySlices runs as_strided with the
+      // wrapper's geometry (contiguous, offset 0), which would pick the wrong rows.
       {"in-place on a slice view", {D(A)}, [](Args v) {
          auto y = v[0] * 1;
          y.narrow(1, 2, 3).mul_(3);
@@ -547,10 +545,9 @@ const std::map<std::string, std::string>& expected_errors() {
   static const std::map<std::string, std::string> list = {
       // In-place ops on a view of a tensor that requires grad: autograd's CopySlices node
       // calls as_strided on the gradient with the view's geometry, and a distributed tensor's
-      // wrapper reports contiguous strides and offset 0 whatever the view (src/tensor). On
-      // sharded gradients as_strided has no rule and raises; on replicated ones it runs with
-      // the wrong geometry (the case below fails there). x[:, idx] = v takes this path
-      // (set_item slices first), harmlessly: its view is the whole tensor.
+      // wrapper reports contiguous strides and offset 0 whatever the view, so as_strided
+      // raises on every layout rather than pick the wrong elements (like.cpp). x[:, idx] = v
+      // takes this path too (set_item slices first).
       {"x[:, idx] = v", "as_strided in CopySlices (in-place on a view with autograd)"},
       {"in-place on a slice view", "as_strided in CopySlices (in-place on a view with autograd)"},
   };
