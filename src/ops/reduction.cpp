@@ -39,6 +39,7 @@
 #include <torch/library.h>
 
 #include "tessera/ops/rule.h"
+#include "reduction_identity.h"
 
 namespace tessera::ops {
 
@@ -222,21 +223,6 @@ OpPlan mean_rule(const OpCall& call) {
 
 // ---- amax, amin, max(), min() --------------------------------------------------------------
 
-// The identity of max (lowest value) or min (highest value) for a dtype.
-at::Tensor identity_fill(at::IntArrayRef shape, const at::TensorOptions& opts, bool is_max) {
-  const auto dt = c10::typeMetaToScalarType(opts.dtype());
-  if (at::isFloatingType(dt)) {
-    const double inf = std::numeric_limits<double>::infinity();
-    return at::full(shape, is_max ? -inf : inf, opts);
-  }
-  if (dt == at::kBool) return at::full(shape, !is_max, opts);
-  int64_t v = 0;
-  AT_DISPATCH_INTEGRAL_TYPES(dt, "tessera_identity_fill", [&] {
-    v = is_max ? static_cast<int64_t>(std::numeric_limits<scalar_t>::lowest())
-               : static_cast<int64_t>(std::numeric_limits<scalar_t>::max());
-  });
-  return at::full(shape, v, opts);
-}
 
 // Runs the op locally, except where a reduced dim's shard is empty (max of nothing is an
 // error in ATen): that shard contributes the identity of the Partial(max/min) it becomes.

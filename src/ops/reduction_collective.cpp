@@ -24,6 +24,7 @@
 
 #include "tessera/comm/collectives.h"
 #include "tessera/ops/rule.h"
+#include "reduction_identity.h"
 
 namespace tessera::ops {
 
@@ -172,21 +173,6 @@ OpPlan count_nonzero_rule(const OpCall& call) {
 
 // ---- aminmax ---------------------------------------------------------------------------------
 
-// The identity of min (is_max false) or max for a dtype.
-at::Tensor identity_fill(at::IntArrayRef shape, const at::TensorOptions& opts, bool is_max) {
-  const auto dt = c10::typeMetaToScalarType(opts.dtype());
-  if (at::isFloatingType(dt)) {
-    const double inf = std::numeric_limits<double>::infinity();
-    return at::full(shape, is_max ? -inf : inf, opts);
-  }
-  if (dt == at::kBool) return at::full(shape, !is_max, opts);
-  int64_t v = 0;
-  AT_DISPATCH_INTEGRAL_TYPES(dt, "tessera_aminmax_identity", [&] {
-    v = is_max ? static_cast<int64_t>(std::numeric_limits<scalar_t>::lowest())
-               : static_cast<int64_t>(std::numeric_limits<scalar_t>::max());
-  });
-  return at::full(shape, v, opts);
-}
 
 OpPlan aminmax_rule(const OpCall& call) {
   const DTensorSpec* self = call.spec("self");

@@ -23,13 +23,7 @@ namespace tessera {
 
 namespace {
 
-DTensorImpl* as_dtensor(const at::Tensor& t) {
-  // The key check is one bit test; DTensorImpl is final, so an exact type check suffices
-  // (cheaper than dynamic_cast on this hot path).
-  if (!t.defined() || !t.key_set().has(c10::DispatchKey::PrivateUse1)) return nullptr;
-  auto* impl = t.unsafeGetTensorImpl();
-  return typeid(*impl) == typeid(DTensorImpl) ? static_cast<DTensorImpl*>(impl) : nullptr;
-}
+using detail::as_dtensor;
 
 // Plain tensors next to distributed ones: 0-dim tensors stay scalars; any other plain tensor
 // is taken as a replicated global value (every rank must hold the same data), which is what
@@ -321,6 +315,16 @@ void admit_and_key(Frame& f) {
         f.key.push_back(tensor_key(t, sp));
         return admitted;
       });
+    } else if (h != Holds::Nothing) {
+      // A list of plain tensors (an index list): each element's presence, dtype and shape
+      // decide the result's shape (x[idx] is not x[:, idx]).
+      f.key.push_back(0x11570);
+      for_each_tensor(f.args[i], h, [&](size_t, const at::Tensor& t) {
+        f.key.push_back(tensor_key(t, nullptr));
+        if (!t.defined()) return;
+        f.key.push_back(static_cast<size_t>(t.dim()));
+        for (int64_t x : t.sizes()) f.key.push_back(static_cast<size_t>(x));
+      });
     } else if (shapes_matter(f.schema.arguments()[i].type())) {
       hash_value(f.args[i], f.key, declares_float(f.schema.arguments()[i].type()));
     } else {
@@ -484,8 +488,14 @@ void wrap_results(Frame& f) {
       auto* self = f.impls[alias];
       SpecPtr planned = next_aliased_spec(f, self->spec_ptr(), f.locals[alias]);
       if (!f.locals[alias].is_same(self->local()) ||
-          (planned != self->spec_ptr() && *planned != self->spec()))
+          (planned != self->spec_ptr() && *planned != self->spec())) {
+        // A view's new shard would not be its base's: the base would miss the write.
+        TORCH_CHECK(!f.args[alias].toTensor().is_view(), "tessera: ", f.call.describe(),
+                    ": this in-place op on a view needs the view's layout changed (to ",
+                    planned->str(), "), which its base would not see; redistribute the base ",
+                    "first, or do the op out of place");
         self->set_local_and_spec(f.locals[alias], planned);
+      }
       f.stack->push_back(f.args[alias]);
     } else if (v.isTensor()) {
       const at::Tensor& local = v.toTensor();

@@ -25,11 +25,7 @@ namespace tessera {
 
 namespace {
 
-DTensorImpl* as_dtensor(const at::Tensor& t) {
-  if (!t.defined() || !t.key_set().has(c10::DispatchKey::PrivateUse1)) return nullptr;
-  auto* impl = t.unsafeGetTensorImpl();
-  return typeid(*impl) == typeid(DTensorImpl) ? static_cast<DTensorImpl*>(impl) : nullptr;
-}
+using detail::as_dtensor;
 
 // One call's arguments as the fast path keys them.
 struct Probe {

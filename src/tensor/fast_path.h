@@ -5,8 +5,17 @@
 #include <ATen/core/stack.h>
 
 #include "tessera/placement/spec.h"
+#include "tessera/tensor/dtensor_impl.h"
 
 namespace tessera::detail {
+
+// The wrapper of a distributed tensor, or nullptr: one bit test for the key, then an exact
+// type check (DTensorImpl is final; cheaper than dynamic_cast on the hot path).
+inline DTensorImpl* as_dtensor(const at::Tensor& t) {
+  if (!t.defined() || !t.key_set().has(c10::DispatchKey::PrivateUse1)) return nullptr;
+  auto* impl = t.unsafeGetTensorImpl();
+  return typeid(*impl) == typeid(DTensorImpl) ? static_cast<DTensorImpl*>(impl) : nullptr;
+}
 
 // What a fallback call tells the fast path: whether replaying it needs nothing but the op on
 // the local shards (no redistribution, no kernel, no implicit conversion, one result), and

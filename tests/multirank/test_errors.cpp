@@ -308,3 +308,12 @@ TEST(ErrorsInspect, PlainTensorWhereDistributedExpected) {
   on_mesh_fails({2}, [](int, const DeviceMesh&) { redistribute(values({2, 2}), {Replicate()}); },
                 {"expected a distributed tensor"});
 }
+
+// An in-place op that must change a view's layout (relu_ on Partial terms reduces them first)
+// would leave the base unchanged: an error on every rank rather than a silent miss.
+TEST(ErrorsOps, InPlaceOnAViewThatMustChangeLayout) {
+  on_mesh_fails({2}, [](int, const DeviceMesh& m) {
+    auto terms = distribute_tensor(values({6, 3}), m, {Shard(0)}).sum(0);  // Partial(sum)
+    terms.narrow(0, 0, 2).relu_();
+  }, {"aten::relu_", "P(sum)", "view"});
+}
