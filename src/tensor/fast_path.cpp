@@ -192,6 +192,14 @@ void fast(torch::Library& m) {
   m.impl(name.c_str(), TORCH_FN(FastKernel<Op>::kernel));
 }
 
+// detach keeps the layout and the data: the result shares the shard's handle (autograd's
+// view tracking happens on the wrapper), so no local op and no second TensorImpl.
+at::Tensor detach_sharing_shard(const at::Tensor& self) {
+  auto* d = detail::as_dtensor(self);
+  TORCH_INTERNAL_ASSERT(d, "aten::detach reached the distributed-tensor key without one");
+  return at::detail::make_tensor<DTensorImpl>(d->local(), d->spec_ptr());
+}
+
 }  // namespace
 
 // The ops of a training step's inner loop (BENCHMARKS.md, "Per-op dispatch overhead").
@@ -211,7 +219,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   fast<at::_ops::addcdiv_>(m);
   fast<at::_ops::mm>(m);
   fast<at::_ops::view>(m);
-  fast<at::_ops::detach>(m);
+  m.impl("detach", TORCH_FN(detach_sharing_shard));
   fast<at::_ops::sum>(m);
 }
 
