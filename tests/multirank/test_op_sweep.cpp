@@ -223,7 +223,9 @@ std::vector<OpCase> reduction_cases() {
          auto r = at::std_mean(v[0], at::IntArrayRef{1});
          return std::get<0>(r) * std::get<1>(r);
        }},
-      {"frobenius norm", {D(A)}, [](Args v) { return at::frobenius_norm(v[0]); }},
+      {"frobenius norm", {D(A)}, [](Args v) {
+         return at::frobenius_norm(v[0], at::IntArrayRef{0, 1}, false);  // 2.x has no dim-less form
+       }},
       {"linalg_norm", {D(A)}, [](Args v) { return at::linalg_norm(v[0], 2, at::IntArrayRef{1}); }},
       {"equal", {D(A), D(A)}, [](Args v) {
          return v[0] * (at::equal(v[0], v[1]) ? 1.0 : 2.0) * (at::equal(v[0], v[0] * 1) ? 3.0 : 4.0);
