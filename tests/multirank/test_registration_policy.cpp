@@ -33,6 +33,8 @@ const std::set<std::string> kOtherVersionsOnly = {
     "aten::upsample_bilinear2d_backward.vec", "aten::upsample_linear1d_backward.vec",
     "aten::upsample_nearest1d_backward.vec", "aten::upsample_nearest2d_backward.vec",
     "aten::upsample_nearest3d_backward.vec", "aten::upsample_trilinear3d_backward.vec",
+    // 1.13 only: 2.x replaced it with _prelu_kernel_backward (elementwise_extra.cpp rules both).
+    "aten::prelu_backward",
     // 2.x only: ops the dim-wise, reduction-collective, loss and attention families rule there.
     "aten::_safe_softmax", "aten::all.dims", "aten::any.dims",
     "aten::binary_cross_entropy_with_logits_backward",
