@@ -109,12 +109,17 @@ std::vector<int64_t> kept_shape(const at::Tensor& x, const std::vector<int64_t>&
   return shape;
 }
 
+// Self with its Partial terms summed first: none of these reductions is linear in them.
+SpecPtr whole_terms(const OpCall& call) {
+  const DTensorSpec* self = call.spec("self");
+  TORCH_INTERNAL_ASSERT(self, call.describe());
+  return std::make_shared<DTensorSpec>(self->partial_as_replicate());
+}
+
 // ---- logsumexp -------------------------------------------------------------------------------
 
 OpPlan logsumexp_rule(const OpCall& call) {
-  const DTensorSpec* self = call.spec("self");
-  TORCH_INTERNAL_ASSERT(self, call.describe());
-  auto in = std::make_shared<DTensorSpec>(self->partial_as_replicate());
+  const SpecPtr in = whole_terms(call);
   const Reduced r = reduced_dims(call, *in);
   OpPlan plan(call);
   plan.input("self", in).output(result_layout(*in, r, Replicate()));
@@ -143,9 +148,7 @@ OpPlan logsumexp_rule(const OpCall& call) {
 // ---- any / all / count_nonzero ---------------------------------------------------------------
 
 OpPlan any_all_rule(const OpCall& call, bool is_any) {
-  const DTensorSpec* self = call.spec("self");
-  TORCH_INTERNAL_ASSERT(self, call.describe());
-  auto in = std::make_shared<DTensorSpec>(self->partial_as_replicate());
+  const SpecPtr in = whole_terms(call);
   const Reduced r = reduced_dims(call, *in);
   OpPlan plan(call);
   plan.input("self", in).output(result_layout(*in, r, Replicate()));
@@ -163,9 +166,7 @@ OpPlan any_all_rule(const OpCall& call, bool is_any) {
 }
 
 OpPlan count_nonzero_rule(const OpCall& call) {
-  const DTensorSpec* self = call.spec("self");
-  TORCH_INTERNAL_ASSERT(self, call.describe());
-  auto in = std::make_shared<DTensorSpec>(self->partial_as_replicate());
+  const SpecPtr in = whole_terms(call);
   OpPlan plan(call);
   plan.input("self", in).output(result_layout(*in, reduced_dims(call, *in), Partial()));
   return plan;
@@ -173,11 +174,8 @@ OpPlan count_nonzero_rule(const OpCall& call) {
 
 // ---- aminmax ---------------------------------------------------------------------------------
 
-
 OpPlan aminmax_rule(const OpCall& call) {
-  const DTensorSpec* self = call.spec("self");
-  TORCH_INTERNAL_ASSERT(self, call.describe());
-  auto in = std::make_shared<DTensorSpec>(self->partial_as_replicate());
+  const SpecPtr in = whole_terms(call);
   const Reduced r = reduced_dims(call, *in);
   OpPlan plan(call);
   plan.input("self", in)
