@@ -156,9 +156,12 @@ void distribute_module(torch::nn::Module& module, const DeviceMesh& mesh,
 
 void distribute_parameter(torch::nn::Module& module, const std::string& name,
                           const DeviceMesh& mesh, const Placements& placements) {
+  // (named_parameters returns a dictionary by value: keep it alive while reading from it)
   at::Tensor current;
-  if (auto* p = module.named_parameters(false).find(name)) current = *p;
-  else if (auto* b = module.named_buffers(false).find(name)) current = *b;
+  const auto params = module.named_parameters(/*recurse=*/false);
+  const auto buffers = module.named_buffers(/*recurse=*/false);
+  if (const auto* p = params.find(name)) current = *p;
+  else if (const auto* b = buffers.find(name)) current = *b;
   TORCH_CHECK(current.defined(), "tessera: distribute_parameter: module ", module.name(),
               " has no parameter or buffer named \"", name, "\"");
   replace_parameter(module, name,
