@@ -29,6 +29,10 @@ struct DeviceMesh::Impl {
 
   std::mutex cache_mu;
   std::shared_ptr<void> cache;
+
+  // Set on slices: the parent (weak: the parent owns its cached slices) and its dims.
+  std::weak_ptr<Impl> parent;
+  std::vector<int64_t> parent_dims;
 };
 
 namespace {
@@ -214,9 +218,33 @@ DeviceMesh DeviceMesh::operator[](const std::vector<std::string>& names) const {
       s->ranks.push_back(rank_at(c));
     }
     if (s->shape.size() == 1) s->all = s->groups[0];
+    s->parent = impl_;
+    s->parent_dims = dims;
     cached = std::move(s);
   }
   return DeviceMesh(cached);
+}
+
+DeviceMesh DeviceMesh::root() const {
+  std::shared_ptr<Impl> m = impl_;
+  while (m && !m->parent_dims.empty()) {
+    auto up = m->parent.lock();
+    TORCH_CHECK(up, "tessera: ", DeviceMesh(m).str(), " is a slice of a mesh that no longer exists");
+    m = std::move(up);
+  }
+  return DeviceMesh(m);
+}
+
+std::vector<int64_t> DeviceMesh::dims_in_root() const {
+  std::vector<int64_t> dims(impl().shape.size());
+  std::iota(dims.begin(), dims.end(), int64_t{0});
+  std::shared_ptr<Impl> m = impl_;
+  while (m && !m->parent_dims.empty()) {
+    for (auto& d : dims) d = m->parent_dims[d];
+    m = m->parent.lock();
+    TORCH_CHECK(m, "tessera: a mesh slice outlived the mesh it was sliced from");
+  }
+  return dims;
 }
 
 DeviceMesh DeviceMesh::unowned() const {

@@ -3,6 +3,7 @@
 // Per call, in named steps (see dtensor_fallback): collect the distributed arguments, admit
 // plain ones and build the decision key, decide (cache or rule), unwrap and redistribute,
 // run the op or the plan's kernel, wrap the results and write back aliased arguments.
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -12,6 +13,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "fallback_hooks.h"
 #include "tessera/compat.h"
 #include "tessera/ops/rule.h"
 #include "tessera/redistribute/redistribute.h"
@@ -274,6 +276,8 @@ void collect(Frame& f) {
 
 // Step 2: every distributed argument must live on the reference's mesh; plain tensors join it
 // as replicated values (0-dim ones stay scalars). Builds the decision key as it goes.
+std::atomic<PlainOperandCheck> g_plain_operand_check{nullptr};
+
 void admit_and_key(Frame& f) {
   const DTensorSpec& ref = f.ref();
   auto admit = [&](const at::Tensor& t) -> std::pair<at::Tensor, const DTensorSpec*> {
@@ -333,6 +337,20 @@ void admit_and_key(Frame& f) {
     }
   }
   for (auto k : f.key) f.hash = hash_mix(f.hash, k);
+  if (!f.admitted_plain.empty()) {
+    if (PlainOperandCheck check = g_plain_operand_check.load(std::memory_order_acquire)) {
+      c10::SmallVector<const c10::TensorImpl*, 4> distributed;
+      c10::SmallVector<at::Tensor, 2> plain;
+      for (size_t i = 0; i < f.nargs; ++i) {
+        if (!f.impls[i]) continue;
+        bool admitted = false;
+        for (const auto& a : f.admitted_plain) admitted = admitted || a.first == i;
+        if (!admitted) distributed.push_back(f.impls[i]);
+      }
+      for (const auto& a : f.admitted_plain) plain.push_back(a.second);
+      check(f.call.op, distributed, plain);
+    }
+  }
 }
 
 // Step 3: the cached decision for this key, or a new one from the op's rule. Without a rule
@@ -608,6 +626,10 @@ void register_explicit_kernels() {
 }
 
 }  // namespace
+
+void set_plain_operand_check(PlainOperandCheck check) {
+  g_plain_operand_check.store(check, std::memory_order_release);
+}
 
 namespace detail {
 void dtensor_fallback_reporting(const c10::OperatorHandle& op, torch::jit::Stack* stack,

@@ -56,6 +56,13 @@ class DeviceMesh {
     return (*this)[std::vector<std::string>(names)];
   }
 
+  // The mesh this one was sliced from, followed to the top (itself when not a slice), and
+  // the root's dim behind each of this mesh's dims. Tensor parallelism on mesh["tp"] lays
+  // parameters out on the root, replicated over its other dims, so they meet activations
+  // sharded over "dp" in one op.
+  DeviceMesh root() const;
+  std::vector<int64_t> dims_in_root() const;
+
   // Global rank at a mesh coordinate.
   int rank_at(const std::vector<int64_t>& coord) const;
 

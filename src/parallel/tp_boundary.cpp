@@ -1,0 +1,349 @@
+#include "tp_boundary.h"
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "../tensor/fallback_hooks.h"
+#include "tessera/tensor/api.h"
+#include "tessera/tensor/dtensor_impl.h"
+
+namespace tessera::tp::detail {
+
+// ---- meshes --------------------------------------------------------------------------------
+
+TpMesh TpMesh::of(const DeviceMesh& tp_mesh, const std::string& where) {
+  TORCH_CHECK(tp_mesh.defined(), "tessera: ", where, ": no mesh given");
+  TORCH_CHECK(tp_mesh.ndim() == 1, "tessera: ", where, ": tensor parallelism takes a 1-D mesh; got ",
+              tp_mesh.str(), ". Pass a slice such as mesh[\"tp\"]");
+  TpMesh m;
+  m.root = tp_mesh.root();
+  m.dim = tp_mesh.dims_in_root()[0];
+  return m;
+}
+
+Placements TpMesh::with(Placements base, Placement p) const {
+  if (base.empty()) base.assign(static_cast<size_t>(root.ndim()), Replicate());
+  base[static_cast<size_t>(dim)] = p;
+  return base;
+}
+
+std::string Convert::str() const {
+  std::string s = "{plain: " + (plain ? plain->str() : std::string("keep"));
+  s += ", desired: " + (desired ? desired->str() : std::string("keep"));
+  return s + (to_local ? ", local}" : "}");
+}
+
+// ---- module and parameter tables -----------------------------------------------------------
+
+namespace {
+
+// Keyed by address, with a weak handle that tells a live entry from a reused address.
+struct ModuleEntry {
+  std::weak_ptr<const torch::nn::Module> alive;
+  BoundaryPtr boundary;
+  std::shared_ptr<const ModuleInput> input;
+  std::vector<Convert> outputs;
+};
+struct ParamEntry {
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> alive;
+  BoundaryPtr boundary;
+  bool live() const { return alive && !alive->expired(); }
+};
+
+struct Tables {
+  std::shared_mutex mu;
+  std::unordered_map<const torch::nn::Module*, ModuleEntry> modules;
+  std::unordered_map<const c10::TensorImpl*, ParamEntry> params;
+  std::atomic<int64_t> guarded{0};  // tagged parameters whose boundary forbids plain operands
+};
+
+Tables& tables() {
+  static Tables t;
+  return t;
+}
+
+std::weak_ptr<const torch::nn::Module> weak_of(const torch::nn::Module& m) {
+  try {
+    return m.shared_from_this();
+  } catch (const std::bad_weak_ptr&) {
+    return {};  // a module on the stack: identity by address only
+  }
+}
+
+ModuleEntry& entry_locked(Tables& t, const torch::nn::Module& m) {
+  auto it = t.modules.find(&m);
+  if (it != t.modules.end()) {
+    const bool stale = it->second.alive.expired() && !weak_of(m).expired();
+    if (!stale) return it->second;
+    t.modules.erase(it);
+  }
+  auto& e = t.modules[&m];
+  e.alive = weak_of(m);
+  return e;
+}
+
+}  // namespace
+
+BoundaryPtr boundary_for(torch::nn::Module& module) {
+  auto& t = tables();
+  std::unique_lock<std::shared_mutex> lock(t.mu);
+  auto& e = entry_locked(t, module);
+  if (!e.boundary) e.boundary = std::make_shared<Boundary>();
+  return e.boundary;
+}
+
+BoundaryPtr find_boundary(const torch::nn::Module& module) {
+  auto& t = tables();
+  std::unique_lock<std::shared_mutex> lock(t.mu);
+  auto it = t.modules.find(&module);
+  return it == t.modules.end() ? nullptr : entry_locked(t, module).boundary;
+}
+
+void set_module_input(torch::nn::Module& module, std::shared_ptr<const ModuleInput> input) {
+  auto& t = tables();
+  std::unique_lock<std::shared_mutex> lock(t.mu);
+  entry_locked(t, module).input = std::move(input);
+}
+
+std::shared_ptr<const ModuleInput> module_input(const torch::nn::Module& module) {
+  auto& t = tables();
+  std::unique_lock<std::shared_mutex> lock(t.mu);
+  auto it = t.modules.find(&module);
+  return it == t.modules.end() ? nullptr : entry_locked(t, module).input;
+}
+
+void add_module_output(torch::nn::Module& module, Convert output) {
+  auto& t = tables();
+  std::unique_lock<std::shared_mutex> lock(t.mu);
+  entry_locked(t, module).outputs.push_back(std::move(output));
+}
+
+std::vector<Convert> module_outputs(const torch::nn::Module& module) {
+  auto& t = tables();
+  std::unique_lock<std::shared_mutex> lock(t.mu);
+  auto it = t.modules.find(&module);
+  return it == t.modules.end() ? std::vector<Convert>{} : entry_locked(t, module).outputs;
+}
+
+namespace {
+void check_plain_operands(const c10::OperatorHandle& op,
+                          c10::ArrayRef<const c10::TensorImpl*> distributed,
+                          c10::ArrayRef<at::Tensor> plain);
+}
+
+void tag_parameter(const at::Tensor& parameter, BoundaryPtr boundary) {
+  auto& t = tables();
+  std::unique_lock<std::shared_mutex> lock(t.mu);
+  auto* impl = parameter.unsafeGetTensorImpl();
+  auto& e = t.params[impl];
+  const bool was_guarded = e.boundary && e.live() && e.boundary->plain_forbidden;
+  e.alive.emplace(parameter.getIntrusivePtr());
+  e.boundary = std::move(boundary);
+  if (e.boundary->plain_forbidden && !was_guarded && t.guarded.fetch_add(1) == 0)
+    set_plain_operand_check(&check_plain_operands);
+}
+
+BoundaryPtr boundary_of(const at::Tensor& parameter) {
+  auto& t = tables();
+  if (!parameter.defined()) return nullptr;
+  std::shared_lock<std::shared_mutex> lock(t.mu);
+  if (t.params.empty()) return nullptr;
+  auto it = t.params.find(parameter.unsafeGetTensorImpl());
+  if (it == t.params.end() || !it->second.live()) return nullptr;
+  return it->second.boundary;
+}
+
+namespace {
+
+// NOTE: [Plain operands at modules Tessera cannot intercept]
+// SequenceParallel on a module whose forward is not one ATen op (a hand-written RMSNorm)
+// cannot read a plain input as a sequence shard: the module's first ops run before any
+// parameter is touched. A distributed input is exact; a plain one would be taken for a
+// replicated value, silently wrong, so it is an error where it meets the parameter.
+void check_plain_operands(const c10::OperatorHandle& op,
+                          c10::ArrayRef<const c10::TensorImpl*> distributed,
+                          c10::ArrayRef<at::Tensor> plain) {
+  bool floating = false;
+  for (const auto& p : plain) floating = floating || at::isFloatingType(p.scalar_type());
+  if (!floating) return;
+  auto& t = tables();
+  std::shared_lock<std::shared_mutex> lock(t.mu);
+  for (const auto* impl : distributed) {
+    auto it = t.params.find(impl);
+    if (it == t.params.end() || !it->second.live()) continue;
+    const auto& b = *it->second.boundary;
+    if (!b.plain_forbidden) continue;
+    TORCH_CHECK(false, "tessera: ", op.schema().name(), ": a plain (local) tensor of shape ",
+                shape_str(plain[0].sizes().vec()), " meets the parameters of '", b.fqn, "' (",
+                b.style, "). Tessera cannot see that module's input (its forward is not one ATen "
+                "op), so it cannot read a plain tensor as sequence shards. Give it a distributed "
+                "input: set use_local_output(false) on the style of the module before it, or "
+                "call tessera::from_local(x, mesh, {Shard(", b.sequence_dim, ")}) yourself");
+  }
+}
+
+// ---- per-thread state: module entries and the conversion memo ------------------------------
+
+// NOTE: [Recognising a module's input]
+// A PrepareModuleInput on a composite module (an attention block) is carried out at the
+// tagged ops inside it. The module is entered when one of its tagged ops runs after a tagged
+// op outside it ran, or when a tagged op runs a second time (the module was called again).
+// The tensor that first op receives is the module's input; later ops that receive the very
+// same tensor (wq, wk, wv) get the one converted tensor, so the conversion's collective
+// happens once and autograd sums the gradients before its backward.
+struct Entered {
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> input;
+  uint32_t version = 0;
+  at::Tensor converted;
+  std::vector<const Boundary*> seen;
+  bool matched(const at::Tensor& x) const {
+    return input && !input->expired() && input->lock().get() == x.unsafeGetTensorImpl() &&
+           x._version() == version;
+  }
+};
+
+// NOTE: [Redistribution memo]
+// Several tagged ops often read one activation (wq, wk, wv; w1, w3). Each would move it to
+// the same layout; the memo hands them one moved tensor, so one collective runs forward and
+// autograd sums the gradients before the one backward collective. Entries die with their
+// source tensor (or its next in-place change) and are few.
+struct MemoEntry {
+  c10::weak_intrusive_ptr<c10::TensorImpl> source;
+  uint32_t version;
+  bool grad_mode;
+  SpecPtr target;
+  at::Tensor result;
+};
+
+struct ThreadState {
+  const Boundary* last = nullptr;  // boundaries live as long as their module's table entry
+  std::unordered_map<const ModuleInput*, std::pair<std::shared_ptr<const ModuleInput>, Entered>>
+      entered;
+  std::vector<MemoEntry> memo;
+};
+
+ThreadState& state() {
+  thread_local ThreadState s;
+  return s;
+}
+
+bool encloses(const Boundary& leaf, const ModuleInput* m) {
+  for (const auto& e : leaf.enclosing)
+    if (e.get() == m) return true;
+  return false;
+}
+
+at::Tensor memo_redistribute(const at::Tensor& x, const SpecPtr& target) {
+  auto& memo = state().memo;
+  const bool grad = at::GradMode::is_enabled();
+  const auto* impl = x.unsafeGetTensorImpl();
+  memo.erase(std::remove_if(memo.begin(), memo.end(),
+                            [](const MemoEntry& e) { return e.source.expired(); }),
+             memo.end());
+  for (const auto& e : memo)
+    if (e.source.lock().get() == impl && e.version == x._version() && e.grad_mode == grad &&
+        *e.target == *target)
+      return e.result;
+  at::Tensor out = redistribute(x, target);
+  constexpr size_t kMemoSize = 16;
+  if (memo.size() >= kMemoSize) memo.erase(memo.begin());
+  memo.push_back({c10::weak_intrusive_ptr<c10::TensorImpl>(x.getIntrusivePtr()), x._version(),
+                  grad, target, out});
+  return out;
+}
+
+}  // namespace
+
+at::Tensor convert(const TpMesh& mesh, const Convert& c, const at::Tensor& input,
+                   const std::string& where) {
+  at::Tensor x = input;
+  if (!x.defined()) return x;
+  if (!is_dtensor(x)) {
+    if (!c.plain) return x;
+    TORCH_CHECK(x.dim() > 0 || !c.plain->is_shard(), "tessera: ", where,
+                ": cannot read a 0-dim plain tensor as ", c.plain->str());
+    const Placement p = c.plain->is_shard() ? c.plain->normalized(x.dim()) : *c.plain;
+    FromLocalOptions o;
+    if (p.is_shard())  // exact sizes: the parameter's table when it fixes them, else exchanged
+      o.sizes = c.plain_table && p.dim() == x.dim() - 1 ? ShardSizes::Given(p.dim(), *c.plain_table)
+                                                          : ShardSizes::Infer();
+    x = from_local(x, mesh.root, mesh.with({}, p), o);
+  } else {
+    const auto& s = spec(x);
+    TORCH_CHECK(s.mesh() == mesh.root, "tessera: ", where, ": the input lives on ", s.mesh().str(),
+                " but the tensor-parallel parameters live on ", mesh.root.str(),
+                " (dim ", mesh.dim, "); redistribute it onto that mesh first");
+  }
+  if (c.desired) {
+    const auto& s = spec(x);
+    const Placement want = c.desired->is_shard() ? c.desired->normalized(s.ndim()) : *c.desired;
+    Placements target = mesh.with(s.placements(), want);
+    std::vector<ShardTable> tables = s.shard_tables();
+    bool change = target != s.placements();
+    const bool table_applies = want.is_shard() && c.desired_table && want.dim() == s.ndim() - 1;
+    if (table_applies && s.mesh_dims_sharding(want.dim()) == std::vector<int64_t>{mesh.dim} &&
+        s.shard_table(want.dim()) != *c.desired_table) {
+      change = true;
+    }
+    if (change) {
+      // Tables of dims whose sharding changes follow the target (chunk unless given).
+      DTensorSpec base = s.with_placements(target);
+      std::vector<ShardTable> t = base.shard_tables();
+      for (size_t d = 0; d < t.size(); ++d) {
+        const bool same_mesh_dims = s.mesh_dims_sharding(static_cast<int64_t>(d)) ==
+                                    base.mesh_dims_sharding(static_cast<int64_t>(d));
+        if (same_mesh_dims && !tables[d].empty()) t[d] = tables[d];
+      }
+      if (table_applies && base.mesh_dims_sharding(want.dim()) == std::vector<int64_t>{mesh.dim})
+        t[static_cast<size_t>(want.dim())] = *c.desired_table;
+      auto spec_ptr = std::make_shared<DTensorSpec>(s.mesh(), target, s.sizes(), s.dtype(), t);
+      x = memo_redistribute(x, spec_ptr);
+    }
+  }
+  if (c.to_local) x = to_local(x);
+  return x;
+}
+
+at::Tensor enter(const Boundary& b, const at::Tensor& input, const char* op) {
+  auto& st = state();
+  at::Tensor x = input;
+  for (const auto& m : b.enclosing) {
+    auto& slot = st.entered[m.get()];
+    if (!slot.first) slot.first = m;
+    Entered& e = slot.second;
+    const bool inside = st.last && encloses(*st.last, m.get()) &&
+                        std::find(e.seen.begin(), e.seen.end(), &b) == e.seen.end();
+    if (!inside) {
+      e = Entered();
+      if (x.defined()) {
+        e.input.emplace(x.getIntrusivePtr());
+        e.version = x._version();
+      }
+    }
+    e.seen.push_back(&b);
+    if (x.defined() && e.matched(x)) {
+      if (!e.converted.defined())
+        e.converted = convert(m->mesh, m->convert, x,
+                              std::string(op) + " in '" + m->fqn + "' (PrepareModuleInput)");
+      x = e.converted;
+    }
+  }
+  st.last = &b;
+  if (b.input) x = convert(b.mesh, *b.input, x, std::string(op) + " of '" + b.fqn + "' (" + b.style + ")");
+  return x;
+}
+
+at::Tensor leave(const Boundary& b, const at::Tensor& output, const char* op) {
+  at::Tensor y = output;
+  for (const auto& c : b.outputs)
+    y = convert(b.mesh, c, y, std::string(op) + " output of '" + b.fqn + "' (" + b.style + ")");
+  return y;
+}
+
+}  // namespace tessera::tp::detail

@@ -1,0 +1,88 @@
+#pragma once
+// Module boundaries of tensor-parallel styles, carried out at the ops that read the module's
+// parameters (NOTE: [Module boundaries without hooks] in tensor_parallel.h).
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include "tessera/mesh/device_mesh.h"
+#include "tessera/parallel/tensor_parallel.h"
+
+namespace tessera::tp::detail {
+
+// Where tensor-parallel layouts live: the root mesh and its tensor-parallel dim.
+struct TpMesh {
+  DeviceMesh root;
+  int64_t dim = 0;
+  static TpMesh of(const DeviceMesh& tp_mesh, const std::string& where);
+  // `base` (a tensor's placements on the root, or all Replicate) with the tp dim set to p.
+  Placements with(Placements base, Placement p) const;
+};
+
+// One tensor's conversion at a boundary: a plain tensor is read with `plain` (exact sizes
+// from `plain_table` when known, else exchanged), a distributed one is moved to `desired`
+// (with `desired_table` when given), then made local if `to_local`. Tables are a
+// parameter's feature split and apply only when the shard dim is the tensor's last dim.
+struct Convert {
+  Layout plain;
+  Layout desired;
+  std::optional<ShardTable> plain_table, desired_table;
+  bool to_local = false;
+  std::string str() const;
+};
+
+// PrepareModuleInput on a module: its input is recognised at the first tagged op inside the
+// module after the module was entered (see enter()).
+struct ModuleInput {
+  std::string fqn;
+  TpMesh mesh;
+  Convert convert;
+};
+
+// Everything tensor parallelism attached to one module.
+struct Boundary {
+  std::string fqn;   // plan path
+  std::string style; // "ColwiseParallel on Linear(in=16, out=16)"
+  TpMesh mesh;
+  bool anchored = false;         // the module's forward is an op Tessera intercepts
+  bool plain_forbidden = false;  // SequenceParallel on a module Tessera cannot intercept
+  int64_t sequence_dim = 1;
+  std::optional<Convert> input;         // the parameter style's own input conversion
+  std::optional<Convert> style_output;  // the parameter style's own output conversion
+  std::vector<Convert> outputs;         // style_output, then PrepareModuleOutput's (linked)
+  std::vector<std::shared_ptr<const ModuleInput>> enclosing;  // outermost first, self last
+  bool has_param_style = false;
+};
+using BoundaryPtr = std::shared_ptr<Boundary>;
+
+// The module's boundary, made on first use (one per module; shared by its parameters' tags).
+BoundaryPtr boundary_for(torch::nn::Module& module);
+BoundaryPtr find_boundary(const torch::nn::Module& module);
+void set_module_input(torch::nn::Module& module, std::shared_ptr<const ModuleInput> input);
+std::shared_ptr<const ModuleInput> module_input(const torch::nn::Module& module);
+// PrepareModuleOutput's conversion on a module, checked and linked by parallelize_module.
+void add_module_output(torch::nn::Module& module, Convert output);
+std::vector<Convert> module_outputs(const torch::nn::Module& module);
+
+// Tags a tensor-parallel parameter with its module's boundary.
+void tag_parameter(const at::Tensor& parameter, BoundaryPtr boundary);
+// The boundary of a tagged parameter, or null. Cheap when no parameter is tagged.
+BoundaryPtr boundary_of(const at::Tensor& parameter);
+
+// Around a tagged op: the operand the module receives, and the op's result.
+at::Tensor enter(const Boundary& b, const at::Tensor& input, const char* op);
+at::Tensor leave(const Boundary& b, const at::Tensor& output, const char* op);
+
+// One conversion (differentiable), for styles of the user's own and for tests.
+at::Tensor convert(const TpMesh& mesh, const Convert& c, const at::Tensor& x,
+                   const std::string& where);
+
+// The anchored ops' autograd kernels (tp_anchors.cpp); referencing this keeps that file
+// (and its static registration) in a static link.
+void ensure_anchors_registered();
+
+}  // namespace tessera::tp::detail
