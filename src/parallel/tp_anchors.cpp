@@ -2,12 +2,22 @@
 // tensor-parallel module's boundary runs around them (NOTE: [Module boundaries without
 // hooks] in tensor_parallel.h). Calls whose parameter carries no tag run the usual way.
 //
-//   Linear    -> aten::linear      (CompositeImplicitAutograd: we decompose it ourselves)
+//   Linear    -> F::linear is inline C++: addmm(bias, x, weight.t()) for 2-d inputs with a
+//                bias, else matmul(x, weight.t()) then `+= bias`; at::linear for direct calls.
+//                The weight is recognised through its transposed view's storage.
 //   LayerNorm -> aten::layer_norm  (CompositeImplicitAutograd: native_layer_norm)
 //   Embedding -> aten::embedding   (has its own autograd formula: rebuilt here as a node
 //                                   whose backward is embedding_backward, as on one device)
+//
+// NOTE: [Linear with bias]
+// On inputs with other than 2 dims, F::linear adds the bias in place after matmul returns,
+// outside any op Tessera sees as the module's. The matmul anchor therefore converts layouts
+// but keeps the output distributed (the bias add is exact on distributed tensors); a style
+// asking for a local output there is an error naming the way out (use_local_output(false)).
+// addmm (2-d inputs) has its own autograd formula; untagged calls go to it unchanged.
 #include <ATen/ATen.h>
 #include <ATen/ops/linear_native.h>
+#include <ATen/ops/matmul_native.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
@@ -27,6 +37,35 @@ at::Tensor linear_kernel(const at::Tensor& input, const at::Tensor& weight,
   if (!b) return at::native::linear(input, weight, bias);
   at::Tensor x = enter(*b, input, "aten::linear");
   return leave(*b, at::native::linear(x, weight, bias), "aten::linear");
+}
+
+// matmul(self, other): a tagged weight's transposed view as `other`.
+at::Tensor matmul_kernel(const at::Tensor& self, const at::Tensor& other) {
+  BoundaryPtr b = boundary_of_view(other);
+  if (!b) return at::native::matmul(self, other);
+  at::Tensor x = enter(*b, self, "aten::matmul");
+  return leave(*b, at::native::matmul(x, other), "aten::matmul", /*allow_local=*/!b->linear_bias);
+}
+
+// addmm(self, mat1, mat2, *, beta, alpha): F::linear on 2-d inputs with a bias.
+void addmm_kernel(const c10::OperatorHandle& op, Stack* stack) {
+  const size_t n = stack->size();
+  BoundaryPtr b = boundary_of_view((*stack)[n - 3].toTensor());
+  if (!b) {
+    // The autograd kernel LibTorch registers for every backend (derivatives.yaml's addmm).
+    c10::Dispatcher::singleton().callBoxedForDispatchKey(op, c10::DispatchKey::Autograd, stack);
+    return;
+  }
+  const at::Tensor bias = (*stack)[n - 5].toTensor();
+  at::Tensor x = (*stack)[n - 4].toTensor();
+  const at::Tensor wt = (*stack)[n - 3].toTensor();
+  const c10::Scalar beta = (*stack)[n - 2].toScalar(), alpha = (*stack)[n - 1].toScalar();
+  stack->resize(n - 5);
+  x = enter(*b, x, "aten::addmm");
+  at::Tensor out = at::mm(x, wt);
+  if (!(alpha.isIntegral(false) && alpha.toLong() == 1)) out = out * alpha;
+  out = (beta.isIntegral(false) && beta.toLong() == 1) ? out + bias : out + bias * beta;
+  stack->emplace_back(leave(*b, out, "aten::addmm"));
 }
 
 // layer_norm(input, normalized_shape, weight?, bias?, eps, cudnn_enable)
@@ -92,6 +131,9 @@ void embedding_kernel(const c10::OperatorHandle&, Stack* stack) {
 
 const ops::RuleRegistrar registrar{[] {
   ops::register_autograd_kernel("aten::linear", torch::CppFunction(TORCH_FN(linear_kernel)));
+  ops::register_autograd_kernel("aten::matmul", torch::CppFunction(TORCH_FN(matmul_kernel)));
+  ops::register_autograd_kernel("aten::addmm",
+                                torch::CppFunction::makeFromBoxedFunction<&addmm_kernel>());
   ops::register_autograd_kernel("aten::layer_norm",
                                 torch::CppFunction::makeFromBoxedFunction<&layer_norm_kernel>());
   ops::register_autograd_kernel("aten::embedding",

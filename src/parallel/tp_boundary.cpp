@@ -60,6 +60,7 @@ struct Tables {
   std::shared_mutex mu;
   std::unordered_map<const torch::nn::Module*, ModuleEntry> modules;
   std::unordered_map<const c10::TensorImpl*, ParamEntry> params;
+  std::unordered_map<const c10::StorageImpl*, ParamEntry> storages;  // of their local shards
   std::atomic<int64_t> guarded{0};  // tagged parameters whose boundary forbids plain operands
 };
 
@@ -147,6 +148,26 @@ void tag_parameter(const at::Tensor& parameter, BoundaryPtr boundary) {
   e.boundary = std::move(boundary);
   if (e.boundary->plain_forbidden && !was_guarded && t.guarded.fetch_add(1) == 0)
     set_plain_operand_check(&check_plain_operands);
+  if (is_dtensor(parameter)) {
+    const at::Tensor& local = dtensor_impl(parameter)->local();
+    if (local.has_storage()) {
+      auto& se = t.storages[local.storage().unsafeGetStorageImpl()];
+      se.alive.emplace(parameter.getIntrusivePtr());
+      se.boundary = e.boundary;
+    }
+  }
+}
+
+BoundaryPtr boundary_of_view(const at::Tensor& view) {
+  auto& t = tables();
+  if (!view.defined() || !is_dtensor(view)) return nullptr;
+  std::shared_lock<std::shared_mutex> lock(t.mu);
+  if (t.storages.empty()) return nullptr;
+  const at::Tensor& local = dtensor_impl(view)->local();
+  if (!local.has_storage()) return nullptr;
+  auto it = t.storages.find(local.storage().unsafeGetStorageImpl());
+  if (it == t.storages.end() || !it->second.live()) return nullptr;
+  return it->second.boundary;
 }
 
 BoundaryPtr boundary_of(const at::Tensor& parameter) {
@@ -339,10 +360,16 @@ at::Tensor enter(const Boundary& b, const at::Tensor& input, const char* op) {
   return x;
 }
 
-at::Tensor leave(const Boundary& b, const at::Tensor& output, const char* op) {
+at::Tensor leave(const Boundary& b, const at::Tensor& output, const char* op, bool allow_local) {
   at::Tensor y = output;
-  for (const auto& c : b.outputs)
-    y = convert(b.mesh, c, y, std::string(op) + " output of '" + b.fqn + "' (" + b.style + ")");
+  for (const auto& c : b.outputs) {
+    const std::string where = std::string(op) + " output of '" + b.fqn + "' (" + b.style + ")";
+    TORCH_CHECK(allow_local || !c.to_local, "tessera: ", where, ": LibTorch's F::linear adds the ",
+                "bias after the matrix product when the input has other than 2 dims, so the ",
+                "output must stay distributed until then. Use use_local_output(false) on this ",
+                "style (model code runs unchanged on distributed outputs), or a Linear without bias");
+    y = convert(b.mesh, c, y, where);
+  }
   return y;
 }
 

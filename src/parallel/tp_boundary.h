@@ -28,8 +28,8 @@ struct TpMesh {
 // (with `desired_table` when given), then made local if `to_local`. Tables are a
 // parameter's feature split and apply only when the shard dim is the tensor's last dim.
 struct Convert {
-  Layout plain;
-  Layout desired;
+  IoLayout plain;
+  IoLayout desired;
   std::optional<ShardTable> plain_table, desired_table;
   bool to_local = false;
   std::string str() const;
@@ -56,6 +56,7 @@ struct Boundary {
   std::vector<Convert> outputs;         // style_output, then PrepareModuleOutput's (linked)
   std::vector<std::shared_ptr<const ModuleInput>> enclosing;  // outermost first, self last
   bool has_param_style = false;
+  bool linear_bias = false;  // a Linear with bias (see NOTE: [Linear with bias] in tp_anchors.cpp)
 };
 using BoundaryPtr = std::shared_ptr<Boundary>;
 
@@ -72,10 +73,16 @@ std::vector<Convert> module_outputs(const torch::nn::Module& module);
 void tag_parameter(const at::Tensor& parameter, BoundaryPtr boundary);
 // The boundary of a tagged parameter, or null. Cheap when no parameter is tagged.
 BoundaryPtr boundary_of(const at::Tensor& parameter);
+// The same for a distributed view of a tagged parameter (weight.t()), found through the
+// storage of its local shard.
+BoundaryPtr boundary_of_view(const at::Tensor& view);
 
 // Around a tagged op: the operand the module receives, and the op's result.
 at::Tensor enter(const Boundary& b, const at::Tensor& input, const char* op);
-at::Tensor leave(const Boundary& b, const at::Tensor& output, const char* op);
+// allow_local=false: the caller still changes the output afterwards (F::linear's bias add),
+// so it must stay distributed; a style that asks for a local output is then an error.
+at::Tensor leave(const Boundary& b, const at::Tensor& output, const char* op,
+                 bool allow_local = true);
 
 // One conversion (differentiable), for styles of the user's own and for tests.
 at::Tensor convert(const TpMesh& mesh, const Convert& c, const at::Tensor& x,

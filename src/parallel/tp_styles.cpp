@@ -155,6 +155,7 @@ void ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
   const auto table = feature_table(error_prefix(*this), features, tp_size, unit_, sizes_);
   BoundaryPtr b = begin_param_style(module, *this, mesh, type_of(module));
   if (linear) {
+    b->linear_bias = linear->options.bias();
     tp::distribute_parameter(*this, module, "weight", mesh, Shard(0), table);
     if (linear->options.bias()) tp::distribute_parameter(*this, module, "bias", mesh, Shard(0), table);
   } else {
@@ -162,11 +163,11 @@ void ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
   }
   b->anchored = true;
   Convert in;
-  in.plain = input_ ? input_ : Layout(Replicate());
+  in.plain = input_ ? input_ : IoLayout(Replicate());
   in.desired = Replicate();
   b->input = in;
   Convert out;
-  out.desired = output_ ? output_ : Layout(Shard(-1));
+  out.desired = output_ ? output_ : IoLayout(Shard(-1));
   out.desired_table = table;
   out.to_local = local_;
   b->style_output = out;
@@ -188,9 +189,10 @@ void RowwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
   if (linear) {
     const auto table = feature_table(error_prefix(*this), linear->options.in_features(), tp_size,
                                      unit_, sizes_);
+    b->linear_bias = linear->options.bias();
     tp::distribute_parameter(*this, module, "weight", mesh, Shard(1), table);
     if (linear->options.bias()) tp::distribute_parameter(*this, module, "bias", mesh, Replicate());
-    in.plain = input_ ? input_ : Layout(Shard(-1));
+    in.plain = input_ ? input_ : IoLayout(Shard(-1));
     in.plain_table = table;
     in.desired = Shard(-1);
     in.desired_table = table;
@@ -199,12 +201,12 @@ void RowwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
                                      tp_size, unit_, sizes_);
     tp::distribute_parameter(*this, module, "weight", mesh, Shard(0), table);
     // Indices are read as Replicate unless declared (PyTorch's Shard(-1) default is a trap).
-    in.plain = input_ ? input_ : Layout(Replicate());
+    in.plain = input_ ? input_ : IoLayout(Replicate());
     in.desired = Replicate();
   }
   b->input = in;
   Convert out;
-  out.desired = output_ ? output_ : Layout(Replicate());
+  out.desired = output_ ? output_ : IoLayout(Replicate());
   out.to_local = local_;
   b->style_output = out;
   tag_all(module, b, /*recurse=*/false);
@@ -257,15 +259,15 @@ void PrepareModuleInput::apply(torch::nn::Module& module, const DeviceMesh& mesh
   // laid-out input (the others, e.g. masks and rotary tables, pass through).
   Convert c;
   int laid = 0;
-  auto take = [&](const Layout& in, const Layout& want) {
+  auto take = [&](const IoLayout& in, const IoLayout& want) {
     if (!in && !want) return;
     ++laid;
     c.plain = in;
     c.desired = want;
   };
-  for (size_t i = 0; i < desired_.size(); ++i) take(i < input_.size() ? input_[i] : Layout(), desired_[i]);
+  for (size_t i = 0; i < desired_.size(); ++i) take(i < input_.size() ? input_[i] : IoLayout(), desired_[i]);
   for (size_t i = 0; i < kw_desired_.size(); ++i) {
-    Layout in;
+    IoLayout in;
     for (const auto& kv : kw_input_)
       if (kv.first == kw_desired_[i].first) in = kv.second;
     take(in, kw_desired_[i].second);

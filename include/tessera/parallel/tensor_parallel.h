@@ -60,8 +60,8 @@ namespace tessera {
 
 // A module input's or output's layout on the tensor-parallel mesh dim; nullopt: leave the
 // tensor (or non-tensor) as it is.
-using Layout = std::optional<Placement>;
-using Layouts = std::vector<Layout>;
+using IoLayout = std::optional<Placement>;
+using IoLayouts = std::vector<IoLayout>;
 
 // The contract parallelize_module takes. A style lays out the module's parameters and
 // declares how its inputs and outputs change layout; implement apply() for a style of your
@@ -97,7 +97,7 @@ class ColwiseParallel : public ParallelStyle {
   std::string name() const override { return "ColwiseParallel"; }
 
  private:
-  Layout input_, output_;
+  IoLayout input_, output_;
   bool local_ = true;
   int64_t unit_ = 1;
   std::optional<ShardTable> sizes_;
@@ -119,7 +119,7 @@ class RowwiseParallel : public ParallelStyle {
   std::string name() const override { return "RowwiseParallel"; }
 
  private:
-  Layout input_, output_;
+  IoLayout input_, output_;
   bool local_ = true;
   int64_t unit_ = 1;
   std::optional<ShardTable> sizes_;
@@ -144,13 +144,13 @@ class SequenceParallel : public ParallelStyle {
 // desired_input_layouts. One entry per positional input; nullopt entries pass through.
 class PrepareModuleInput : public ParallelStyle {
  public:
-  PrepareModuleInput& input_layouts(Layouts l) { input_ = std::move(l); return *this; }
-  PrepareModuleInput& desired_input_layouts(Layouts l) { desired_ = std::move(l); return *this; }
-  PrepareModuleInput& input_kwarg_layouts(std::vector<std::pair<std::string, Layout>> l) {
+  PrepareModuleInput& input_layouts(IoLayouts l) { input_ = std::move(l); return *this; }
+  PrepareModuleInput& desired_input_layouts(IoLayouts l) { desired_ = std::move(l); return *this; }
+  PrepareModuleInput& input_kwarg_layouts(std::vector<std::pair<std::string, IoLayout>> l) {
     kw_input_ = std::move(l);
     return *this;
   }
-  PrepareModuleInput& desired_input_kwarg_layouts(std::vector<std::pair<std::string, Layout>> l) {
+  PrepareModuleInput& desired_input_kwarg_layouts(std::vector<std::pair<std::string, IoLayout>> l) {
     kw_desired_ = std::move(l);
     return *this;
   }
@@ -161,16 +161,16 @@ class PrepareModuleInput : public ParallelStyle {
 
  private:
   friend class PrepareModuleInputOutput;
-  Layouts input_, desired_;
-  std::vector<std::pair<std::string, Layout>> kw_input_, kw_desired_;
+  IoLayouts input_, desired_;
+  std::vector<std::pair<std::string, IoLayout>> kw_input_, kw_desired_;
   bool local_ = false;
 };
 
 // Converts a module's outputs (declared output_layouts -> desired_output_layouts).
 class PrepareModuleOutput : public ParallelStyle {
  public:
-  PrepareModuleOutput& output_layouts(Layouts l) { output_ = std::move(l); return *this; }
-  PrepareModuleOutput& desired_output_layouts(Layouts l) { desired_ = std::move(l); return *this; }
+  PrepareModuleOutput& output_layouts(IoLayouts l) { output_ = std::move(l); return *this; }
+  PrepareModuleOutput& desired_output_layouts(IoLayouts l) { desired_ = std::move(l); return *this; }
   PrepareModuleOutput& use_local_output(bool b) { local_ = b; return *this; }
 
   void apply(torch::nn::Module& module, const DeviceMesh& mesh) const override;
@@ -178,21 +178,21 @@ class PrepareModuleOutput : public ParallelStyle {
 
  private:
   friend class PrepareModuleInputOutput;
-  Layouts output_, desired_;
+  IoLayouts output_, desired_;
   bool local_ = true;
 };
 
 // Both, on one module.
 class PrepareModuleInputOutput : public ParallelStyle {
  public:
-  PrepareModuleInputOutput& input_layouts(Layouts l) { in_.input_layouts(std::move(l)); return *this; }
-  PrepareModuleInputOutput& desired_input_layouts(Layouts l) {
+  PrepareModuleInputOutput& input_layouts(IoLayouts l) { in_.input_layouts(std::move(l)); return *this; }
+  PrepareModuleInputOutput& desired_input_layouts(IoLayouts l) {
     in_.desired_input_layouts(std::move(l));
     return *this;
   }
   PrepareModuleInputOutput& use_local_input(bool b) { in_.use_local_output(b); return *this; }
-  PrepareModuleInputOutput& output_layouts(Layouts l) { out_.output_layouts(std::move(l)); return *this; }
-  PrepareModuleInputOutput& desired_output_layouts(Layouts l) {
+  PrepareModuleInputOutput& output_layouts(IoLayouts l) { out_.output_layouts(std::move(l)); return *this; }
+  PrepareModuleInputOutput& desired_output_layouts(IoLayouts l) {
     out_.desired_output_layouts(std::move(l));
     return *this;
   }
@@ -233,15 +233,15 @@ void parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh,
                         const ParallelizePlan& plan, std::optional<int> src_data_rank = 0);
 void parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh,
                         const ParallelStyle& style, std::optional<int> src_data_rank = 0);
-template <class Impl, class Plan>
+template <class Impl>
 void parallelize_module(torch::nn::ModuleHolder<Impl>& module, const DeviceMesh& mesh,
-                        const Plan& plan, std::optional<int> src_data_rank = 0) {
+                        const ParallelizePlan& plan, std::optional<int> src_data_rank = 0) {
   parallelize_module(*module, mesh, plan, src_data_rank);
 }
-template <class Plan>
-void parallelize_module(const std::shared_ptr<torch::nn::Module>& module, const DeviceMesh& mesh,
-                        const Plan& plan, std::optional<int> src_data_rank = 0) {
-  parallelize_module(*module, mesh, plan, src_data_rank);
+template <class Impl>
+void parallelize_module(torch::nn::ModuleHolder<Impl>& module, const DeviceMesh& mesh,
+                        const ParallelStyle& style, std::optional<int> src_data_rank = 0) {
+  parallelize_module(*module, mesh, style, src_data_rank);
 }
 
 namespace tp {
