@@ -89,7 +89,7 @@ using tp::detail::Convert;
 using tp::detail::TpMesh;
 
 // Shard sizes of `n` features over the tp ranks: given, or whole units as even as possible,
-// or nullopt for torch.chunk's layout.
+// or torch.chunk's layout. Always known, so plain inputs are read without exchanging sizes.
 std::optional<ShardTable> feature_table(const std::string& where, int64_t n, int64_t parts,
                                         int64_t unit, const std::optional<ShardTable>& given) {
   if (given) {
@@ -100,7 +100,7 @@ std::optional<ShardTable> feature_table(const std::string& where, int64_t n, int
                 ") summing to ", n);
     return given;
   }
-  if (unit <= 1) return std::nullopt;
+  if (unit <= 1) return chunk_sizes(n, parts);
   TORCH_CHECK(n % unit == 0, "tessera: ", where, ": shard_unit(", unit, ") does not divide the ",
               n, " features");
   const int64_t units = n / unit;
