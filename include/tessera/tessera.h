@@ -17,3 +17,4 @@
 #include "tessera/tools/comm_debug_mode.h"
 #include "tessera/testing/run_ranks.h"
 #include "tessera/parallel/module.h"
+#include "tessera/parallel/loss_parallel.h"
