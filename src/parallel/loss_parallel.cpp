@@ -319,7 +319,8 @@ at::Tensor loss_parallel_cross_entropy(const at::Tensor& self, const at::Tensor&
     rows.w_target = w_full.defined()
                         ? at::where(rows.valid, w_full.index_select(0, safe_t.flatten()).view(t.sizes()), zero)
                         : rows.valid.to(s.compute);
-    s.weight_sum = w_full.defined() ? w_full.sum().item<double>() : static_cast<double>(C);
+    if (smoothing > 0)
+      s.weight_sum = w_full.defined() ? w_full.sum().item<double>() : static_cast<double>(C);
     if (w_full.defined()) s.local_weight = w_full.narrow(0, l.class_offset, Cl);
 
     // Out-of-range targets raise as on one device. The ranks sharing these rows (the class
