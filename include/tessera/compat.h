@@ -53,3 +53,24 @@ inline c10::Error error_without_backtrace(std::string msg) {
 }
 
 }  // namespace tessera::compat
+
+#include <ATen/ops/cross_entropy_loss_native.h>
+
+namespace tessera::compat {
+
+// aten::cross_entropy_loss's own (CompositeImplicitAutograd) decomposition, for a kernel
+// registered over it that wants the usual behaviour back: 2.x takes ignore_index as a SymInt.
+inline at::Tensor cross_entropy_loss_composite(const at::Tensor& self, const at::Tensor& target,
+                                               const c10::optional<at::Tensor>& weight,
+                                               int64_t reduction, int64_t ignore_index,
+                                               double label_smoothing) {
+#if TORCH_VERSION_MAJOR >= 2
+  return at::native::cross_entropy_loss_symint(self, target, weight, reduction,
+                                               c10::SymInt(ignore_index), label_smoothing);
+#else
+  return at::native::cross_entropy_loss(self, target, weight, reduction, ignore_index,
+                                        label_smoothing);
+#endif
+}
+
+}  // namespace tessera::compat

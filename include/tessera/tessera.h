@@ -18,3 +18,4 @@
 #include "tessera/testing/run_ranks.h"
 #include "tessera/parallel/module.h"
 #include "tessera/parallel/tensor_parallel.h"
+#include "tessera/parallel/loss_parallel.h"
