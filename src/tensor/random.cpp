@@ -29,7 +29,7 @@ struct DeviceRng {
 };
 
 // One rank's generators. `epoch` counts resets (manual_seed, clear_manual_seed); every rank
-// makes the same resets in the same order, so (epoch, device type) names one agreement in the
+// makes the same resets in the same order, so (epoch, device type) names the same state in the
 // store on all ranks.
 struct RankRng {
   std::mutex mu;
@@ -78,11 +78,9 @@ at::Generator initial_generator(c10::DeviceType type, c10::optional<uint64_t> se
   return g;
 }
 
-DeviceRng& device_rng(RankRng& rng, c10::DeviceType type) {
-  auto it = rng.devices.find(type);
-  if (it == rng.devices.end())
-    it = rng.devices.emplace(type, DeviceRng{initial_generator(type, rng.seed), false}).first;
-  return it->second;
+std::string agreement_key(const RankRng& rng, c10::DeviceType type) {
+  return "tessera/random/" + std::to_string(rng.epoch) + "/" +
+         c10::DeviceTypeName(type, /*lower_case=*/true);
 }
 
 at::Tensor get_state(at::Generator g) {
@@ -95,66 +93,80 @@ void set_state(at::Generator& g, const at::Tensor& state) {
   g.set_state(state);
 }
 
-void reset(RankRng& rng, c10::optional<uint64_t> seed) {
+// A rank's generator for `type` got a new state (it was made, or reset). World rank 0's new
+// state is the one all ranks agree on: rank 0 writes it into the world's store at once
+// (one-sided: rank 0 never waits for anyone), and the other ranks take it at their next random
+// op on a distributed tensor (agree).
+void settle(const World& world, const RankRng& rng, c10::DeviceType type, DeviceRng& dev) {
+  dev.agreed = world.size() == 1 || world.rank() == 0;
+  if (world.size() == 1 || world.rank() != 0) return;
+  const at::Tensor state = get_state(dev.gen).contiguous();
+  const auto* p = state.data_ptr<uint8_t>();
+  world.store()->set(agreement_key(rng, type), std::vector<uint8_t>(p, p + state.numel()));
+  comm::record({comm::CollectiveKind::Metadata, state.numel(), 0, world.size()});
+}
+
+// A rank other than world rank 0 waits for rank 0's state of the same reset and takes it.
+void agree(const World& world, const RankRng& rng, c10::DeviceType type, DeviceRng& dev) {
+  std::vector<uint8_t> bytes;
+  try {
+    bytes = world.store()->get(agreement_key(rng, type));
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "tessera: a random op on a distributed tensor waited for world rank 0's "
+                "generator state (", c10::DeviceTypeName(type), ", after reset ", rng.epoch,
+                ") and failed: ", e.what(), "\nEvery rank must call tessera::manual_seed / "
+                "clear_manual_seed at the same points; a rank 0 that runs no random op on "
+                "distributed tensors must still call them (or, without any, sync the ranks that "
+                "draw with tessera::sync_random_state(mesh)); see docs/random.md");
+  }
+  at::Tensor state = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::memcpy(state.data_ptr<uint8_t>(), bytes.data(), bytes.size());
+  set_state(dev.gen, state);
+  comm::record({comm::CollectiveKind::Metadata, 0, state.numel(), world.size()});
+  dev.agreed = true;
+}
+
+DeviceRng& device_rng(const World& world, RankRng& rng, c10::DeviceType type) {
+  auto it = rng.devices.find(type);
+  if (it == rng.devices.end()) {
+    it = rng.devices.emplace(type, DeviceRng{initial_generator(type, rng.seed), false}).first;
+    settle(world, rng, type, it->second);
+  }
+  return it->second;
+}
+
+// A reset makes the CPU generator if there is none yet, so that rank 0 publishes it right away.
+void reset(const World& world, RankRng& rng, c10::optional<uint64_t> seed) {
   rng.seed = seed;
   ++rng.epoch;
   for (auto& [type, dev] : rng.devices) {
     set_state(dev.gen, get_state(initial_generator(type, seed)));
-    dev.agreed = false;
+    settle(world, rng, type, dev);
   }
-}
-
-// World rank 0 publishes its state under the agreement's key; the others wait for it and take
-// it. One-sided: rank 0 never waits, and ranks that run no random op never take part.
-void agree(const World& world, RankRng& rng, c10::DeviceType type, DeviceRng& dev) {
-  if (world.size() > 1) {
-    const std::string key = "tessera/random/" + std::to_string(rng.epoch) + "/" +
-                            c10::DeviceTypeName(type, /*lower_case=*/true);
-    if (world.rank() == 0) {
-      const at::Tensor state = get_state(dev.gen).contiguous();
-      const auto* p = state.data_ptr<uint8_t>();
-      world.store()->set(key, std::vector<uint8_t>(p, p + state.numel()));
-      comm::record({comm::CollectiveKind::Metadata, state.numel(), 0, world.size()});
-    } else {
-      std::vector<uint8_t> bytes;
-      try {
-        bytes = world.store()->get(key);
-      } catch (const std::exception& e) {
-        TORCH_CHECK(false, "tessera: a random op on a distributed tensor waited for world rank "
-                    "0's generator state (agreement ", rng.epoch, ", ",
-                    c10::DeviceTypeName(type), ") and failed: ", e.what(), "\nEvery rank must "
-                    "run the same random ops on distributed tensors, and call "
-                    "tessera::manual_seed / clear_manual_seed at the same points; on a mesh "
-                    "without world rank 0, call tessera::sync_random_state(mesh) first "
-                    "(docs/random.md)");
-      }
-      at::Tensor state = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
-      std::memcpy(state.data_ptr<uint8_t>(), bytes.data(), bytes.size());
-      set_state(dev.gen, state);
-      comm::record({comm::CollectiveKind::Metadata, 0, state.numel(), world.size()});
-    }
-  }
-  dev.agreed = true;
+  device_rng(world, rng, c10::DeviceType::CPU);
 }
 
 }  // namespace
 
 void manual_seed(uint64_t seed) {
-  auto rng = rank_rng(current_world());
+  auto world = current_world();
+  auto rng = rank_rng(world);
   std::lock_guard<std::mutex> lock(rng->mu);
-  reset(*rng, seed);
+  reset(*world, *rng, seed);
 }
 
 void clear_manual_seed() {
-  auto rng = rank_rng(current_world());
+  auto world = current_world();
+  auto rng = rank_rng(world);
   std::lock_guard<std::mutex> lock(rng->mu);
-  reset(*rng, c10::nullopt);
+  reset(*world, *rng, c10::nullopt);
 }
 
 at::Generator random_generator(c10::DeviceType device) {
-  auto rng = rank_rng(current_world());
+  auto world = current_world();
+  auto rng = rank_rng(world);
   std::lock_guard<std::mutex> lock(rng->mu);
-  return device_rng(*rng, device).gen;
+  return device_rng(*world, *rng, device).gen;
 }
 
 c10::optional<at::Generator> thread_generator() { return random_generator(); }
@@ -164,9 +176,10 @@ void sync_random_state(const DeviceMesh& mesh, int src) {
   TORCH_CHECK(src >= 0 && src < mesh.size(), "tessera: sync_random_state: src ", src,
               " is not a rank of ", mesh.str(), " (mesh-local ranks 0..", mesh.size() - 1, ")");
   const c10::DeviceType type = mesh.device_kind();
-  auto rng = rank_rng(current_world());
+  auto world = current_world();
+  auto rng = rank_rng(world);
   std::lock_guard<std::mutex> lock(rng->mu);
-  DeviceRng& dev = device_rng(*rng, type);
+  DeviceRng& dev = device_rng(*world, *rng, type);
   if (mesh.size() > 1) {
     at::Tensor state = get_state(dev.gen);
     if (type != c10::DeviceType::CPU) state = state.to(c10::Device(type));
@@ -182,7 +195,7 @@ at::Generator agreed_generator(c10::DeviceType device) {
   auto world = current_world();
   auto rng = rank_rng(world);
   std::lock_guard<std::mutex> lock(rng->mu);
-  DeviceRng& dev = device_rng(*rng, device);
+  DeviceRng& dev = device_rng(*world, *rng, device);
   if (!dev.agreed) agree(*world, *rng, device, dev);
   return dev.gen;
 }

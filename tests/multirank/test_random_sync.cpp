@@ -163,8 +163,8 @@ TEST(RandomSync, DefaultGeneratorSeedsTheFirstDraws) {
     const auto ls = layouts(shape);
     const auto want = one_device(5, ls.size());
     // Ranks as threads share the default generator: seed it before they exist, and let them
-    // draw plain numbers only after their first distributed draw (by then rank 0 has copied
-    // it, see NOTE in draws: local_noise runs after the first op).
+    // draw plain numbers only after their first distributed draw has returned (rank 0 copied
+    // the default generator before that; draws runs local_noise only after its first op).
     at::manual_seed(5);
     tessera::testing::run_ranks(test::mesh_world(shape), [&](int rank) {
       auto mesh = init_device_mesh("cpu", shape);
@@ -273,8 +273,8 @@ TEST(RandomSync, AgreementIsOneStoreExchangePerReset) {
     tessera::testing::run_ranks(world, [&](int) {
       auto mesh = init_device_mesh("cpu", {world});
       auto d = distribute_tensor(input(), mesh, {Shard(0)}, std::nullopt);
-      tessera::manual_seed(1);
       CommDebugMode comm;
+      tessera::manual_seed(1);  // rank 0 writes its state, the others read it at their dropout
       (void)at::dropout(d, 0.5, true);
       (void)at::rand_like(d);
       EXPECT_EQ(comm.get_total_counts(), 0);
@@ -283,11 +283,21 @@ TEST(RandomSync, AgreementIsOneStoreExchangePerReset) {
   }
 }
 
-// A mesh without world rank 0, whose rank 0 draws nothing: sync_random_state on it replaces
-// the agreement with rank 0; without it the draw fails (after the store timeout) and says so.
+// A mesh without world rank 0, whose rank 0 draws nothing: rank 0's manual_seed is enough (it
+// writes its state without waiting); without it the draw fails after the store timeout and
+// names the remedy, and sync_random_state on the mesh replaces the agreement with rank 0.
 TEST(RandomSync, MeshWithoutWorldRankZero) {
+  at::manual_seed(600);
+  const auto want_600 = at::dropout(input(), 0.3, true);
   at::manual_seed(607);
-  const auto want = at::dropout(input(), 0.3, true);
+  const auto want_607 = at::dropout(input(), 0.3, true);
+  tessera::testing::run_ranks(3, [&](int rank) {
+    DeviceMesh mesh("cpu", {2}, {1, 2});
+    tessera::manual_seed(600 + 7 * rank);
+    if (rank == 0) return;
+    auto d = distribute_tensor(input(), mesh, {Shard(0)}, std::nullopt);
+    EXPECT_TRUE(at::equal(full_tensor(at::dropout(d, 0.3, true)), want_600)) << rank;
+  });
   tessera::testing::RunOptions quick;
   quick.collective_timeout = std::chrono::seconds(2);
   tessera::testing::run_ranks(
@@ -306,7 +316,7 @@ TEST(RandomSync, MeshWithoutWorldRankZero) {
         }
         tessera::manual_seed(600 + 7 * rank);
         sync_random_state(mesh);
-        EXPECT_TRUE(at::equal(full_tensor(at::dropout(d, 0.3, true)), want)) << rank;
+        EXPECT_TRUE(at::equal(full_tensor(at::dropout(d, 0.3, true)), want_607)) << rank;
       },
       quick);
 }

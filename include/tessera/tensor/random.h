@@ -15,11 +15,12 @@
 //  - a rank's generator starts as a copy of ATen's default generator (so at::manual_seed(s) on
 //    every rank means what it means on one device), and manual_seed / clear_manual_seed below
 //    replace it;
-//  - the first random op on a distributed tensor after that (every rank runs it, in the same
-//    order) makes each rank take world rank 0's state: rank 0 publishes it in the world's store,
-//    the others read it. Ranks seeded differently therefore draw what one device seeded like
-//    rank 0 draws. The agreement is world-wide, not per mesh, because a tensor on a submesh
-//    (mesh["tp"]) is a replica of the same tensor on the other submeshes (across "dp").
+//  - world rank 0 writes each new state of its generator (made, or reset) into the world's
+//    store at once, without waiting for anyone; every other rank takes it at its next random op
+//    on a distributed tensor after the same reset. Ranks seeded differently therefore draw what
+//    one device seeded like rank 0 draws. The agreement is world-wide, not per mesh, because a
+//    tensor on a submesh (mesh["tp"]) is a replica of the same tensor on the other submeshes
+//    (across "dp").
 // An op's explicit generator argument is used as given: keeping it equal on all ranks is then
 // the caller's job.
 #include <cstdint>
@@ -33,10 +34,11 @@ namespace tessera {
 class DeviceMesh;
 
 // Seeds this rank's generators for random ops on distributed tensors (not ATen's default
-// generator). Local: no communication. Call it on every rank at the same point of the program:
-// the next random op on a distributed tensor agrees on world rank 0's state (one read from the
-// store), so an identical seed everywhere changes nothing and rank-dependent seeds mean rank
-// 0's seed. Needs a world (after init_process_group, or inside run_ranks).
+// generator). Never waits (world rank 0 writes its seeded state into the store). Call it on
+// every rank at the same point of the program: the next random op on a distributed tensor
+// takes world rank 0's state (one read from the store), so an identical seed everywhere changes
+// nothing and rank-dependent seeds mean rank 0's seed. Needs a world (after
+// init_process_group, or inside run_ranks).
 void manual_seed(uint64_t seed);
 
 // Forgets manual_seed: this rank's generators start again from a copy of ATen's default
@@ -52,8 +54,8 @@ void clear_manual_seed();
 // as mesh["tp"] each submesh agrees with its own src only, so replicas on different submeshes
 // agree only if they agreed before: with rank-dependent seeds, call it on the whole mesh, or
 // not at all (the next random op agrees world-wide by itself). Useful on a mesh that does not
-// contain world rank 0 when rank 0 runs no random op on distributed tensors itself, and to pay
-// for the agreement at a chosen point.
+// contain world rank 0 when rank 0 never touches its generator (no manual_seed, no random op on
+// distributed tensors), and to pay for the agreement at a chosen point.
 void sync_random_state(const DeviceMesh& mesh, int src = 0);
 
 // This rank's generator for random ops on distributed tensors of `device` type, as it is (no
