@@ -93,6 +93,10 @@ void set_state(at::Generator& g, const at::Tensor& state) {
   g.set_state(state);
 }
 
+// What rank 0 writes: a seeded state as its seed (9 bytes, enough to rebuild it), any other
+// state (a copy of the default generator) whole.
+constexpr uint8_t kSeed = 'S', kState = 'T';
+
 // A rank's generator for `type` got a new state (it was made, or reset). World rank 0's new
 // state is the one all ranks agree on: rank 0 writes it into the world's store at once
 // (one-sided: rank 0 never waits for anyone), and the other ranks take it at their next random
@@ -100,17 +104,27 @@ void set_state(at::Generator& g, const at::Tensor& state) {
 void settle(const World& world, const RankRng& rng, c10::DeviceType type, DeviceRng& dev) {
   dev.agreed = world.size() == 1 || world.rank() == 0;
   if (world.size() == 1 || world.rank() != 0) return;
-  const at::Tensor state = get_state(dev.gen).contiguous();
-  const auto* p = state.data_ptr<uint8_t>();
-  world.store()->set(agreement_key(rng, type), std::vector<uint8_t>(p, p + state.numel()));
-  comm::record({comm::CollectiveKind::Metadata, state.numel(), 0, world.size()});
+  std::vector<uint8_t> value;
+  if (rng.seed) {
+    value.resize(1 + sizeof(uint64_t));
+    value[0] = kSeed;
+    std::memcpy(value.data() + 1, &*rng.seed, sizeof(uint64_t));
+  } else {
+    const at::Tensor state = get_state(dev.gen).contiguous();
+    const auto* p = state.data_ptr<uint8_t>();
+    value.push_back(kState);
+    value.insert(value.end(), p, p + state.numel());
+  }
+  world.store()->set(agreement_key(rng, type), value);
+  comm::record({comm::CollectiveKind::Metadata, static_cast<int64_t>(value.size()), 0,
+                world.size()});
 }
 
 // A rank other than world rank 0 waits for rank 0's state of the same reset and takes it.
 void agree(const World& world, const RankRng& rng, c10::DeviceType type, DeviceRng& dev) {
-  std::vector<uint8_t> bytes;
+  std::vector<uint8_t> value;
   try {
-    bytes = world.store()->get(agreement_key(rng, type));
+    value = world.store()->get(agreement_key(rng, type));
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "tessera: a random op on a distributed tensor waited for world rank 0's "
                 "generator state (", c10::DeviceTypeName(type), ", after reset ", rng.epoch,
@@ -119,10 +133,20 @@ void agree(const World& world, const RankRng& rng, c10::DeviceType type, DeviceR
                 "distributed tensors must still call them (or, without any, sync the ranks that "
                 "draw with tessera::sync_random_state(mesh)); see docs/random.md");
   }
-  at::Tensor state = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
-  std::memcpy(state.data_ptr<uint8_t>(), bytes.data(), bytes.size());
+  TORCH_INTERNAL_ASSERT(!value.empty() && (value[0] == kState ||
+                                           (value[0] == kSeed && value.size() == 9)));
+  at::Tensor state;
+  if (value[0] == kSeed) {
+    uint64_t seed;
+    std::memcpy(&seed, value.data() + 1, sizeof(seed));
+    state = get_state(initial_generator(type, seed));
+  } else {
+    state = at::empty({static_cast<int64_t>(value.size()) - 1}, at::kByte);
+    std::memcpy(state.data_ptr<uint8_t>(), value.data() + 1, value.size() - 1);
+  }
   set_state(dev.gen, state);
-  comm::record({comm::CollectiveKind::Metadata, 0, state.numel(), world.size()});
+  comm::record({comm::CollectiveKind::Metadata, 0, static_cast<int64_t>(value.size()),
+                world.size()});
   dev.agreed = true;
 }
 
