@@ -8,8 +8,10 @@
 // calling thread's World (tessera::current_world()): one per process, or one per thread when
 // ranks are threads (tessera::testing::run_ranks), so ranks as threads do not share it.
 //
-// Guarantee: the generators of all ranks of the world hold the same state whenever a random op
-// on a distributed tensor runs, so every rank draws the same global tensor and keeps its block:
+// Guarantee (when every rank runs the same random ops on distributed tensors and the same
+// resets, in the same order, as with any collective): the generators of all ranks of the world
+// hold the same state whenever a random op on a distributed tensor runs, so every rank draws
+// the same global tensor and keeps its block:
 // the values are those one device draws from that state, replicas are identical, and shards
 // never repeat each other's numbers. The state agreed on is world rank 0's:
 //  - a rank's generator starts as a copy of ATen's default generator (so at::manual_seed(s) on
