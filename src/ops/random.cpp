@@ -2,12 +2,14 @@
 //
 // NOTE: [Random numbers]
 // Every rank draws the whole global tensor from the same generator state and keeps its own
-// block, so a sharded tensor holds the values a single device gets for the same seed, and
-// the generators of all ranks stay in step. The cost is compute and memory for the global
-// tensor on each rank (no communication). The generator is the op's own, or Tessera's per
-// thread generator when tessera::manual_seed was called on this thread (ranks as threads
-// share ATen's default generator), or ATen's default one. CUDA generators could skip ahead
-// by offset instead (Philox); not done yet.
+// block, so a sharded tensor holds the values a single device gets from that state, replicas
+// are identical, and the generators of all ranks stay in step (each advances by the global
+// numel). The cost is compute and memory for the global tensor on each rank (no communication).
+// The generator is the op's own when it has one, else this rank's generator for distributed
+// random ops (tensor/random.h): separate from ATen's default generator, so random ops on plain
+// tensors cannot move it, and made equal on all ranks of the world (world rank 0's state) before
+// the first draw after a reset. docs/random.md has the design and its guarantees. CUDA
+// generators could skip ahead by offset instead (Philox); not done yet.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
@@ -40,9 +42,8 @@ OpPlan fill_rule(const OpCall& call) {
     at::Tensor local = k.tensor("self");
     at::Tensor full = at::empty(global, local.options());
     k.set("self", full);
-    if (k.arg("generator").isNone()) {
-      if (auto g = thread_generator()) k.set("generator", *g);
-    }
+    if (k.arg("generator").isNone())
+      k.set("generator", detail::agreed_generator(local.device().type()));
     k.call_op();
     local.copy_(own_block(full, offsets, lengths));
     k.finish({local});
@@ -52,8 +53,8 @@ OpPlan fill_rule(const OpCall& call) {
 
 // rand_like / randn_like / randint_like: on one device they are empty_like followed by an
 // in-place fill (uniform_(0, 1), normal_(0, 1), random_(low, high)) from the default
-// generator. The kernel makes that fill on a global-sized buffer, with the thread's
-// generator when one is seeded, and keeps its own block (NOTE: [Random numbers]).
+// generator. The kernel makes that fill on a global-sized buffer, with this rank's generator
+// for distributed random ops, and keeps its own block (NOTE: [Random numbers]).
 enum class LikeFill : uint8_t { Uniform, Normal, RandomTo, RandomFromTo };
 
 OpPlan random_like_rule(const OpCall& call, LikeFill fill) {
@@ -71,7 +72,7 @@ OpPlan random_like_rule(const OpCall& call, LikeFill fill) {
     if (const auto dtype = k.arg<c10::optional<at::ScalarType>>("dtype"))
       options = options.dtype(*dtype);
     at::Tensor full = at::empty(global, options);
-    const c10::optional<at::Generator> gen = thread_generator();
+    const c10::optional<at::Generator> gen = detail::agreed_generator(options.device().type());
     switch (fill) {
       case LikeFill::Uniform: full.uniform_(0, 1, gen); break;
       case LikeFill::Normal: full.normal_(0, 1, gen); break;

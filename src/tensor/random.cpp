@@ -1,15 +1,229 @@
+// The generators of random ops on distributed tensors, one set per rank, and their agreement
+// over the world (include/tessera/tensor/random.h, docs/random.md).
 #include "tessera/tensor/random.h"
 
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+
+#include "tessera/comm/accounting.h"
+#include "tessera/comm/collectives.h"
+#include "tessera/mesh/device_mesh.h"
+#include "tessera/runtime/world.h"
 
 namespace tessera {
 
 namespace {
-thread_local c10::optional<at::Generator> t_generator;
+
+struct DeviceRng {
+  at::Generator gen;
+  bool agreed = false;  // holds world rank 0's state (or was synced); false after a reset
+};
+
+// One rank's generators. `epoch` counts resets (manual_seed, clear_manual_seed); every rank
+// makes the same resets in the same order, so (epoch, device type) names the same state in the
+// store on all ranks.
+struct RankRng {
+  std::mutex mu;
+  c10::optional<uint64_t> seed;
+  int64_t epoch = 0;
+  std::map<c10::DeviceType, DeviceRng> devices;
+};
+
+// Per World (a process's world, or each rank thread's), keyed by address and checked against
+// a weak reference, so a World at a freed address does not inherit its predecessor's state.
+struct Entry {
+  std::weak_ptr<World> world;
+  std::shared_ptr<RankRng> rng;
+};
+std::mutex g_mu;
+std::map<const World*, Entry> g_ranks;
+
+std::shared_ptr<RankRng> rank_rng(const std::shared_ptr<World>& world) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_ranks.find(world.get());
+  if (it != g_ranks.end() && it->second.world.lock() == world) return it->second.rng;
+  for (auto i = g_ranks.begin(); i != g_ranks.end();) {
+    if (i->second.world.expired()) i = g_ranks.erase(i);
+    else ++i;
+  }
+  auto rng = std::make_shared<RankRng>();
+  g_ranks[world.get()] = Entry{world, rng};
+  return rng;
 }
 
-void manual_seed(uint64_t seed) { t_generator = at::make_generator<at::CPUGeneratorImpl>(seed); }
-void clear_manual_seed() { t_generator.reset(); }
-c10::optional<at::Generator> thread_generator() { return t_generator; }
+// A generator in the state a reset gives: seeded, or a copy of ATen's default generator.
+at::Generator initial_generator(c10::DeviceType type, c10::optional<uint64_t> seed) {
+  if (type == c10::DeviceType::CPU && seed) return at::make_generator<at::CPUGeneratorImpl>(*seed);
+  at::Generator def = type == c10::DeviceType::CPU
+                          ? at::detail::getDefaultCPUGenerator()
+                          : at::globalContext().defaultGenerator(c10::Device(type));
+  at::Generator g;
+  {
+    std::lock_guard<std::mutex> lock(def.mutex());
+    g = def.clone();
+  }
+  if (seed) {
+    std::lock_guard<std::mutex> lock(g.mutex());
+    g.set_current_seed(*seed);
+  }
+  return g;
+}
+
+std::string agreement_key(const RankRng& rng, c10::DeviceType type) {
+  return "tessera/random/" + std::to_string(rng.epoch) + "/" +
+         c10::DeviceTypeName(type, /*lower_case=*/true);
+}
+
+at::Tensor get_state(at::Generator g) {
+  std::lock_guard<std::mutex> lock(g.mutex());
+  return g.get_state();
+}
+
+void set_state(at::Generator& g, const at::Tensor& state) {
+  std::lock_guard<std::mutex> lock(g.mutex());
+  g.set_state(state);
+}
+
+// What rank 0 writes: a seeded state as its seed (9 bytes, enough to rebuild it), any other
+// state (a copy of the default generator) whole.
+constexpr uint8_t kSeed = 'S', kState = 'T';
+
+// A rank's generator for `type` got a new state (it was made, or reset). World rank 0's new
+// state is the one all ranks agree on: rank 0 writes it into the world's store at once
+// (one-sided: rank 0 never waits for anyone), and the other ranks take it at their next random
+// op on a distributed tensor (agree).
+void settle(const World& world, const RankRng& rng, c10::DeviceType type, DeviceRng& dev) {
+  dev.agreed = world.size() == 1 || world.rank() == 0;
+  if (world.size() == 1 || world.rank() != 0) return;
+  std::vector<uint8_t> value;
+  if (rng.seed) {
+    value.resize(1 + sizeof(uint64_t));
+    value[0] = kSeed;
+    std::memcpy(value.data() + 1, &*rng.seed, sizeof(uint64_t));
+  } else {
+    const at::Tensor state = get_state(dev.gen).contiguous();
+    const auto* p = state.data_ptr<uint8_t>();
+    value.push_back(kState);
+    value.insert(value.end(), p, p + state.numel());
+  }
+  world.store()->set(agreement_key(rng, type), value);
+  comm::record({comm::CollectiveKind::Metadata, static_cast<int64_t>(value.size()), 0,
+                world.size()});
+}
+
+// A rank other than world rank 0 waits for rank 0's state of the same reset and takes it.
+void agree(const World& world, const RankRng& rng, c10::DeviceType type, DeviceRng& dev) {
+  std::vector<uint8_t> value;
+  try {
+    value = world.store()->get(agreement_key(rng, type));
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "tessera: a random op on a distributed tensor waited for world rank 0's "
+                "generator state (", c10::DeviceTypeName(type), ", after reset ", rng.epoch,
+                ") and failed: ", e.what(), "\nEvery rank must call tessera::manual_seed / "
+                "clear_manual_seed at the same points; a rank 0 that runs no random op on "
+                "distributed tensors must still call them (or, without any, sync the ranks that "
+                "draw with tessera::sync_random_state(mesh)); see docs/random.md");
+  }
+  TORCH_INTERNAL_ASSERT(!value.empty() && (value[0] == kState ||
+                                           (value[0] == kSeed && value.size() == 9)));
+  at::Tensor state;
+  if (value[0] == kSeed) {
+    uint64_t seed;
+    std::memcpy(&seed, value.data() + 1, sizeof(seed));
+    state = get_state(initial_generator(type, seed));
+  } else {
+    state = at::empty({static_cast<int64_t>(value.size()) - 1}, at::kByte);
+    std::memcpy(state.data_ptr<uint8_t>(), value.data() + 1, value.size() - 1);
+  }
+  set_state(dev.gen, state);
+  comm::record({comm::CollectiveKind::Metadata, 0, static_cast<int64_t>(value.size()),
+                world.size()});
+  dev.agreed = true;
+}
+
+DeviceRng& device_rng(const World& world, RankRng& rng, c10::DeviceType type) {
+  auto it = rng.devices.find(type);
+  if (it == rng.devices.end()) {
+    it = rng.devices.emplace(type, DeviceRng{initial_generator(type, rng.seed), false}).first;
+    settle(world, rng, type, it->second);
+  }
+  return it->second;
+}
+
+// A reset makes the CPU generator if there is none yet, so that rank 0 publishes it right away.
+void reset(const World& world, RankRng& rng, c10::optional<uint64_t> seed) {
+  rng.seed = seed;
+  ++rng.epoch;
+  for (auto& [type, dev] : rng.devices) {
+    set_state(dev.gen, get_state(initial_generator(type, seed)));
+    settle(world, rng, type, dev);
+  }
+  device_rng(world, rng, c10::DeviceType::CPU);
+}
+
+}  // namespace
+
+void manual_seed(uint64_t seed) {
+  auto world = current_world();
+  auto rng = rank_rng(world);
+  std::lock_guard<std::mutex> lock(rng->mu);
+  reset(*world, *rng, seed);
+}
+
+void clear_manual_seed() {
+  auto world = current_world();
+  auto rng = rank_rng(world);
+  std::lock_guard<std::mutex> lock(rng->mu);
+  reset(*world, *rng, c10::nullopt);
+}
+
+at::Generator random_generator(c10::DeviceType device) {
+  auto world = current_world();
+  auto rng = rank_rng(world);
+  std::lock_guard<std::mutex> lock(rng->mu);
+  return device_rng(*world, *rng, device).gen;
+}
+
+c10::optional<at::Generator> thread_generator() { return random_generator(); }
+
+void sync_random_state(const DeviceMesh& mesh, int src) {
+  if (!mesh.contains_this_rank()) return;
+  TORCH_CHECK(src >= 0 && src < mesh.size(), "tessera: sync_random_state: src ", src,
+              " is not a rank of ", mesh.str(), " (mesh-local ranks 0..", mesh.size() - 1, ")");
+  const c10::DeviceType type = mesh.device_kind();
+  auto world = current_world();
+  auto rng = rank_rng(world);
+  std::lock_guard<std::mutex> lock(rng->mu);
+  DeviceRng& dev = device_rng(*world, *rng, type);
+  if (mesh.size() > 1) {
+    at::Tensor state = get_state(dev.gen);
+    if (type != c10::DeviceType::CPU) state = state.to(c10::Device(type));
+    state = comm::broadcast(mesh.mesh_group(), state, src);
+    set_state(dev.gen, state.cpu());
+  }
+  dev.agreed = true;
+}
+
+namespace detail {
+
+at::Generator agreed_generator(c10::DeviceType device) {
+  auto world = current_world();
+  auto rng = rank_rng(world);
+  std::lock_guard<std::mutex> lock(rng->mu);
+  DeviceRng& dev = device_rng(*world, *rng, device);
+  if (!dev.agreed) agree(*world, *rng, device, dev);
+  return dev.gen;
+}
+
+}  // namespace detail
 
 }  // namespace tessera
