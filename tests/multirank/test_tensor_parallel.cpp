@@ -3,6 +3,7 @@
 // collective counts of PyTorch's own style tests on even shapes, plans with wildcards, a
 // PrepareModuleInput on a composite, a style of the user's own, and bad plans (errors on
 // every rank, before any collective).
+#include <torch/nn/functional/dropout.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/conv.h>
@@ -418,4 +419,38 @@ TEST(TensorParallel, BadPlansAreErrors) {
       EXPECT_NE(std::string(e.what()).find("1-D mesh"), std::string::npos) << e.what();
     }
   });
+}
+
+// Dropout inside a tensor-parallel region on distributed activations (sharded after the
+// Colwise Linear, replicated after the Rowwise one) equals one device, although every rank
+// was seeded differently: distributed random ops agree on world rank 0's state.
+TEST(TensorParallel, DropoutEqualsOneDeviceWhateverEachRanksSeed) {
+  for (int world : {2, 3}) {
+    torch::manual_seed(21);
+    nn::Linear up_ref(8, 12), down_ref(12, 8);
+    const at::Tensor x = test::randn({5, 8}, 22);
+    auto run = [&](nn::Linear up, nn::Linear down, const at::Tensor& in) {
+      at::Tensor h = torch::nn::functional::dropout(up(in).relu(),
+                                                    torch::nn::functional::DropoutFuncOptions().p(0.4));
+      return torch::nn::functional::dropout(down(h), torch::nn::functional::DropoutFuncOptions().p(0.3));
+    };
+    torch::manual_seed(1000);  // one device, seeded like rank 0 below (no rank threads yet)
+    at::Tensor xr = x.clone().requires_grad_();
+    at::Tensor y_ref = run(up_ref, down_ref, xr);
+    y_ref.sum().backward();
+    tessera::testing::run_ranks(world, [&](int rank) {
+      auto mesh = init_device_mesh("cpu", {world});
+      tessera::manual_seed(1000 + 17 * rank);  // rank-dependent seeds
+      auto up = clone_of(up_ref), down = clone_of(down_ref);
+      parallelize_module(up, mesh, ColwiseParallel().use_local_output(false));
+      parallelize_module(down, mesh, RowwiseParallel().use_local_output(false));
+      at::Tensor xi = x.clone().requires_grad_();
+      at::Tensor y = run(up, down, xi);
+      ASSERT_TRUE(full_matches(y, y_ref.detach(), kTol));
+      y.sum().backward();
+      ASSERT_TRUE(matches(xi.grad(), xr.grad(), kTol));
+      ASSERT_TRUE(full_matches(up->weight.grad(), up_ref->weight.grad(), kTol));
+      tessera::clear_manual_seed();
+    });
+  }
 }
