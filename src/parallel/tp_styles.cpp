@@ -139,16 +139,23 @@ std::string type_of(const torch::nn::Module& m) {
   return os.str();
 }
 
+// Colwise and Rowwise take Linear and Embedding only (as in PyTorch).
+std::pair<torch::nn::LinearImpl*, torch::nn::EmbeddingImpl*> linear_or_embedding(
+    torch::nn::Module& module, const ParallelStyle& style) {
+  auto* linear = dynamic_cast<torch::nn::LinearImpl*>(&module);
+  auto* embedding = dynamic_cast<torch::nn::EmbeddingImpl*>(&module);
+  TORCH_CHECK(linear || embedding, error_prefix(style), ": ", style.name(), " applies to Linear ",
+              "and Embedding; this module is ", type_of(module),
+              ". Give its Linear children styles, or write a ParallelStyle for it");
+  return {linear, embedding};
+}
+
 }  // namespace
 
 // ---- ColwiseParallel -----------------------------------------------------------------------
 
 void ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
-  auto* linear = dynamic_cast<torch::nn::LinearImpl*>(&module);
-  auto* embedding = dynamic_cast<torch::nn::EmbeddingImpl*>(&module);
-  TORCH_CHECK(linear || embedding, error_prefix(*this), ": ColwiseParallel applies to Linear and ",
-              "Embedding; this module is ", type_of(module),
-              ". Give its Linear children styles, or write a ParallelStyle for it");
+  auto [linear, embedding] = linear_or_embedding(module, *this);
   const int64_t tp_size = mesh.size();
   const int64_t features = linear ? linear->options.out_features()
                                   : embedding->options.embedding_dim();
@@ -177,11 +184,7 @@ void ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
 // ---- RowwiseParallel -----------------------------------------------------------------------
 
 void RowwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
-  auto* linear = dynamic_cast<torch::nn::LinearImpl*>(&module);
-  auto* embedding = dynamic_cast<torch::nn::EmbeddingImpl*>(&module);
-  TORCH_CHECK(linear || embedding, error_prefix(*this), ": RowwiseParallel applies to Linear and ",
-              "Embedding; this module is ", type_of(module),
-              ". Give its Linear children styles, or write a ParallelStyle for it");
+  auto [linear, embedding] = linear_or_embedding(module, *this);
   const int64_t tp_size = mesh.size();
   BoundaryPtr b = begin_param_style(module, *this, mesh, type_of(module));
   b->anchored = true;

@@ -1,6 +1,7 @@
 #include "tessera/testing/run_ranks.h"
 
 #include <condition_variable>
+#include <csignal>
 #include <cstdio>
 #include <mutex>
 #include <string>
@@ -20,6 +21,9 @@ void run_ranks(int world_size, const std::function<void(int rank)>& fn, const Ru
   TORCH_CHECK(world_size >= 1, "tessera: run_ranks needs at least one rank");
   // Ranks share the cores; intra-op threads per rank would only oversubscribe them.
   at::set_num_threads(1);
+  // A failing rank closes its groups on purpose; a peer still sending to it must get EPIPE
+  // (and fail with an error naming the rank), not a SIGPIPE that kills the whole process.
+  ::signal(SIGPIPE, SIG_IGN);
   auto store = c10::make_intrusive<c10d::HashStore>();
   store->setTimeout(options.collective_timeout);
 
