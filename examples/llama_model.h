@@ -86,8 +86,9 @@ struct AttentionImpl : nn::Module {
     auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
     auto probs = torch::softmax(scores + mask, -1);
     if (dropout > 0) probs = torch::dropout(probs, dropout, is_training());
-    // [B, H, S, D] -> [B, S, H * D]; reshape copies where the layout needs it.
-    auto out = wo(torch::matmul(probs, v).transpose(1, 2).reshape({B, S, -1}));
+    // [B, H, S, D] -> [B, S, H, D] -> [B, S, H * D]
+    auto out = torch::matmul(probs, v).transpose(1, 2).clone(torch::MemoryFormat::Contiguous);
+    out = wo(out.view({B, S, -1}));
     if (dropout > 0) out = torch::dropout(out, dropout, is_training());
     return out;
   }
