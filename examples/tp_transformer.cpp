@@ -157,10 +157,10 @@ int run(int argc, char** argv) {
   const auto reference_params = reference->named_parameters();
   for (const auto& [name, value] : trained)
     max_param_diff = std::max(max_param_diff, (value - reference_params[name]).abs().max().item<double>());
-  // float32, different summation orders, Adam: agreement to a few units in the 4th digit.
-  const double tolerance = 2e-3;
+  // float32 with other summation orders: the losses agree to a few units in the 4th digit;
+  // a parameter may differ by up to about one AdamW step (lr) where its gradient is near 0.
   const double loss_diff = std::abs(loss - reference_loss);
-  const bool ok = loss_diff <= tolerance * (1 + std::abs(reference_loss)) && max_param_diff <= tolerance;
+  const bool ok = loss_diff <= 2e-3 * (1 + std::abs(reference_loss)) && max_param_diff <= lr;
   std::printf("final loss %.5f, one device %.5f (|Δ| %.1e); max parameter |Δ| %.1e -> %s\n", loss,
               reference_loss, loss_diff, max_param_diff, ok ? "OK" : "MISMATCH");
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();

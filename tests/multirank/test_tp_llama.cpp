@@ -3,7 +3,7 @@
 // with torch::optim::AdamW on a synthetic next-token task, gives the losses and every
 // parameter of the same training on one device:
 //  * tensor parallel only and tensor + sequence parallel, on 2, 3 and 4 ranks, with sizes
-//    that do not divide (6 heads on 4 ranks in whole heads, vocabulary 4N+1, an SwiGLU
+//    that do not divide (6 heads on 4 ranks in whole heads, vocabulary 4N+1, a SwiGLU
 //    width and a sequence length that split unevenly);
 //  * a 2x2 data x tensor parallel mesh: the plan on mesh["tp"], the batch a distributed
 //    tensor sharded over "dp", the loss a global mean;
