@@ -23,6 +23,7 @@
 
 #include "heat_net.h"
 #include "png_image.h"
+#include "progress_bar.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
@@ -87,11 +88,6 @@ ShardTable uneven_even_split(int64_t size, int64_t first_sixteenths) {
 
 double max_abs_difference(const at::Tensor& a, const at::Tensor& b) {
   return (a - b).abs().max().item<double>();
-}
-
-std::string progress_bar(int step, int steps, int width = 20) {
-  const int filled = static_cast<int>(static_cast<int64_t>(step) * width / steps);
-  return "[" + std::string(filled, '#') + std::string(width - filled, '.') + "]";
 }
 
 // Diverging blue-white-red ramp: cold is blue, zero is white, hot is red. t in [-1, 1].

@@ -7,8 +7,9 @@ PyTorch 2.6 and LibTorch 2.6 are both installed. Directly:
     python3 bench/peer/compare.py [--build build] [--ranks 4] [--iters 20] [--only ops,train]
                                   [--json results.json]
 
-A suite is a name, the PyTorch command, the Tessera command and how to print its rows; later
-work adds a Suite line (tensor-parallel step, FSDP step, ...) and the programs behind it.
+A suite is a name, the PyTorch command(s), the Tessera command(s) and how to print its rows;
+later work adds a Suite line (FSDP step, ...) and the programs behind it. The tp suite runs
+on 2 and --ranks processes.
 Each program prints `PEER {json}` lines: suite, case, impl, variant, us, and optionally
 bytes / calls / collectives.
 """
@@ -49,6 +50,13 @@ def run(cmd):
     return recs
 
 
+def run_all(cmds):
+    """One command, or a list of commands (a suite over several rank counts)."""
+    if cmds and isinstance(cmds[0], list):
+        return [r for cmd in cmds for r in run(cmd)]
+    return run(cmds)
+
+
 def fmt_us(us):
     if us is None:
         return "-"
@@ -63,6 +71,13 @@ def fmt_bytes(b):
     if b >= 1 << 10:
         return f"{b / (1 << 10):.1f} KiB"
     return f"{b} B"
+
+
+def us_cell(r):
+    """A record's time, or `failed` where the program reported an error for it."""
+    if r and r.get("error"):
+        return "failed"
+    return fmt_us(r and r["us"])
 
 
 def pick(recs, impl, case, variant):
@@ -107,9 +122,8 @@ def comm_table(title, recs, variants=("dist",)):
             p, t = pick(recs, "pytorch", case, variant), pick(recs, "tessera", case, variant)
             if not p and not t:
                 continue
-            ratio = f"{t['us'] / p['us']:.2f}x" if p and t else "-"
-            rows.append(f"| {case} | {variant} | {fmt_us(p and p['us'])} | "
-                        f"{fmt_us(t and t['us'])} | {ratio} | "
+            ratio = f"{t['us'] / p['us']:.2f}x" if p and t and p["us"] and t["us"] else "-"
+            rows.append(f"| {case} | {variant} | {us_cell(p)} | {us_cell(t)} | {ratio} | "
                         f"{fmt_bytes(p.get('bytes') if p else None)} | "
                         f"{fmt_bytes(t.get('bytes') if t else None)} | {colls(p)} | {colls(t)} |")
     return "\n".join(rows)
@@ -123,9 +137,15 @@ def multi(a):
     return ["--ranks", str(a.ranks), "--iters", str(a.iters)]
 
 
-def tessera_multi(sub):
-    return lambda a: [os.path.join(a.build, "tessera-run"), "-n", str(a.ranks), "--no-prefix",
-                      os.path.join(a.build, "bench", "tessera_peer"), sub, "--iters", str(a.iters)]
+def tessera_multi(sub, ranks=None):
+    return lambda a: [os.path.join(a.build, "tessera-run"), "-n", str(ranks or a.ranks),
+                      "--no-prefix", os.path.join(a.build, "bench", "tessera_peer"), sub,
+                      "--iters", str(a.iters)]
+
+
+def over_tp_sizes(command):
+    """`command(a, ranks)` once per tensor-parallel size: 2 and --ranks."""
+    return lambda a: [command(a, n) for n in sorted({2, a.ranks})]
 
 
 SUITES = [
@@ -139,6 +159,12 @@ SUITES = [
     Suite("train", "One data-parallel MLP training step on 4 ranks (processes, Gloo)",
           py("dtensor_train.py", multi), tessera_multi("train"),
           lambda t, r: comm_table(t, r, variants=("plain", "dist", "ddp"))),
+    Suite("tp", "One tensor-parallel Llama training step, torchtitan's plan (2 and --ranks "
+          "processes, Gloo)",
+          over_tp_sizes(lambda a, n: py("dtensor_tp.py", lambda a: ["--ranks", str(n),
+                                                                  "--iters", str(a.iters)])(a)),
+          over_tp_sizes(lambda a, n: tessera_multi("tp", n)(a)),
+          lambda t, r: comm_table(t, r, variants=("plain", "tp", "tp+sp"))),
 ]
 
 
@@ -160,9 +186,13 @@ def main():
     for s in SUITES:
         if only and s.name not in only:
             continue
-        recs = run(s.pytorch(a)) + run(s.tessera(a))
+        recs = run_all(s.pytorch(a)) + run_all(s.tessera(a))
         every += recs
         out += [s.table(s.title, recs), ""]
+    errors = [f"- {r['impl']} {r['case']} {r['variant']}: {r['error']}" for r in every
+              if r.get("error")]
+    if errors:
+        out += ["Failed cases:", *errors, ""]
     print("\n".join(out))
     if a.json:
         with open(a.json, "w") as f:

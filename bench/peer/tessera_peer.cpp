@@ -4,6 +4,7 @@
 //   ./build/bench/tessera_peer ops                          # 1-rank mesh, per-op cost
 //   ./build/tessera-run -n 4 ./build/bench/tessera_peer redistribute [--iters 20]
 //   ./build/tessera-run -n 4 ./build/bench/tessera_peer train [--iters 20]
+//   ./build/tessera-run -n 2 ./build/bench/tessera_peer tp [--iters 20]   # also -n 4
 // Multi-rank cases run one process per rank (as PyTorch's side does), Gloo over loopback.
 #include <algorithm>
 #include <chrono>
@@ -18,9 +19,12 @@
 #include <nlohmann/json.hpp>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 
+#include "llama_plan.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
@@ -215,6 +219,82 @@ void train(int iters) {
         distribute_tensor(y, mesh, {Shard(0)}));
 }
 
+
+// The peer Llama (same in dtensor_tp.py; the model is examples/llama_model.h): 2 blocks,
+// dim 128, 8 heads of 16, SwiGLU 384, vocabulary 1024, batch 8 x 64 tokens.
+llama::LlamaConfig peer_llama() {
+  llama::LlamaConfig c;
+  c.vocab_size = 1024;
+  c.dim = 128;
+  c.n_layers = 2;
+  c.n_heads = 8;
+  c.ffn_hidden = 384;
+  c.max_seq_len = 64;
+  return c;
+}
+
+llama::Transformer llama_model() {
+  at::manual_seed(0);
+  return llama::Transformer(peer_llama());
+}
+
+// One training step with torchtitan's plan, tensor parallel only and with sequence
+// parallelism, and the whole model on one rank.
+void tensor_parallel(int iters) {
+  at::set_num_threads(1);
+  const int world = get_world_size(), rank = get_rank();
+  register_member_accessor<llama::RMSNormImpl>(
+      [](llama::RMSNormImpl& m, const std::string& name) -> at::Tensor* {
+        return name == "weight" ? &m.weight : nullptr;
+      });
+  auto mesh = init_device_mesh("cpu", {world}, {"tp"});
+  auto pg = mesh.group(0);
+  const auto c = peer_llama();
+  const int64_t seq = c.max_seq_len, batch = 8;
+  at::manual_seed(1);
+  const auto start = at::randint(0, c.vocab_size, {batch, 1}, at::kLong);
+  const auto stride = at::randint(1, 8, {batch, 1}, at::kLong);
+  const auto walk = at::remainder(start + stride * at::arange(seq + 1, at::kLong).view({1, -1}), c.vocab_size);
+  const auto tokens = walk.narrow(1, 0, seq).contiguous(), targets = walk.narrow(1, 1, seq).contiguous();
+  auto timed = [&](const std::string& variant, llama::Transformer model) {
+    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
+    auto step = [&] {
+      opt.zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(
+          model->forward(tokens).reshape({-1, c.vocab_size}), targets.reshape({-1}));
+      loss.backward();
+      opt.step();
+    };
+    step();  // optimizer state and first decisions outside the timing
+    json comm;
+    {
+      CommDebugMode cdm;
+      step();
+      comm = comm_summary(cdm);
+    }
+    const double us = step_us(step, iters, pg);
+    if (rank == 0) emit("tp", "Llama step, " + std::to_string(world) + " ranks", variant, us, comm);
+  };
+  timed("plain", llama_model());  // the whole model, no communication
+  for (bool sp : {false, true}) {
+    const std::string variant = sp ? "tp+sp" : "tp";
+    // A failing variant is reported in the table, not the end of the run (every rank fails
+    // at the same op, so none is left inside a collective).
+    try {
+      auto model = llama_model();
+      llama::PlanOptions o;
+      o.sequence_parallel = sp;
+      parallelize_module(model, mesh["tp"], llama::tensor_parallel_plan(o));
+      timed(variant, model);
+    } catch (const c10::Error& e) {
+      std::fprintf(stderr, "tessera_peer tp %s: %s\n", variant.c_str(), e.what_without_backtrace());
+      if (rank == 0)
+        emit("tp", "Llama step, " + std::to_string(world) + " ranks", variant, 0,
+             {{"us", nullptr}, {"error", e.what_without_backtrace()}});
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -224,12 +304,14 @@ int main(int argc, char** argv) {
   auto* ops_cmd = app.add_subcommand("ops", "per-op cost on a 1-rank mesh");
   auto* redist_cmd = app.add_subcommand("redistribute", "redistribute on every rank");
   auto* train_cmd = app.add_subcommand("train", "one data-parallel MLP step");
-  for (auto* c : {redist_cmd, train_cmd}) c->add_option("--iters", iters, "timed iterations");
+  auto* tp_cmd = app.add_subcommand("tp", "one tensor-parallel Llama step (torchtitan's plan)");
+  for (auto* c : {redist_cmd, train_cmd, tp_cmd}) c->add_option("--iters", iters, "timed iterations");
   CLI11_PARSE(app, argc, argv);
   init_process_group();
   if (*ops_cmd) per_op_costs();
   if (*redist_cmd) redistribute_cases(iters);
   if (*train_cmd) train(iters);
+  if (*tp_cmd) tensor_parallel(iters);
   destroy_process_group();
   return 0;
 }

@@ -187,16 +187,16 @@ ShardTable table_of(int variant, int64_t n, int64_t parts) {
   return t;
 }
 
-struct Layout {
+struct OperandLayout {
   std::string name;
   Placements p;
   std::vector<int> variant;  // table variant per tensor dim
 };
 
-std::vector<Layout> layouts(const DeviceMesh& mesh) {
+std::vector<OperandLayout> layouts(const DeviceMesh& mesh) {
   const auto R = Replicate();
   const auto Max = Partial(PartialOp::Max), Min = Partial(PartialOp::Min);
-  std::vector<Layout> out;
+  std::vector<OperandLayout> out;
   if (mesh.ndim() == 1) {
     out = {{"R", {R}, {}},           {"S0 chunk", {Shard(0)}, {0, 0}},
            {"S0 uneven", {Shard(0)}, {1, 0}}, {"S0 empty", {Shard(0)}, {2, 0}},
@@ -213,7 +213,7 @@ std::vector<Layout> layouts(const DeviceMesh& mesh) {
   return out;
 }
 
-Operand operand(const DeviceMesh& mesh, const Layout& l, std::vector<int64_t> shape) {
+Operand operand(const DeviceMesh& mesh, const OperandLayout& l, std::vector<int64_t> shape) {
   std::vector<ShardTable> tables(shape.size());
   for (size_t t = 0; t < shape.size(); ++t) {
     int64_t parts = 1;
@@ -259,7 +259,7 @@ TEST(Reduction, ThreeDimsAndDimLists) {
       {"mean", {0, 2}, 0, true}, {"nansum", {1, 2}}, {"sum", {2, 1}, 0, true},
       {"linalg_vector_norm", {2, 0}, 0, true, 3}};
   on_meshes([&](const DeviceMesh& mesh) {
-    std::vector<Layout> ls = {{"S2 uneven", Placements(mesh.ndim(), Replicate()), {0, 0, 1}},
+    std::vector<OperandLayout> ls = {{"S2 uneven", Placements(mesh.ndim(), Replicate()), {0, 0, 1}},
                               {"S1 empty", Placements(mesh.ndim(), Replicate()), {0, 2, 0}}};
     ls[0].p[0] = Shard(2);
     ls[1].p[mesh.ndim() - 1] = Shard(1);

@@ -9,14 +9,14 @@ using tessera::test::Rng;
 
 namespace {
 
-struct Layout {
+struct SpecLayout {
   std::vector<int64_t> mesh_shape, sizes;
   Placements placements;
   std::vector<ShardTable> tables;  // empty: torch.chunk layout
 };
 
-Layout random_layout(Rng& rng) {
-  Layout l;
+SpecLayout random_layout(Rng& rng) {
+  SpecLayout l;
   l.mesh_shape.resize(rng.uniform(1, 3));
   for (auto& s : l.mesh_shape) s = rng.uniform(1, 3);
   l.sizes.resize(rng.uniform(1, 3));
@@ -31,7 +31,7 @@ Layout random_layout(Rng& rng) {
   return l;
 }
 
-std::string str(const Layout& l) {
+std::string str(const SpecLayout& l) {
   std::string s = to_string(l.placements) + " on mesh" + shape_str(l.mesh_shape) + " global " +
                   shape_str(l.sizes);
   for (size_t t = 0; t < l.tables.size(); ++t)
@@ -63,7 +63,7 @@ int64_t sum(const ShardTable& t, size_t from, size_t to) {
 // The extent [offset, offset + size) along tensor dim t at `coord`, walking the sharding mesh
 // dims outermost first: each splits the current run of table entries into equal groups and
 // keeps the coordinate's group. `stop_after` >= 0 ends the walk after that mesh dim.
-std::pair<int64_t, int64_t> extent(const Layout& l, const ShardTable& table, int64_t t,
+std::pair<int64_t, int64_t> extent(const SpecLayout& l, const ShardTable& table, int64_t t,
                                    const std::vector<int64_t>& coord, int64_t stop_after = -1) {
   size_t lo = 0, hi = table.size();
   bool sharded = false;
@@ -80,7 +80,7 @@ std::pair<int64_t, int64_t> extent(const Layout& l, const ShardTable& table, int
 }
 
 // torch.chunk's nested table for tensor dim t (the default layout), by splitting pieces.
-ShardTable chunked(const Layout& l, int64_t t) {
+ShardTable chunked(const SpecLayout& l, int64_t t) {
   ShardTable pieces;
   for (size_t m = 0; m < l.placements.size(); ++m) {
     if (!l.placements[m].is_shard(t)) continue;
@@ -97,13 +97,13 @@ ShardTable chunked(const Layout& l, int64_t t) {
   return pieces;
 }
 
-ShardTable table_of(const Layout& l, int64_t t) {
+ShardTable table_of(const SpecLayout& l, int64_t t) {
   return t < static_cast<int64_t>(l.tables.size()) && !l.tables[t].empty() ? l.tables[t]
                                                                            : chunked(l, t);
 }
 
 // Checks `s` against the reference extents of layout `l` at every coordinate.
-void expect_extents(const DTensorSpec& s, const Layout& l) {
+void expect_extents(const DTensorSpec& s, const SpecLayout& l) {
   for (const auto& c : coordinates(l.mesh_shape)) {
     std::vector<int64_t> off, len;
     for (int64_t t = 0; t < static_cast<int64_t>(l.sizes.size()); ++t) {
@@ -121,7 +121,7 @@ void expect_extents(const DTensorSpec& s, const Layout& l) {
 TEST(Spec, LocalBlocksFollowTheNesting) {
   tessera::test::Sweep sweep;
   sweep.cases(400).run([](Rng& rng, int64_t) {
-    Layout l = random_layout(rng);
+    SpecLayout l = random_layout(rng);
     const auto mesh = tessera::test::detached_mesh(l.mesh_shape);
     if (rng.coin(0.7)) l.tables = tessera::test::random_tables(rng, mesh, l.placements, l.sizes);
     const DTensorSpec s(mesh, l.placements, l.sizes, at::kFloat, l.tables);
@@ -149,7 +149,7 @@ TEST(Spec, LocalBlocksFollowTheNesting) {
 TEST(Spec, ShardsTileTheTensor) {
   tessera::test::Sweep sweep;
   sweep.cases(300).run([](Rng& rng, int64_t) {
-    Layout l = random_layout(rng);
+    SpecLayout l = random_layout(rng);
     const auto mesh = tessera::test::detached_mesh(l.mesh_shape);
     if (rng.coin(0.7)) l.tables = tessera::test::random_tables(rng, mesh, l.placements, l.sizes);
     const DTensorSpec s(mesh, l.placements, l.sizes, at::kFloat, l.tables);
@@ -174,7 +174,7 @@ TEST(Spec, ShardsTileTheTensor) {
 TEST(Spec, ReplicateWhereMergesBlocks) {
   tessera::test::Sweep sweep;
   sweep.cases(400).run([](Rng& rng, int64_t) {
-    Layout l = random_layout(rng);
+    SpecLayout l = random_layout(rng);
     const auto mesh = tessera::test::detached_mesh(l.mesh_shape);
     if (rng.coin(0.8)) l.tables = tessera::test::random_tables(rng, mesh, l.placements, l.sizes);
     const DTensorSpec s(mesh, l.placements, l.sizes, at::kFloat, l.tables);
@@ -183,7 +183,7 @@ TEST(Spec, ReplicateWhereMergesBlocks) {
     const DTensorSpec r =
         s.replicate_where([&](int64_t m, const Placement&) { return drop.at(m); });
 
-    Layout after = l;
+    SpecLayout after = l;
     after.tables.clear();
     for (size_t m = 0; m < drop.size(); ++m)
       if (drop[m]) after.placements[m] = Replicate();
