@@ -115,6 +115,8 @@ const std::set<std::string> kOutFormsWithoutRule = {
     "aten::mode", "aten::nanmedian", "aten::pixel_shuffle", "aten::pixel_unshuffle",
     "aten::prelu", "aten::prelu_backward", "aten::repeat", "aten::topk", "aten::trace",
     "aten::unfold_backward",
+    // TODO(trilinear.cpp): out= forms.
+    "aten::_trilinear",
     // TODO(view.cpp): out= forms.
     "aten::_unsafe_view", "aten::new_empty", "aten::new_empty_strided", "aten::new_full",
     "aten::new_ones", "aten::new_zeros",
