@@ -117,6 +117,8 @@ const std::set<std::string> kOutFormsWithoutRule = {
     "aten::unfold_backward",
     // TODO(trilinear.cpp): out= forms.
     "aten::_trilinear",
+    // TODO(loss_margin.cpp): out= forms.
+    "aten::multi_margin_loss", "aten::multi_margin_loss_backward",
     // TODO(view.cpp): out= forms.
     "aten::_unsafe_view", "aten::new_empty", "aten::new_empty_strided", "aten::new_full",
     "aten::new_ones", "aten::new_zeros",
