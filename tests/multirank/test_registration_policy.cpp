@@ -119,6 +119,9 @@ const std::set<std::string> kOutFormsWithoutRule = {
     "aten::_trilinear",
     // TODO(loss_margin.cpp): out= forms.
     "aten::multi_margin_loss", "aten::multi_margin_loss_backward",
+    // TODO(fractional_pool.cpp): out= forms.
+    "aten::fractional_max_pool2d", "aten::fractional_max_pool2d_backward",
+    "aten::fractional_max_pool3d", "aten::fractional_max_pool3d_backward",
     // TODO(view.cpp): out= forms.
     "aten::_unsafe_view", "aten::new_empty", "aten::new_empty_strided", "aten::new_full",
     "aten::new_ones", "aten::new_zeros",
