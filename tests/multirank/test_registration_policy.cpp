@@ -122,6 +122,9 @@ const std::set<std::string> kOutFormsWithoutRule = {
     // TODO(fractional_pool.cpp): out= forms.
     "aten::fractional_max_pool2d", "aten::fractional_max_pool2d_backward",
     "aten::fractional_max_pool3d", "aten::fractional_max_pool3d_backward",
+    // TODO(embedding_bag.cpp): out= forms.
+    "aten::_embedding_bag", "aten::_embedding_bag_dense_backward",
+    "aten::_embedding_bag_forward_only", "aten::_embedding_bag_per_sample_weights_backward",
     // TODO(view.cpp): out= forms.
     "aten::_unsafe_view", "aten::new_empty", "aten::new_empty_strided", "aten::new_full",
     "aten::new_ones", "aten::new_zeros",
