@@ -125,6 +125,8 @@ const std::set<std::string> kOutFormsWithoutRule = {
     // TODO(embedding_bag.cpp): out= forms.
     "aten::_embedding_bag", "aten::_embedding_bag_dense_backward",
     "aten::_embedding_bag_forward_only", "aten::_embedding_bag_per_sample_weights_backward",
+    // TODO(mkldnn_rnn.cpp, 2.x only): out= forms.
+    "aten::mkldnn_rnn_layer", "aten::mkldnn_rnn_layer_backward",
     // TODO(view.cpp): out= forms.
     "aten::_unsafe_view", "aten::new_empty", "aten::new_empty_strided", "aten::new_full",
     "aten::new_ones", "aten::new_zeros",
