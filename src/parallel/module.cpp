@@ -1,14 +1,22 @@
 #include "tessera/parallel/module.h"
 
 #include <mutex>
+#include <optional>
 
+#include <c10/util/SmallVector.h>
+#include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/container/parameterdict.h>
+#include <torch/nn/modules/container/parameterlist.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/functional/instancenorm.h>
 #include <torch/nn/modules/instancenorm.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/loss.h>
 #include <torch/nn/modules/normalization.h>
+#include <torch/nn/modules/pooling.h>
+#include <torch/nn/modules/rnn.h>
 
 #include "tessera/tensor/api.h"
 #include "tessera/tensor/dtensor_impl.h"
@@ -19,68 +27,205 @@ namespace {
 
 using TensorDict = torch::OrderedDict<std::string, at::Tensor>;
 
-// Module's registries: parameters_ is protected (a derived class may name it); buffers_ is
-// private, reached through an explicit template instantiation, where access is not checked.
-struct Registry : torch::nn::Module {
-  static TensorDict torch::nn::Module::*parameters() { return &Registry::parameters_; }
+// NOTE: [Reaching LibTorch's non-public members]
+// Swapping a parameter (NOTE: [Swapping module parameters]) writes handles LibTorch keeps
+// out of reach. All of that access is in this namespace and nowhere else in Tessera:
+//   Module::parameters_                         protected: named through a class derived from
+//                                               Module (a derived class may form a pointer to
+//                                               a protected member when it names itself).
+//   Module::buffers_                            private: named as the template argument of
+//                                               an explicit instantiation, where access is
+//                                               not checked ([temp.explicit] in C++17); a
+//                                               friend function declared by that
+//                                               instantiation hands the pointer out.
+//   RNNImplBase::flat_weights_ and              protected: through a derived class, as
+//   RNNImplBase::flat_weights_names_            parameters_. RNN / LSTM / GRU forward() read
+//                                               their weights from flat_weights_.
+// Each depends only on the member's name and type, which are the same in every LibTorch
+// Tessera supports (1.13 and 2.x; checked against 1.13 and 2.6), so none of it is in
+// compat.h. A rename or a type change is a compile error here, never a silent miss; the
+// BuiltinModule tests (test_builtin_modules.cpp) check that every one still reaches the
+// handle forward() reads.
+namespace nonpublic {
+
+struct ModuleParameters : torch::nn::Module {
+  static TensorDict torch::nn::Module::*member() { return &ModuleParameters::parameters_; }
 };
-TensorDict torch::nn::Module::*buffers_member();
+
+TensorDict torch::nn::Module::*module_buffers();
 template <TensorDict torch::nn::Module::*Member>
-struct BufferAccess {
-  friend TensorDict torch::nn::Module::*buffers_member() { return Member; }
+struct ModuleBuffers {
+  friend TensorDict torch::nn::Module::*module_buffers() { return Member; }
 };
-template struct BufferAccess<&torch::nn::Module::buffers_>;
+template struct ModuleBuffers<&torch::nn::Module::buffers_>;
+
+template <class Derived>
+struct RnnFlatWeights : torch::nn::detail::RNNImplBase<Derived> {
+  using Base = torch::nn::detail::RNNImplBase<Derived>;
+  static std::vector<at::Tensor> Base::*weights() { return &RnnFlatWeights::flat_weights_; }
+  static std::vector<std::string> Base::*names() { return &RnnFlatWeights::flat_weights_names_; }
+};
+
+}  // namespace nonpublic
+
+TensorDict& parameter_registry(torch::nn::Module& m) {
+  return m.*nonpublic::ModuleParameters::member();
+}
+TensorDict& buffer_registry(torch::nn::Module& m) { return m.*nonpublic::module_buffers(); }
+
+// The handles forward() reads a registry entry through: usually one member, two where a
+// module keeps both a member and its options' copy (either may be read, depending on the
+// LibTorch version), none where the registry itself is what is read (ParameterDict).
+using Handles = c10::SmallVector<at::Tensor*, 2>;
+// nullopt: the accessor does not know this module type or this name.
+using HandleAccessor =
+    std::function<std::optional<Handles>(torch::nn::Module&, const std::string&)>;
+
+std::optional<Handles> one(at::Tensor& t) { return Handles{&t}; }
 
 template <class Impl>
-at::Tensor* weight_bias(Impl& m, const std::string& name) {
-  if (name == "weight") return &m.weight;
-  if (name == "bias") return &m.bias;
-  return nullptr;
+std::optional<Handles> weight_bias(Impl& m, const std::string& name) {
+  if (name == "weight") return one(m.weight);
+  if (name == "bias") return one(m.bias);
+  return std::nullopt;
 }
 
 template <class Impl>
-at::Tensor* norm_members(Impl& m, const std::string& name) {
-  if (name == "weight") return &m.weight;
-  if (name == "bias") return &m.bias;
-  if (name == "running_mean") return &m.running_mean;
-  if (name == "running_var") return &m.running_var;
-  if (name == "num_batches_tracked") return &m.num_batches_tracked;
-  return nullptr;
+std::optional<Handles> norm_members(Impl& m, const std::string& name) {
+  if (name == "running_mean") return one(m.running_mean);
+  if (name == "running_var") return one(m.running_var);
+  if (name == "num_batches_tracked") return one(m.num_batches_tracked);
+  return weight_bias(m, name);
+}
+
+template <class Impl>
+std::optional<Handles> weight_only(Impl& m, const std::string& name) {
+  if (name == "weight") return one(m.weight);
+  return std::nullopt;
+}
+
+std::optional<Handles> attention_members(torch::nn::MultiheadAttentionImpl& m,
+                                         const std::string& name) {
+  for (auto [n, t] : {std::pair<const char*, at::Tensor*>{"in_proj_weight", &m.in_proj_weight},
+                      {"in_proj_bias", &m.in_proj_bias},
+                      {"bias_k", &m.bias_k},
+                      {"bias_v", &m.bias_v},
+                      {"q_proj_weight", &m.q_proj_weight},
+                      {"k_proj_weight", &m.k_proj_weight},
+                      {"v_proj_weight", &m.v_proj_weight}})
+    if (name == n) return one(*t);
+  return std::nullopt;
+}
+
+// RNN / LSTM / GRU: the registered weight_ih_l0, ..., and flat_weights_[i], read by forward().
+template <class Impl>
+std::optional<Handles> rnn_flat_weight(Impl& m, const std::string& name) {
+  using Access = nonpublic::RnnFlatWeights<Impl>;
+  auto& names = m.*Access::names();
+  auto& weights = m.*Access::weights();
+  for (size_t i = 0; i < names.size() && i < weights.size(); ++i)
+    if (names[i] == name) return one(weights[i]);
+  return std::nullopt;
+}
+
+template <class Impl>
+std::optional<Handles> rnn_cell_members(Impl& m, const std::string& name) {
+  if (name == "weight_ih") return one(m.weight_ih);
+  if (name == "weight_hh") return one(m.weight_hh);
+  if (name == "bias_ih") return one(m.bias_ih);
+  if (name == "bias_hh") return one(m.bias_hh);
+  return std::nullopt;
+}
+
+// Losses with class weights: the buffer is read from the member or from the options,
+// depending on the loss and the LibTorch version; both are swapped.
+template <class Impl>
+std::optional<Handles> loss_weight_member(Impl& m, const std::string& name) {
+  if (name == "weight") return Handles{&m.weight, &m.options.weight()};
+  return std::nullopt;
+}
+template <class Impl>
+std::optional<Handles> loss_weight_option(Impl& m, const std::string& name) {
+  if (name == "weight") return one(m.options.weight());
+  return std::nullopt;
+}
+std::optional<Handles> bce_with_logits_members(torch::nn::BCEWithLogitsLossImpl& m,
+                                               const std::string& name) {
+  if (name == "pos_weight") return Handles{&m.pos_weight, &m.options.pos_weight()};
+  return loss_weight_member(m, name);
+}
+
+template <class Impl>
+std::optional<Handles> fractional_pool_samples(Impl& m, const std::string& name) {
+  if (name == "_random_samples") return Handles{&m._random_samples, &m.options._random_samples()};
+  return std::nullopt;
+}
+
+// ParameterDict / ParameterList read their registry directly: no separate handle.
+template <class Impl>
+std::optional<Handles> registry_only(Impl&, const std::string&) {
+  return Handles{};
+}
+
+struct Accessor {
+  std::type_index type;  // the module type it was written for (builtins; user ones: Module)
+  HandleAccessor handles;
+};
+
+template <class Impl, class F>
+Accessor builtin(F handles_of) {
+  return {typeid(Impl), [handles_of](torch::nn::Module& m, const std::string& name)
+                            -> std::optional<Handles> {
+            auto* impl = dynamic_cast<Impl*>(&m);
+            if (!impl) return std::nullopt;
+            return handles_of(*impl, name);
+          }};
 }
 
 struct Accessors {
   std::mutex mu;
-  std::vector<MemberAccessor> list;
+  std::vector<Accessor> builtins;  // constant after construction
+  std::vector<Accessor> user;
   Accessors() {
     using namespace torch::nn;
-    auto add = [this](auto f) { list.push_back(f); };
-    add(accessor<LinearImpl>(weight_bias<LinearImpl>));
-    add(accessor<BilinearImpl>(weight_bias<BilinearImpl>));
-    add(accessor<Conv1dImpl>(weight_bias<Conv1dImpl>));
-    add(accessor<Conv2dImpl>(weight_bias<Conv2dImpl>));
-    add(accessor<Conv3dImpl>(weight_bias<Conv3dImpl>));
-    add(accessor<ConvTranspose1dImpl>(weight_bias<ConvTranspose1dImpl>));
-    add(accessor<ConvTranspose2dImpl>(weight_bias<ConvTranspose2dImpl>));
-    add(accessor<ConvTranspose3dImpl>(weight_bias<ConvTranspose3dImpl>));
-    add(accessor<LayerNormImpl>(weight_bias<LayerNormImpl>));
-    add(accessor<GroupNormImpl>(weight_bias<GroupNormImpl>));
-    add(accessor<BatchNorm1dImpl>(norm_members<BatchNorm1dImpl>));
-    add(accessor<BatchNorm2dImpl>(norm_members<BatchNorm2dImpl>));
-    add(accessor<BatchNorm3dImpl>(norm_members<BatchNorm3dImpl>));
-    add(accessor<InstanceNorm1dImpl>(norm_members<InstanceNorm1dImpl>));
-    add(accessor<InstanceNorm2dImpl>(norm_members<InstanceNorm2dImpl>));
-    add(accessor<InstanceNorm3dImpl>(norm_members<InstanceNorm3dImpl>));
-    add([](Module& m, const std::string& name) -> at::Tensor* {
-      auto* e = dynamic_cast<EmbeddingImpl*>(&m);
-      return e && name == "weight" ? &e->weight : nullptr;
-    });
-  }
-  template <class Impl, class F>
-  static MemberAccessor accessor(F f) {
-    return [f](torch::nn::Module& m, const std::string& name) -> at::Tensor* {
-      auto* impl = dynamic_cast<Impl*>(&m);
-      return impl ? f(*impl, name) : nullptr;
-    };
+    auto& b = builtins;
+    b.push_back(builtin<LinearImpl>(weight_bias<LinearImpl>));
+    b.push_back(builtin<BilinearImpl>(weight_bias<BilinearImpl>));
+    b.push_back(builtin<Conv1dImpl>(weight_bias<Conv1dImpl>));
+    b.push_back(builtin<Conv2dImpl>(weight_bias<Conv2dImpl>));
+    b.push_back(builtin<Conv3dImpl>(weight_bias<Conv3dImpl>));
+    b.push_back(builtin<ConvTranspose1dImpl>(weight_bias<ConvTranspose1dImpl>));
+    b.push_back(builtin<ConvTranspose2dImpl>(weight_bias<ConvTranspose2dImpl>));
+    b.push_back(builtin<ConvTranspose3dImpl>(weight_bias<ConvTranspose3dImpl>));
+    b.push_back(builtin<LayerNormImpl>(weight_bias<LayerNormImpl>));
+    b.push_back(builtin<GroupNormImpl>(weight_bias<GroupNormImpl>));
+    b.push_back(builtin<BatchNorm1dImpl>(norm_members<BatchNorm1dImpl>));
+    b.push_back(builtin<BatchNorm2dImpl>(norm_members<BatchNorm2dImpl>));
+    b.push_back(builtin<BatchNorm3dImpl>(norm_members<BatchNorm3dImpl>));
+    b.push_back(builtin<InstanceNorm1dImpl>(norm_members<InstanceNorm1dImpl>));
+    b.push_back(builtin<InstanceNorm2dImpl>(norm_members<InstanceNorm2dImpl>));
+    b.push_back(builtin<InstanceNorm3dImpl>(norm_members<InstanceNorm3dImpl>));
+    b.push_back(builtin<EmbeddingImpl>(weight_only<EmbeddingImpl>));
+    b.push_back(builtin<EmbeddingBagImpl>(weight_only<EmbeddingBagImpl>));
+    b.push_back(builtin<PReLUImpl>(weight_only<PReLUImpl>));
+    b.push_back(builtin<MultiheadAttentionImpl>(attention_members));
+    b.push_back(builtin<RNNImpl>(rnn_flat_weight<RNNImpl>));
+    b.push_back(builtin<LSTMImpl>(rnn_flat_weight<LSTMImpl>));
+    b.push_back(builtin<GRUImpl>(rnn_flat_weight<GRUImpl>));
+    b.push_back(builtin<RNNCellImpl>(rnn_cell_members<RNNCellImpl>));
+    b.push_back(builtin<LSTMCellImpl>(rnn_cell_members<LSTMCellImpl>));
+    b.push_back(builtin<GRUCellImpl>(rnn_cell_members<GRUCellImpl>));
+    b.push_back(builtin<NLLLossImpl>(loss_weight_member<NLLLossImpl>));
+    b.push_back(builtin<CrossEntropyLossImpl>(loss_weight_member<CrossEntropyLossImpl>));
+    b.push_back(builtin<BCEWithLogitsLossImpl>(bce_with_logits_members));
+    b.push_back(builtin<BCELossImpl>(loss_weight_option<BCELossImpl>));
+    b.push_back(builtin<MultiMarginLossImpl>(loss_weight_option<MultiMarginLossImpl>));
+    b.push_back(builtin<MultiLabelSoftMarginLossImpl>(
+        loss_weight_option<MultiLabelSoftMarginLossImpl>));
+    b.push_back(builtin<FractionalMaxPool2dImpl>(fractional_pool_samples<FractionalMaxPool2dImpl>));
+    b.push_back(builtin<FractionalMaxPool3dImpl>(fractional_pool_samples<FractionalMaxPool3dImpl>));
+    b.push_back(builtin<ParameterDictImpl>(registry_only<ParameterDictImpl>));
+    b.push_back(builtin<ParameterListImpl>(registry_only<ParameterListImpl>));
   }
 };
 
@@ -89,31 +234,50 @@ Accessors& accessors() {
   return a;
 }
 
+// The handles of `name` in `module`: user accessors first (they may refine a built-in
+// type), then the built-in ones.
+std::optional<Handles> member_handles(torch::nn::Module& module, const std::string& name) {
+  auto& a = accessors();
+  {
+    std::lock_guard<std::mutex> lock(a.mu);
+    for (auto& acc : a.user)
+      if (auto h = acc.handles(module, name)) return h;
+  }
+  for (auto& acc : a.builtins)
+    if (auto h = acc.handles(module, name)) return h;
+  return std::nullopt;
+}
+
 }  // namespace
 
 void register_member_accessor(MemberAccessor accessor) {
   auto& a = accessors();
   std::lock_guard<std::mutex> lock(a.mu);
-  a.list.push_back(std::move(accessor));
+  a.user.push_back({typeid(torch::nn::Module),
+                    [accessor = std::move(accessor)](torch::nn::Module& m, const std::string& name)
+                        -> std::optional<Handles> {
+                      if (at::Tensor* t = accessor(m, name)) return one(*t);
+                      return std::nullopt;
+                    }});
+}
+
+std::vector<std::type_index> builtin_member_accessor_types() {
+  std::vector<std::type_index> types;
+  for (const auto& acc : accessors().builtins) types.push_back(acc.type);
+  return types;
 }
 
 void replace_parameter(torch::nn::Module& module, const std::string& name, at::Tensor value) {
-  auto& params = module.*Registry::parameters();
-  auto& buffers = module.*buffers_member();
+  auto& params = parameter_registry(module);
+  auto& buffers = buffer_registry(module);
   at::Tensor* entry = params.find(name);
   const bool is_param = entry != nullptr;
   if (!entry) entry = buffers.find(name);
   TORCH_CHECK(entry, "tessera: replace_parameter: module ", module.name(),
               " has no parameter or buffer named \"", name, "\" (submodule entries are replaced ",
               "on the submodule itself)");
-  at::Tensor* member = nullptr;
-  {
-    auto& a = accessors();
-    std::lock_guard<std::mutex> lock(a.mu);
-    for (auto& f : a.list)
-      if ((member = f(module, name))) break;
-  }
-  TORCH_CHECK(member || !entry->defined(), "tessera: replace_parameter: ", module.name(),
+  const std::optional<Handles> members = member_handles(module, name);
+  TORCH_CHECK(members || !entry->defined(), "tessera: replace_parameter: ", module.name(),
               " keeps \"", name, "\" in a member tessera does not know; its forward() would go on ",
               "using the old tensor. Register an accessor with tessera::register_member_accessor");
   if (is_param && value.defined()) {
@@ -133,7 +297,8 @@ void replace_parameter(torch::nn::Module& module, const std::string& name, at::T
     }
   }
   *entry = value;
-  if (member) *member = value;
+  if (members)
+    for (at::Tensor* handle : *members) *handle = value;
 }
 
 void distribute_module(torch::nn::Module& module, const DeviceMesh& mesh,

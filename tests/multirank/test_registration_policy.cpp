@@ -115,6 +115,18 @@ const std::set<std::string> kOutFormsWithoutRule = {
     "aten::mode", "aten::nanmedian", "aten::pixel_shuffle", "aten::pixel_unshuffle",
     "aten::prelu", "aten::prelu_backward", "aten::repeat", "aten::topk", "aten::trace",
     "aten::unfold_backward",
+    // TODO(trilinear.cpp): out= forms.
+    "aten::_trilinear",
+    // TODO(loss_margin.cpp): out= forms.
+    "aten::multi_margin_loss", "aten::multi_margin_loss_backward",
+    // TODO(fractional_pool.cpp): out= forms.
+    "aten::fractional_max_pool2d", "aten::fractional_max_pool2d_backward",
+    "aten::fractional_max_pool3d", "aten::fractional_max_pool3d_backward",
+    // TODO(embedding_bag.cpp): out= forms.
+    "aten::_embedding_bag", "aten::_embedding_bag_dense_backward",
+    "aten::_embedding_bag_forward_only", "aten::_embedding_bag_per_sample_weights_backward",
+    // TODO(mkldnn_rnn.cpp, 2.x only): out= forms.
+    "aten::mkldnn_rnn_layer", "aten::mkldnn_rnn_layer_backward",
     // TODO(view.cpp): out= forms.
     "aten::_unsafe_view", "aten::new_empty", "aten::new_empty_strided", "aten::new_full",
     "aten::new_ones", "aten::new_zeros",

@@ -10,6 +10,8 @@
 // bias / running-stat members are registered; add your own with register_member_accessor).
 #include <functional>
 #include <string>
+#include <typeindex>
+#include <vector>
 
 #include <torch/nn/module.h>
 
@@ -29,6 +31,11 @@ void register_member_accessor(F member_of) {
     return impl ? member_of(*impl, name) : nullptr;
   });
 }
+
+// The module types with a built-in member accessor, each once: every built-in LibTorch module
+// that registers parameters or buffers of its own (modules holding parameters only through
+// children, such as TransformerEncoderLayer, need none). For tests that check each is used.
+std::vector<std::type_index> builtin_member_accessor_types();
 
 // Replaces the directly registered parameter or buffer `name` of `module` (not a submodule's)
 // with `value`, in the registry and in the member handle. Parameters become leaves with the
