@@ -123,6 +123,11 @@ std::vector<int64_t> requested_size(const OpCall& call, const DTensorSpec& in) {
   return at::infer_size(call.arg<std::vector<int64_t>>("size"), in.numel());
 }
 
+OpPlan view_rule(const OpCall& call) {
+  const auto& in = *call.spec("self");
+  return with_local_size_arg(call, view_layout(in, requested_size(call, in)));
+}
+
 // The op's local form is a reshape to the output's local sizes: _reshape_alias (its stride
 // argument is a global one) and squeeze (a shard may be size 1 where the global is not, so
 // the local op could drop the wrong dims). A view when the shard allows, else a copy.
@@ -132,18 +137,6 @@ OpPlan reshaped_locally(const OpCall& call, const ViewLayout& layout) {
   auto local = layout.output->local_sizes();
   plan.local_kernel = [local](KernelCall& k) { k.finish({k.tensor("self").reshape(local)}); };
   return plan;
-}
-
-// view / _unsafe_view: reshaped locally too. The wrapper always reports contiguous strides
-// (its global metadata), so contiguous() on it is a no-op and composite ops (linear on 3-D
-// input, matmul, attention's q.contiguous().view(...)) view it freely, while its shard may
-// come from transpose, narrow or chunk and not be viewable with the local sizes. The shard
-// is then copied, as contiguous() would have copied a plain tensor. (A kernel keeps view off
-// the typed fast path; keeping it there needs the fast path to fall back to a reshape, or
-// the wrapper to report its shard's stride order.)
-OpPlan view_rule(const OpCall& call) {
-  const auto& in = *call.spec("self");
-  return reshaped_locally(call, view_layout(in, requested_size(call, in)));
 }
 
 OpPlan reshape_alias_rule(const OpCall& call) {
