@@ -139,6 +139,13 @@ OpPlan reshaped_locally(const OpCall& call, const ViewLayout& layout) {
   return plan;
 }
 
+// _unsafe_view (matmul's and reshape's copy-then-view) reaches us without the typed view
+// kernel's contiguity check (NOTE: [view of a strided shard]), so it reshapes locally.
+OpPlan unsafe_view_rule(const OpCall& call) {
+  const auto& in = *call.spec("self");
+  return reshaped_locally(call, view_layout(in, requested_size(call, in)));
+}
+
 OpPlan reshape_alias_rule(const OpCall& call) {
   const auto& in = *call.spec("self");
   return reshaped_locally(call, view_layout(in, requested_size(call, in)));
@@ -278,7 +285,7 @@ OpPlan new_factory_rule(const OpCall& call) {
 
 const RuleRegistrar registrar{[] {
   register_rule("aten::view", view_rule);
-  register_rule("aten::_unsafe_view", view_rule);
+  register_rule("aten::_unsafe_view", unsafe_view_rule);
   register_rule("aten::_reshape_alias", reshape_alias_rule);
   register_rule("aten::expand", expand_rule);
   register_rule("aten::transpose.int", transpose_rule);

@@ -104,7 +104,11 @@ struct ToLocalBackward : Node {
   SpecPtr grad_spec;
   variable_list apply(variable_list&& grads) override {
     if (!grads[0].defined()) return {at::Tensor()};
-    return {wrap_local(grads[0], with_dtype(grad_spec, grads[0].scalar_type()))};
+    at::Tensor g = grads[0];
+    // The local tensor met distributed ones, which admitted it as replicated: its gradient
+    // came back distributed, and the local gradient is its whole value.
+    if (is_dtensor(g)) g = full_tensor(g);
+    return {wrap_local(g, with_dtype(grad_spec, g.scalar_type()))};
   }
   std::string name() const override { return "tessera::ToLocalBackward"; }
 };

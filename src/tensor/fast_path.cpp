@@ -200,6 +200,23 @@ at::Tensor detach_sharing_shard(const at::Tensor& self) {
   return at::detail::make_tensor<DTensorImpl>(d->local(), d->spec_ptr());
 }
 
+// NOTE: [view of a strided shard]
+// The wrapper reports the global contiguous strides, so contiguous() on it returns it
+// unchanged and code written for plain tensors (x.transpose(1, 2).contiguous().view(...),
+// matmul's folding of batch dims) views it, while its shard may come from transpose,
+// permute or expand and not be viewable with the local sizes. The shard is made contiguous
+// first, the copy contiguous() would have made of a plain tensor; the result then does not
+// alias the input, as it would not have after contiguous().
+at::Tensor view_of_contiguous_shard(const at::Tensor& self, c10::SymIntArrayRef size) {
+  auto* d = detail::as_dtensor(self);
+  if (d && !d->local().is_contiguous()) {
+    const at::Tensor packed =
+        at::detail::make_tensor<DTensorImpl>(d->local().contiguous(), d->spec_ptr());
+    return FastKernel<at::_ops::view>::kernel(packed, size);
+  }
+  return FastKernel<at::_ops::view>::kernel(self, size);
+}
+
 }  // namespace
 
 // The ops of a training step's inner loop (BENCHMARKS.md, "Per-op dispatch overhead").
@@ -218,7 +235,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   fast<at::_ops::addcmul_>(m);
   fast<at::_ops::addcdiv_>(m);
   fast<at::_ops::mm>(m);
-  fast<at::_ops::view>(m);
+  m.impl("view", TORCH_FN(view_of_contiguous_shard));
   m.impl("detach", TORCH_FN(detach_sharing_shard));
   fast<at::_ops::sum>(m);
 }

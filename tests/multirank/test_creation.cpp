@@ -472,3 +472,21 @@ TEST(CreationCommDebug, ScatterOn2x3MeshCountsEveryBlock) {
     EXPECT_EQ(comm.get_total_counts(), 1);
   });
 }
+
+// The local tensor meets distributed ones (admitted as replicated): its gradient arrives
+// distributed and goes back as the whole value.
+TEST(CreationToLocal, BackwardWhenTheLocalMeetsDistributedTensors) {
+  for (const Shape& ms : {Shape{3}, Shape{2, 2}}) {
+    on_mesh(ms, [&](int rank, const DeviceMesh& mesh) {
+      for (const auto& pl : placements_for(ms.size())) {
+        at::Tensor full = seeded({7, 5}, at::kDouble, 15);
+        at::Tensor w = seeded({7, 5}, at::kDouble, 16);
+        auto p = distribute_tensor(full, mesh, Placements(ms.size(), Replicate())).detach().requires_grad_();
+        auto dw = distribute_tensor(w, mesh, pl);
+        (to_local(p) * dw).sum().backward();
+        ASSERT_TRUE(is_dtensor(p.grad()));
+        expect_close(full_tensor(p.grad()), w, to_string(pl));
+      }
+    });
+  }
+}

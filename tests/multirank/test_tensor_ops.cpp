@@ -106,6 +106,26 @@ TEST(TensorOps, SliceNarrowSelect) {
   });
 }
 
+// The wrapper reports contiguous strides while its shard may be a transposed or expanded
+// view: code written for plain tensors views it after contiguous() (attention's
+// transpose(1, 2).contiguous().view(...), matmul on 4-D operands).
+TEST(TensorOps, ViewOfStridedShards) {
+  on_meshes([](const DeviceMesh& mesh) {
+    on_layouts(mesh, {4, 6, 3}, Cases{
+        {"transpose(1, 2).contiguous().view(4, 18)",
+         [](auto& v) { return v[0].transpose(1, 2).contiguous().view({4, 18}); }},
+        {"permute(2, 0, 1).contiguous().view(-1)",
+         [](auto& v) { return v[0].permute({2, 0, 1}).contiguous().view({-1}) * 3; }},
+        {"transpose(0, 1).reshape(6, 12)",
+         [](auto& v) { return v[0].transpose(0, 1).reshape({6, 12}); }},
+        {"4-D matmul", [](auto& v) {
+           auto a = v[0].view({2, 2, 6, 3});
+           return at::matmul(a, a.transpose(2, 3)).transpose(1, 2).contiguous().view({2, 6, 12});
+         }},
+    });
+  });
+}
+
 // List results are summed back into one result.
 TEST(TensorOps, SplitChunkUnbind) {
   on_meshes([](const DeviceMesh& mesh) {
