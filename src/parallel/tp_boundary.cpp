@@ -186,7 +186,10 @@ namespace {
 // SequenceParallel on a module whose forward is not one ATen op (a hand-written RMSNorm)
 // cannot read a plain input as a sequence shard: the module's first ops run before any
 // parameter is touched. A distributed input is exact; a plain one would be taken for a
-// replicated value, silently wrong, so it is an error where it meets the parameter.
+// replicated value, silently wrong, so it is an error where it meets the parameter. An op
+// that also reads a distributed activation (a tensor that is not the module's own) is
+// inside the module's data flow: its plain operands are state the module made itself (an
+// RNN's zero initial state), global values, and pass.
 void check_plain_operands(const c10::OperatorHandle& op,
                           c10::ArrayRef<const c10::TensorImpl*> distributed,
                           c10::ArrayRef<at::Tensor> plain) {
@@ -197,7 +200,10 @@ void check_plain_operands(const c10::OperatorHandle& op,
   std::shared_lock<std::shared_mutex> lock(t.mu);
   for (const auto* impl : distributed) {
     auto it = t.params.find(impl);
-    if (it == t.params.end() || !it->second.live()) continue;
+    if (it == t.params.end() || !it->second.live()) return;  // an activation
+  }
+  for (const auto* impl : distributed) {
+    auto it = t.params.find(impl);
     const auto& b = *it->second.boundary;
     if (!b.plain_forbidden) continue;
     TORCH_CHECK(false, "tessera: ", op.schema().name(), ": a plain (local) tensor of shape ",

@@ -127,6 +127,8 @@ BoundaryPtr begin_param_style(torch::nn::Module& module, const ParallelStyle& st
 void tag_all(torch::nn::Module& module, const BoundaryPtr& b, bool recurse) {
   for (const auto& p : module.named_parameters(recurse))
     if (p.value().defined()) tp::detail::tag_parameter(p.value(), b);
+  for (const auto& p : module.named_buffers(recurse))  // the state a module keeps is its own too
+    if (p.value().defined() && is_dtensor(p.value())) tp::detail::tag_parameter(p.value(), b);
 }
 
 std::string error_prefix(const ParallelStyle& style) {
@@ -225,20 +227,35 @@ void SequenceParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) 
   TORCH_CHECK(any, error_prefix(*this), ": ", type_of(module), " has no parameters, so Tessera ",
               "cannot see its calls (LibTorch modules have no hooks). A distributed input "
               "already keeps its sequence shards through it; leave it out of the plan");
+  const bool anchored = tp::is_anchored_leaf(module);
+  TORCH_CHECK(anchored || !local_, error_prefix(*this), ": use_local_output(true) on ",
+              type_of(module), ", whose forward is not one ATen op Tessera intercepts: its "
+              "output cannot be made local (LibTorch modules have no hooks). Leave "
+              "use_local_output(false) and call tessera::to_local on the output");
   BoundaryPtr b = begin_param_style(module, *this, mesh, type_of(module));
-  b->anchored = tp::is_anchored_leaf(module);
-  b->plain_forbidden = !b->anchored;
+  b->anchored = anchored;
+  b->plain_forbidden = !anchored;
   b->sequence_dim = seq_;
-  // Parameters replicated, from src_data_rank (PyTorch assumes equal values without a check).
+  // Parameters and buffers replicated, from src_data_rank (PyTorch assumes equal values
+  // without a check; its distribute_module replicates the buffers a style leaves alone).
   for (const auto& item : module.named_modules("", /*include_self=*/true)) {
     auto& m = *item.value();
     for (const auto& p : m.named_parameters(/*recurse=*/false))
       if (p.value().defined()) tp::distribute_parameter(*this, m, p.key(), mesh, Replicate());
+    for (const auto& p : m.named_buffers(/*recurse=*/false))
+      if (p.value().defined() && !is_dtensor(p.value()))
+        tp::distribute_parameter(*this, m, p.key(), mesh, Replicate());
   }
-  Convert in;
-  in.plain = Shard(seq_);
-  in.desired = Shard(seq_);
-  b->input = in;
+  // The input is converted where Tessera sees it: at the module's one op. Inside a module
+  // it cannot intercept, every tagged op would take its operand for the module's input
+  // (an RNN's hidden state too), so nothing is converted there; the input must arrive
+  // distributed (NOTE: [Plain operands at modules Tessera cannot intercept]).
+  if (anchored) {
+    Convert in;
+    in.plain = Shard(seq_);
+    in.desired = Shard(seq_);
+    b->input = in;
+  }
   if (local_) {
     Convert out;
     out.to_local = true;
