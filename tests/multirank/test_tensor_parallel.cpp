@@ -454,3 +454,48 @@ TEST(TensorParallel, DropoutEqualsOneDeviceWhateverEachRanksSeed) {
     });
   }
 }
+
+// TP on the middle dim of a 3-D mesh (2 x 2 x 1, "dp" x "tp" x "cp"): parameters live on the
+// root mesh, replicated over "dp" and "cp"; the batch is sharded over "dp" (uneven: 5 rows as
+// 3 + 2). Three SGD steps equal one device.
+TEST(TensorParallel, SliceOfThreeDimensionalMesh) {
+  torch::manual_seed(9);
+  nn::Sequential ref(nn::Linear(6, 10), nn::Tanh(), nn::Linear(10, 6));
+  const at::Tensor x = test::randn({5, 6}, 10), t = test::randn({5, 6}, 11);
+  auto model_ref = clone_of(ref);
+  std::vector<double> losses_ref;
+  {
+    torch::optim::SGD opt(model_ref->parameters(), torch::optim::SGDOptions(0.2));
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      at::Tensor loss = at::mse_loss(model_ref->forward(x), t);
+      loss.backward();
+      opt.step();
+      losses_ref.push_back(loss.item<double>());
+    }
+  }
+  tessera::testing::run_ranks(4, [&](int) {
+    auto mesh = init_device_mesh("cpu", {2, 2, 1}, {"dp", "tp", "cp"});
+    auto m = clone_of(ref);
+    parallelize_module(m, mesh["tp"], {{"0", ColwiseParallel().use_local_output(false)},
+                                       {"2", RowwiseParallel().use_local_output(false)}});
+    const Placements batch = {Shard(0), Replicate(), Replicate()};
+    const auto xd = distribute_tensor(x, mesh, batch, std::nullopt, ShardSizes::Given(0, {3, 2}));
+    const auto td = distribute_tensor(t, mesh, batch, std::nullopt, ShardSizes::Given(0, {3, 2}));
+    torch::optim::SGD opt(m->parameters(), torch::optim::SGDOptions(0.2));
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      at::Tensor loss = at::mse_loss(m->forward(xd), td);
+      loss.backward();
+      opt.step();
+      EXPECT_NEAR(full_tensor(loss).item<double>(), losses_ref[step], 1e-5) << "step " << step;
+    }
+    const auto params = m->named_parameters();
+    for (const auto& item : model_ref->named_parameters()) {
+      const at::Tensor& p = *params.find(item.key());
+      ASSERT_TRUE(is_dtensor(p)) << item.key();
+      EXPECT_EQ(spec(p).mesh().ndim(), 3) << item.key() << " " << spec(p).str();
+      ASSERT_TRUE(full_matches(p, item.value().detach(), kTol)) << item.key();
+    }
+  });
+}
