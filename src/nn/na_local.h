@@ -1,0 +1,81 @@
+#pragma once
+// Neighbourhood attention on one process: the window rule per axis, the tap tables built from
+// it, and the forward / backward kernels on K/V windows. Shared by the public op
+// (src/nn/neighborhood_attention.cpp) and its domain-parallel rule
+// (src/ops/window/neighborhood_attention.cpp), which both call the same kernels: the sharded
+// rule only changes which queries a rank computes and which K/V rows it holds.
+//
+// Positions are global. A rank computes the queries [q_begin, q_begin + nq) of each axis and
+// holds the K/V rows [kv_begin, kv_begin + kv_len) (its window: the union of its queries'
+// key windows, fetched from their owners). On one process q_begin = 0 and the window is the
+// whole axis (plus the wrap-around margins of a circular axis).
+#include <tuple>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include "tessera/comm/halo.h"
+
+namespace tessera::nn::detail {
+
+// One spatial axis of the op (NATTEN's per-axis arguments).
+struct NAAxis {
+  int64_t length = 0;    // global extent L
+  int64_t kernel = 1;    // k (> 1)
+  int64_t dilation = 1;  // d
+  int64_t stride = 1;    // s (1 <= s <= k)
+  bool causal = false;
+  // The axis wraps around (a periodic domain): the window is centred on the stride leader and
+  // its rows are taken modulo L; never shifted inward. Not with causal.
+  bool circular = false;
+};
+
+// The global key rows query i reads along one axis, in tap order (k rows; a causal window
+// near its start holds fewer, the list is then shorter). Circular rows are unwrapped (may lie
+// outside [0, L)); take them modulo L for the key itself.
+std::vector<int64_t> window_rows(const NAAxis& a, int64_t i);
+
+// The K/V rows [lo, hi) queries [q_lo, q_hi) read (the union of their windows); empty when
+// q_hi <= q_lo. Circular windows may reach outside [0, L) (fetch them periodically).
+comm::Window reads(const NAAxis& a, int64_t q_lo, int64_t q_hi);
+
+// Per axis, for nq queries from q_begin and a K/V window of kv_len rows from kv_begin:
+// idx[i][t] = local row (in the window) of query i's tap t; valid[i][t] = false only for
+// causal taps past the window's end (idx then repeats a valid row); rel[i][t] = the rpb
+// entry of the pair, (y - x) + k - 1 in dilation-group units. Shapes [nq, k], int64 / bool.
+struct TapTable {
+  at::Tensor idx, valid, rel;
+};
+TapTable tap_table(const NAAxis& a, int64_t q_begin, int64_t nq, int64_t kv_begin, int64_t kv_len);
+
+// Argument checks on global sizes (so every rank raises the same error): kernel > 1,
+// 1 <= stride <= kernel, dilation >= 1, kernel * dilation <= L, no rpb with a causal axis, no
+// causal circular axis, layouts [B, *S, H, D] with H % H_kv == 0, extra keys/values
+// [B, N, H_kv, D / Dv]. `op` names the caller in the message ("tessera::na2d").
+void check_arguments(const char* op, at::IntArrayRef q, at::IntArrayRef k, at::IntArrayRef v,
+                     const std::vector<NAAxis>& axes, const c10::optional<at::Tensor>& rpb,
+                     const c10::optional<at::Tensor>& additional_keys,
+                     const c10::optional<at::Tensor>& additional_values);
+
+// Forward on windows. q [B, *Sq, H, D] (the rank's queries), k_win [B, *Skv, H_kv, D],
+// v_win [B, *Skv, H_kv, Dv] (its K/V windows), tables per axis (tap_table with Sq / Skv),
+// rpb [H, 2k1-1, ...] or undefined, extra keys/values [B, N, H_kv, D / Dv] or undefined.
+// Returns out [B, *Sq, H, Dv] in q's dtype and lse [B, *Sq, H] (float32, float64 for
+// double inputs). Memory O(B * Sq * H * prod(k)): never the full attention matrix.
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k_win,
+                                           const at::Tensor& v_win,
+                                           const std::vector<TapTable>& tables, double scale,
+                                           const at::Tensor& rpb, const at::Tensor& extra_k,
+                                           const at::Tensor& extra_v);
+
+// Backward on the same windows: (dq, dk_win, dv_win, drpb, dextra_k, dextra_v); the last
+// three undefined when their inputs are. dk_win / dv_win have the windows' shapes (the
+// caller sends their rows home).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k_win,
+    const at::Tensor& v_win, const at::Tensor& out, const at::Tensor& lse,
+    const std::vector<TapTable>& tables, double scale, const at::Tensor& rpb,
+    const at::Tensor& extra_k, const at::Tensor& extra_v);
+
+}  // namespace tessera::nn::detail
