@@ -25,6 +25,7 @@
 //           if (any_window_dim_sharded(*layout, dims)) plan.distributed_kernel = ...;
 //   kernel: window = fetch(mesh, local_input, cuts, boundary);  // the rows my outputs read
 //           run the local op on `window` without padding; backward: fetch_backward.
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -41,9 +42,25 @@ using comm::Window;
 // The last n dims of an ndim-dim tensor (the spatial dims of a window op).
 std::vector<int64_t> trailing_dims(int64_t ndim, size_t n);
 
+// NOTE: [Axis maps are an open set]
+// An axis map answers the two questions above for one spatial dim. The built-in kinds cover
+// convolution, transposed convolution, pooling, padding and interpolation; any other window
+// op describes its rows by implementing AxisMap (neighbourhood attention's clamped windows
+// are one, src/ops/window/neighborhood_attention.cpp) and gets the shard tables, the exact
+// halos, fetch and its adjoint from this toolkit unchanged.
+struct AxisMap {
+  virtual ~AxisMap() = default;
+  // The input row whose owner computes output o (clamped into the domain by the caller).
+  virtual int64_t source_row(int64_t o) const = 0;
+  // The input rows outputs [lo, hi) read; may reach outside [0, in) (the boundary rule of the
+  // fetch fills those rows). Must be monotone: a wider output range never reads less.
+  virtual Window reads(int64_t lo, int64_t hi) const = 0;
+  virtual std::string str() const = 0;
+};
+
 // How one spatial dim of a window op maps input rows [0, in) to output rows [0, out).
 struct Axis {
-  enum class Kind : uint8_t { Stencil, Transposed, Nearest, Linear };
+  enum class Kind : uint8_t { Stencil, Transposed, Nearest, Linear, Custom };
   Kind kind = Kind::Stencil;
   int64_t in = 0, out = 0;
   // Stencil: output o reads input rows o*stride - pad + dilation*j, j < kernel (conv, pooling,
@@ -52,6 +69,8 @@ struct Axis {
   // Nearest / Linear (interpolation): the source coordinate scale, as ATen computes it.
   bool align_corners = false;
   double scale = 1.0;  // <= 0: in / out
+  // Custom: the map itself.
+  std::shared_ptr<const AxisMap> map;
 
   static Axis stencil(int64_t in, int64_t out, int64_t kernel, int64_t stride, int64_t pad,
                       int64_t dilation);
@@ -59,6 +78,7 @@ struct Axis {
                          int64_t dilation);
   static Axis nearest(int64_t in, int64_t out, double scale);
   static Axis linear(int64_t in, int64_t out, bool align_corners, double scale);
+  static Axis custom(int64_t in, int64_t out, std::shared_ptr<const AxisMap> map);
 
   // The input row whose owner computes output o (may be outside [0, in): clamp it).
   int64_t source_row(int64_t o) const;

@@ -56,6 +56,14 @@ Axis Axis::linear(int64_t in, int64_t out, bool align_corners, double scale) {
   return a;
 }
 
+Axis Axis::custom(int64_t in, int64_t out, std::shared_ptr<const AxisMap> map) {
+  TORCH_CHECK(map, "tessera: Axis::custom needs a map");
+  Axis a;
+  a.kind = Kind::Custom;
+  a.in = in, a.out = out, a.map = std::move(map);
+  return a;
+}
+
 namespace {
 
 // ATen's nearest source index (float arithmetic, with the exact 1x and 2x cases).
@@ -97,6 +105,7 @@ int64_t Axis::source_row(int64_t o) const {
     case Kind::Nearest: return nearest_source(o, in, out, scale);
     case Kind::Linear:
       return static_cast<int64_t>(std::floor(linear_source(o, in, out, align_corners, scale) + 0.5));
+    case Kind::Custom: return map->source_row(o);
   }
   return 0;
 }
@@ -119,11 +128,13 @@ Window Axis::reads(int64_t lo, int64_t hi) const {
       const auto a = taps(lo), b = taps(hi - 1);
       return {std::min(a.i0, a.i1), std::max(b.i0, b.i1) + 1};
     }
+    case Kind::Custom: return map->reads(lo, hi);
   }
   return {0, 0};
 }
 
 std::string Axis::str() const {
+  if (kind == Kind::Custom) return map->str();
   std::ostringstream os;
   static const char* names[] = {"stencil", "transposed", "nearest", "linear"};
   os << names[static_cast<int>(kind)] << "(in " << in << ", out " << out;
