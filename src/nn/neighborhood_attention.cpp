@@ -153,15 +153,16 @@ struct NeighborhoodAttentionFunction
                                const Tensor& v, std::vector<int64_t> kernel_size,
                                std::vector<int64_t> stride, std::vector<int64_t> dilation,
                                BoolList is_causal, BoolList circular, double scale,
-                               const Tensor& rpb, const Tensor& ek, const Tensor& ev) {
+                               const OptTensor& rpb, const OptTensor& ek, const OptTensor& ev) {
+    // (Absent tensors are passed as nullopt: autograd skips them as inputs.)
     Tensor out, lse;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
       std::tie(out, lse) = forward_op().call(q, k, v, kernel_size, stride, dilation, is_causal,
-                                             circular, scale, optional_if_defined(rpb),
-                                             optional_if_defined(ek), optional_if_defined(ev));
+                                             circular, scale, rpb, ek, ev);
     }
-    ctx->save_for_backward({q, k, v, out, lse, rpb, ek, ev});
+    ctx->save_for_backward({q, k, v, out, lse, value_or_undefined(rpb), value_or_undefined(ek),
+                            value_or_undefined(ev)});
     ctx->saved_data["kernel_size"] = kernel_size;
     ctx->saved_data["stride"] = stride;
     ctx->saved_data["dilation"] = dilation;
@@ -206,7 +207,8 @@ std::tuple<Tensor, Tensor> na_forward_autograd(const Tensor& q, const Tensor& k,
                                                const OptTensor& ev) {
   auto r = NeighborhoodAttentionFunction::apply(
       q, k, v, kernel_size.vec(), stride.vec(), dilation.vec(), is_causal, circular, scale,
-      value_or_undefined(rpb), value_or_undefined(ek), value_or_undefined(ev));
+      optional_if_defined(value_or_undefined(rpb)), optional_if_defined(value_or_undefined(ek)),
+      optional_if_defined(value_or_undefined(ev)));
   return {r[0], r[1]};
 }
 
