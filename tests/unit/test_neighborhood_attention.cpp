@@ -341,6 +341,17 @@ double max_diff(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
 }
 
+template <class Fn>
+void expect_error(Fn&& fn, const std::string& substring) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one mentioning \"" << substring << "\"";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find(substring), std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
 // Forward, lse and every gradient of the op against the dense oracle (float64).
 void check_against_dense(const Problem& p, uint64_t seed, at::ScalarType dtype = at::kDouble,
                          double tol = 1e-10) {
@@ -437,6 +448,17 @@ TEST(NeighborhoodAttention, Float32) {
   q.axes = {axis(12, 5, 2, 1, false, true)};
   q.rpb = true;
   check_against_dense(q, 6, at::kFloat, 1e-5);
+  // Half precision is computed in float32 (lse in float32).
+  check_against_dense(p, 7, at::kHalf, 1e-2);
+}
+
+TEST(NeighborhoodAttention, NoDoubleBackward) {
+  Problem p;
+  p.axes = {axis(6, 3)};
+  const Inputs in = with_grad(make_inputs(p, 13), at::kDouble);
+  const at::Tensor out = run_op(p, in, 0.5).first;
+  expect_error([&] { torch::autograd::grad({out.sum()}, {in.q}, {}, true, true); },
+               "double backward is not supported");
 }
 
 // A window covering the whole domain is plain attention (and, in 1-D, causal attention).
@@ -524,17 +546,6 @@ TEST(NeighborhoodAttention, BackwardOpShapes) {
   for (int i = 3; i < 6; ++i) {
     ASSERT_TRUE(stack[i].toTensor().defined());
     EXPECT_EQ(stack[i].toTensor().numel(), 0);
-  }
-}
-
-template <class Fn>
-void expect_error(Fn&& fn, const std::string& substring) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error; expected one mentioning \"" << substring << "\"";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find(substring), std::string::npos)
-        << e.what_without_backtrace();
   }
 }
 
