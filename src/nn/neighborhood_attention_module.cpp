@@ -7,6 +7,7 @@
 
 #include "tessera/nn/neighborhood_attention.h"
 #include "tessera/parallel/module.h"
+#include "tessera/tensor/dtensor_impl.h"
 
 namespace tessera::nn {
 
@@ -53,6 +54,27 @@ void NeighborhoodAttentionImpl<SpatialRank>::pretty_print(std::ostream& stream) 
          << ", rpb=" << (options.rpb() ? "true" : "false") << ")";
 }
 
+namespace {
+// A Linear applied at every position of [B, *S, C]. On a field sharded along S, Linear's own
+// form flattens [B, *S] into rows, which uneven spatial shards cannot follow, so the field
+// would be gathered; the same map as a 1x1 convolution on the channels-first view keeps every
+// shard where it is (and is exact: the same sums per position).
+at::Tensor per_position(const torch::nn::LinearImpl& lin, const at::Tensor& x) {
+  if (!is_dtensor(x) || x.dim() < 3 || x.dim() > 5) return const_cast<torch::nn::LinearImpl&>(lin).forward(x);
+  const int64_t n = x.dim();
+  std::vector<int64_t> to_first = {0, n - 1}, back = {0};
+  for (int64_t d = 1; d < n - 1; ++d) to_first.push_back(d);
+  for (int64_t d = 2; d < n; ++d) back.push_back(d);
+  back.push_back(1);
+  std::vector<int64_t> wshape = lin.weight.sizes().vec();
+  wshape.resize(static_cast<size_t>(n), 1);
+  const std::vector<int64_t> ones(static_cast<size_t>(n - 2), 1), zeros(static_cast<size_t>(n - 2), 0);
+  at::Tensor y = at::convolution(x.permute(to_first), lin.weight.view(wshape), lin.bias, ones, zeros,
+                                 ones, false, zeros, 1);
+  return y.permute(back);
+}
+}  // namespace
+
 template <int64_t SpatialRank>
 at::Tensor NeighborhoodAttentionImpl<SpatialRank>::forward(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == SpatialRank + 2 && x.size(-1) == options.dim(),
@@ -63,7 +85,7 @@ at::Tensor NeighborhoodAttentionImpl<SpatialRank>::forward(const at::Tensor& x) 
   split.back() = 3;
   split.push_back(heads);
   split.push_back(hd);
-  const at::Tensor qkv_ = qkv->forward(x).view(split);  // [B, *S, 3, heads, hd]
+  const at::Tensor qkv_ = per_position(*qkv, x).view(split);  // [B, *S, 3, heads, hd]
   functional::NeighborhoodAttentionFuncOptions o;
   o.stride(options.stride())
       .dilation(options.dilation())
@@ -73,7 +95,7 @@ at::Tensor NeighborhoodAttentionImpl<SpatialRank>::forward(const at::Tensor& x) 
       .rpb(rpb);
   const at::Tensor y = functional::neighborhood_attention(
       qkv_.select(-3, 0), qkv_.select(-3, 1), qkv_.select(-3, 2), options.kernel_size(), o);
-  return proj->forward(y.flatten(-2));
+  return per_position(*proj, y.flatten(-2));
 }
 
 template class NeighborhoodAttentionImpl<1>;

@@ -381,6 +381,17 @@ TEST(DomainAttention, TransformerBlockTrainsLikeOneDevice) {
     const Placements hw = {Placement::shard(1), Placement::shard(2)};
     auto dx = distribute_tensor(x, mesh, hw, std::nullopt, ShardSizes::Given(tables));
     auto dy = distribute_tensor(y, mesh, hw, std::nullopt, ShardSizes::Given(tables));
+    {
+      // The attention layer never gathers the field: K/V halos, and the all-reduces of the
+      // parameter gradients. (A torch::nn::Linear on [B, H, W, C] itself still gathers: its
+      // flatten of uneven spatial shards has no sharded form; see docs.)
+      CommDebugMode comm;
+      model->attn->forward(dx).sum().backward();
+      model->zero_grad();
+      const auto counts = comm.get_comm_counts();
+      EXPECT_EQ(counts.count("all_gather"), 0u) << comm.table();
+      EXPECT_EQ(counts.count("all_to_all"), 0u) << comm.table();
+    }
     const auto got = train_block(*model, dx, dy);
     for (size_t s = 0; s < got.size(); ++s)
       ASSERT_NEAR(got[s], expected[s], 1e-4 * (1 + std::abs(expected[s]))) << "step " << s;
