@@ -63,7 +63,7 @@ Fields make_fields(int64_t batch, int64_t rows, int64_t cols, double noise, uint
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t s = 0; s < kShapes; ++s) {
       const double cy = d[b][s][0] * rows, cx = d[b][s][1] * cols;
-      const double size = 3 + d[b][s][2] * 0.25 * std::min(rows, cols);
+      const double size = 2 + d[b][s][2] * 0.2 * std::min(rows, cols);
       const double level = d[b][s][3] < 0.5 ? -1.0 : 1.0;
       at::Tensor inside;
       if (d[b][s][4] < 0.5) {
@@ -111,9 +111,9 @@ RgbImage draw_panels(const std::vector<at::Tensor>& fields, const ShardTable& ro
         image.set(x0 + x, y0 + y, field_colour(v[(y / scale) * cols + x / scale]));
     const Rgb amber{255, 196, 0}, line{20, 20, 20};
     for (int c : row_cuts)
-      image.fill_rect(x0, y0 + (c - halo) * scale, x0 + cols * scale, y0 + (c + halo) * scale, amber, 0.35);
+      image.fill_rect(x0, y0 + (c - halo) * scale, x0 + cols * scale, y0 + (c + halo) * scale, amber, 0.25);
     for (int c : col_cuts)
-      image.fill_rect(x0 + (c - halo) * scale, y0, x0 + (c + halo) * scale, y0 + rows * scale, amber, 0.35);
+      image.fill_rect(x0 + (c - halo) * scale, y0, x0 + (c + halo) * scale, y0 + rows * scale, amber, 0.25);
     for (int c : row_cuts) image.fill_rect(x0, y0 + c * scale - 1, x0 + cols * scale, y0 + c * scale + 1, line);
     for (int c : col_cuts) image.fill_rect(x0 + c * scale - 1, y0, x0 + c * scale + 1, y0 + rows * scale, line);
   }
@@ -149,6 +149,8 @@ int run(int argc, char** argv) {
   app.add_option("--heads", config.heads, "attention heads")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--lr", lr, "AdamW learning rate")->capture_default_str();
   app.add_option("--noise", noise, "noise standard deviation (the shapes are at -1 and 1)")->capture_default_str();
+  app.add_flag("--module-forward", config.module_forward,
+               "the modules' own forward (Linear): shows the gathers of a Linear on a block cut along H and W");
   app.add_flag("--double", use_double, "train in float64 (the check against one device then holds to ~1e-12)");
   CLI11_PARSE(app, argc, argv);
   if (config.dim % config.heads != 0) {
@@ -182,6 +184,7 @@ int run(int argc, char** argv) {
   NATransformer reference(config);
   model->to(dtype);
   reference->to(dtype);
+  na_model::register_member_accessors();
   tessera::distribute_module(*model, mesh);  // every parameter replicated over the mesh
   const auto adamw = torch::optim::AdamWOptions(lr).weight_decay(0.01);
   torch::optim::AdamW optimizer(model->parameters(), adamw);
@@ -257,20 +260,23 @@ int run(int argc, char** argv) {
   if (!step_communication.empty())
     std::printf("communication of one training step (rank 0):\n%s", step_communication.c_str());
   double max_param_diff = 0;
+  std::string worst;
   const auto reference_params = reference->named_parameters();
-  for (const auto& [name, value] : trained)
-    max_param_diff = std::max(max_param_diff, (value - reference_params[name]).abs().max().item<double>());
+  for (const auto& [name, value] : trained) {
+    const double d = (value - reference_params[name]).abs().max().item<double>();
+    if (d > max_param_diff) max_param_diff = d, worst = name;
+  }
   const double input_mse = at::mse_loss(test.noisy, test.clean).item<double>();
   const double model_mse = at::mse_loss(prediction, test.clean).item<double>();
   std::printf("held-out fields: noisy input MSE %.4f, prediction MSE %.4f (%.1fx lower)\n", input_mse,
               model_mse, input_mse / model_mse);
-  // float32 parameters after AdamW: a parameter whose gradient is near 0 may move by a
-  // different fraction of lr on the two sides; 1e-4 leaves room for that, float64 is exact
-  // to rounding.
-  const double tolerance = use_double ? 1e-10 : 1e-4;
+  // Sums in another order (per block, then all-reduced) differ by rounding only: float32
+  // parameters stay within ~1e-6 after tens of steps, float64 within ~1e-12.
+  const double tolerance = use_double ? 1e-10 : 1e-5;
   const bool ok = max_param_diff <= tolerance && max_loss_diff <= tolerance;
-  std::printf("vs one device: max loss |Δ| %.1e, max parameter |Δ| after %d steps %.1e -> %s (tolerance %.0e)\n",
-              max_loss_diff, steps, max_param_diff, ok ? "OK" : "MISMATCH", tolerance);
+  std::printf("vs one device: max loss |Δ| %.1e, max parameter |Δ| after %d steps %.1e (%s) -> %s (tolerance %.0e)\n",
+              max_loss_diff, steps, max_param_diff, worst.empty() ? "-" : worst.c_str(), ok ? "OK" : "MISMATCH",
+              tolerance);
 
   const int scale = static_cast<int>(std::max<int64_t>(4, (240 + cols - 1) / cols));
   const auto image = draw_panels({test.noisy[0].squeeze(-1), prediction[0].squeeze(-1), test.clean[0].squeeze(-1)},
