@@ -355,11 +355,11 @@ void report_distributed(const Shape& s, int64_t first_rows, double t1, const Dis
               (long long)s.size, (long long)s.size, (long long)s.heads, (long long)s.head_dim, (long long)s.kernel,
               (long long)first_rows, (long long)(s.size - first_rows), reps, warmup,
               std::thread::hardware_concurrency());
-  std::printf("  %-58s %10s %10s\n", "", "ms / step", "speed-up");
-  std::printf("  %-58s %10.1f %10s\n", "1 rank, plain na2d on the whole field", 1e3 * t1, "");
-  std::printf("  %-58s %10.1f %9.2fx\n", "2 ranks, plain na2d on each rank's own rows, at once (ceiling)",
+  std::printf("  %-62s %10s %10s\n", "", "ms / step", "speed-up");
+  std::printf("  %-62s %10.1f %10s\n", "1 rank, plain na2d on the whole field", 1e3 * t1, "");
+  std::printf("  %-62s %10.1f %9.2fx\n", "2 ranks, plain na2d on each rank's own rows, at once (ceiling)",
               1e3 * ta, t1 / ta);
-  std::printf("  %-58s %10.1f %9.2fx  (goal >= 1.8x; %.0f%% of the ceiling)\n", "2 ranks, distributed na2d",
+  std::printf("  %-62s %10.1f %9.2fx  (goal >= 1.8x; %.0f%% of the ceiling)\n", "2 ranks, distributed na2d",
               1e3 * t2, t1 / t2, 100 * ta / t2);
   if (d.max_diff >= 0)
     std::printf("  2 ranks vs 1 rank: max |Δ| of out, dq, dk, dv = %.1e\n", d.max_diff);
@@ -367,6 +367,8 @@ void report_distributed(const Shape& s, int64_t first_rows, double t1, const Dis
   std::printf("  halo bytes received by each rank (CommDebugMode), against the exact minimum: the other rank's"
               " K and V rows its windows reach\n  (rows x W %lld x H_kv %lld x (D + Dv) %lld x 4 B)\n",
               (long long)s.size, (long long)s.heads, (long long)(2 * s.head_dim));
+  std::printf("  forward: K and V rows read; backward: the dK and dV rows sent home (its minimum when the"
+              " forward's K/V windows are kept; a backward that fetches them again receives 2x)\n");
   std::printf("  %4s %14s %14s %8s %14s %14s %8s %6s\n", "rank", "fwd received", "fwd minimum", "ratio",
               "bwd received", "bwd minimum", "ratio", "calls");
   for (int k = 0; k < 2; ++k) {
