@@ -19,3 +19,4 @@
 #include "tessera/parallel/module.h"
 #include "tessera/parallel/tensor_parallel.h"
 #include "tessera/parallel/loss_parallel.h"
+#include "tessera/nn/neighborhood_attention.h"

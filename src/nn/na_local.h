@@ -34,6 +34,18 @@ struct NAAxis {
 // The global key rows query i reads along one axis, in tap order (k rows; a causal window
 // near its start holds fewer, the list is then shorter). Circular rows are unwrapped (may lie
 // outside [0, L)); take them modulo L for the key itself.
+//
+// With g = i mod d (dilation group), x = i div d, n_g = ceil((L - g) / d), left = k / 2:
+//   non-causal: leader l = min(floor(x/s)*s + floor(s/2), n_g - 1),
+//               rows g + d*(a + t), t < k, a = clamp(l - left, 0, n_g - k)  (NATTEN's rule);
+//   causal:     l = min(floor(x/s)*s + s - 1, n_g - 1), rows g + d*y, max(l - k + 1, 0) <= y <= x;
+//   circular:   the non-causal leader l, never shifted: rows g + d*(l - left + t), t < k,
+//               unwrapped. The key of row r is r mod L: the physical position in the periodic
+//               domain (when L mod d != 0 a wrapped row may land in another dilation group;
+//               the k rows stay distinct since k*d <= L).
+// The relative offset of key row y (unwrapped) from query i is (y - i) / d, in group units;
+// it lies in [-(k-1), k-1] for every rule, so rel = (y - i) / d + k - 1 is in [0, 2k-2].
+// (For a circular axis with s = 1 this is t - left + k - 1.)
 std::vector<int64_t> window_rows(const NAAxis& a, int64_t i);
 
 // The K/V rows [lo, hi) queries [q_lo, q_hi) read (the union of their windows); empty when
@@ -57,6 +69,19 @@ void check_arguments(const char* op, at::IntArrayRef q, at::IntArrayRef k, at::I
                      const std::vector<NAAxis>& axes, const c10::optional<at::Tensor>& rpb,
                      const c10::optional<at::Tensor>& additional_keys,
                      const c10::optional<at::Tensor>& additional_values);
+
+// The axes of a call from the op's per-axis lists (one entry per spatial axis of q, which is
+// [B, *S, H, D]); checks only the list lengths (check_arguments does the rest).
+std::vector<NAAxis> make_axes(const char* op, at::IntArrayRef q, at::IntArrayRef kernel_size,
+                              at::IntArrayRef stride, at::IntArrayRef dilation,
+                              const std::vector<bool>& is_causal,
+                              const std::vector<bool>& circular);
+
+// Dtype and device checks on the (local) tensors: float32, float64, float16 or bfloat16, the
+// same everywhere, one device. Undefined rpb / extra keys / values are skipped. (Half
+// precision is computed in float32; lse is float32 then.)
+void check_tensors(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& rpb, const at::Tensor& extra_k, const at::Tensor& extra_v);
 
 // Forward on windows. q [B, *Sq, H, D] (the rank's queries), k_win [B, *Skv, H_kv, D],
 // v_win [B, *Skv, H_kv, Dv] (its K/V windows), tables per axis (tap_table with Sq / Skv),
