@@ -213,7 +213,7 @@ at::Tensor seeded_randn(const std::vector<int64_t>& shape, uint64_t seed) {
   return at::randn(shape, gen);
 }
 
-void clear_grads(nn::Module& m) {
+void clear_grads(torch::nn::Module& m) {
   for (auto& p : m.parameters()) p.mutable_grad() = at::Tensor();
 }
 
@@ -221,7 +221,7 @@ void clear_grads(nn::Module& m) {
 // distribute_module's parameters get theirs reduced during backward, as they arrive; this
 // reduces any that still arrive Partial (none at the time of writing), so a step always
 // includes the reduction. Returns how many it had to reduce.
-int reduce_grads(nn::Module& m, const DeviceMesh& mesh) {
+int reduce_grads(torch::nn::Module& m, const DeviceMesh& mesh) {
   const Placements replicate(mesh.ndim(), Replicate());
   int reduced = 0;
   for (auto& p : m.parameters()) {
@@ -379,7 +379,7 @@ struct ConvConfig {
 };
 
 // One forward+backward of `conv` on x with output gradient g; grads cleared first.
-void conv_step(nn::Conv2d& conv, at::Tensor& x, const at::Tensor& g) {
+void conv_step(torch::nn::Conv2d& conv, at::Tensor& x, const at::Tensor& g) {
   clear_grads(*conv);
   x.mutable_grad() = at::Tensor();
   conv->forward(x).backward(g);
@@ -392,7 +392,7 @@ struct SingleConvResult {
 
 SingleConvResult time_single_conv(const ConvConfig& c) {
   torch::manual_seed(0);
-  nn::Conv2d conv(nn::Conv2dOptions(c.channels, c.channels, 3).padding(1));
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(c.channels, c.channels, 3).padding(1));
   auto x = seeded_randn({c.batch, c.channels, c.height, c.width}, 1).requires_grad_();
   const auto g = seeded_randn({c.batch, c.channels, c.height, c.width}, 2);
   SingleConvResult r;
@@ -423,7 +423,7 @@ DistConvResult time_distributed_conv(const ConvConfig& c) {
   auto pg = mesh.group(0);
   const int me = static_cast<int>(mesh.coordinate()[0]);
   torch::manual_seed(0);
-  nn::Conv2d conv(nn::Conv2dOptions(c.channels, c.channels, 3).padding(1));
+  torch::nn::Conv2d conv(torch::nn::Conv2dOptions(c.channels, c.channels, 3).padding(1));
   distribute_module(*conv, mesh);
   const auto rows = ShardSizes::Given(2, {c.first_rows, c.height - c.first_rows});
   const Placements split = {Shard(2)};
@@ -438,7 +438,7 @@ DistConvResult time_distributed_conv(const ConvConfig& c) {
     // The ceiling on this machine: the same work per rank, both ranks at once, no halo and no
     // Tessera (what sharing the cores' memory bandwidth and caches leaves of 2x).
     torch::manual_seed(0);
-    nn::Conv2d plain(nn::Conv2dOptions(c.channels, c.channels, 3).padding(1));
+    torch::nn::Conv2d plain(torch::nn::Conv2dOptions(c.channels, c.channels, 3).padding(1));
     auto xl = to_local(x).detach().clone().requires_grad_();
     const auto gl = to_local(g).clone();
     for (int i = 0; i < c.warmup + c.iters; ++i) {

@@ -180,8 +180,8 @@ constexpr int64_t kIn = 64, kHidden = 256, kOut = 16, kBatch = 128;
 torch::nn::Sequential mlp() {
   namespace nn = torch::nn;
   at::manual_seed(0);
-  return nn::Sequential(nn::Linear(kIn, kHidden), nn::ReLU(), nn::Linear(kHidden, kHidden),
-                        nn::ReLU(), nn::Linear(kHidden, kOut));
+  return torch::nn::Sequential(torch::nn::Linear(kIn, kHidden), torch::nn::ReLU(), torch::nn::Linear(kHidden, kHidden),
+                        torch::nn::ReLU(), torch::nn::Linear(kHidden, kOut));
 }
 
 void train(int iters) {

@@ -142,7 +142,8 @@ void check_arguments(const char* op, at::IntArrayRef q, at::IntArrayRef k, at::I
   const int64_t H = q[nd + 1], D = q[nd + 2], Hkv = k[nd + 1], Dv = v[nd + 2];
   TORCH_CHECK(v[nd + 1] == Hkv, op, ": key ", shape(k), " and value ", shape(v),
               " must have the same number of heads");
-  TORCH_CHECK(Hkv >= 1 && H % Hkv == 0, op, ": the query heads (", H, " in ", shape(q),
+  // An empty heads shard (0 of 0) is a valid local view of sharded heads.
+  TORCH_CHECK(Hkv >= 1 ? H % Hkv == 0 : H == 0, op, ": the query heads (", H, " in ", shape(q),
               ") must be a multiple of the key/value heads (", Hkv, " in ", shape(k),
               "); for grouped-query attention give H_kv dividing H");
   TORCH_CHECK(k[nd + 2] == D, op, ": query ", shape(q), " and key ", shape(k),

@@ -108,6 +108,13 @@ std::tuple<Tensor, Tensor> na_forward_plain(const Tensor& q, const Tensor& k, co
                                             const OptTensor& ev) {
   const auto w = local_windows(kOp, q, k, v, kernel_size, stride, dilation, is_causal, circular,
                                rpb, ek, ev);
+  if (q.numel() == 0 || k.numel() == 0) {  // an empty batch or heads shard
+    auto os = q.sizes().vec();
+    os.back() = v.size(-1);
+    const auto lse_type = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    return {at::zeros(os, q.options()),
+            at::zeros(q.sizes().slice(0, q.dim() - 1), q.options().dtype(lse_type))};
+  }
   return detail::forward(q, fill_windows(w, k), fill_windows(w, v), w.tables, scale,
                          value_or_undefined(rpb), value_or_undefined(ek), value_or_undefined(ev));
 }
@@ -121,12 +128,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> na_backward_plain(
                                circular, rpb, ek, ev);
   TORCH_CHECK(grad_out.sizes() == out.sizes(), kBackwardOp, ": grad_out ", grad_out.sizes(),
               " must have the shape of out ", out.sizes());
-  auto r = detail::backward(grad_out, q, fill_windows(w, k), fill_windows(w, v), out, lse,
-                            w.tables, scale, value_or_undefined(rpb), value_or_undefined(ek),
-                            value_or_undefined(ev));
   auto empty_if_undefined = [&](const Tensor& t) {
     return t.defined() ? t : at::empty({0}, q.options());
   };
+  if (q.numel() == 0 || k.numel() == 0) {  // an empty batch or heads shard
+    auto zeros_or_empty = [&](const OptTensor& t) {
+      return t.has_value() && t->defined() ? at::zeros_like(*t) : at::empty({0}, q.options());
+    };
+    return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v), zeros_or_empty(rpb),
+            zeros_or_empty(ek), zeros_or_empty(ev)};
+  }
+  auto r = detail::backward(grad_out, q, fill_windows(w, k), fill_windows(w, v), out, lse,
+                            w.tables, scale, value_or_undefined(rpb), value_or_undefined(ek),
+                            value_or_undefined(ev));
   return {std::get<0>(r), fold_windows(w, std::get<1>(r)), fold_windows(w, std::get<2>(r)),
           empty_if_undefined(std::get<3>(r)), empty_if_undefined(std::get<4>(r)),
           empty_if_undefined(std::get<5>(r))};
@@ -153,7 +167,12 @@ struct NeighborhoodAttentionFunction
                                const Tensor& v, std::vector<int64_t> kernel_size,
                                std::vector<int64_t> stride, std::vector<int64_t> dilation,
                                BoolList is_causal, BoolList circular, double scale,
-                               const Tensor& rpb, const Tensor& ek, const Tensor& ev) {
+                               // Optional, not undefined tensors: LibTorch 1.13's Function
+                               // cannot take an undefined tensor as an input.
+                               const OptTensor& rpb_opt, const OptTensor& ek_opt,
+                               const OptTensor& ev_opt) {
+    const Tensor rpb = value_or_undefined(rpb_opt), ek = value_or_undefined(ek_opt),
+                 ev = value_or_undefined(ev_opt);
     Tensor out, lse;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
@@ -206,7 +225,8 @@ std::tuple<Tensor, Tensor> na_forward_autograd(const Tensor& q, const Tensor& k,
                                                const OptTensor& ev) {
   auto r = NeighborhoodAttentionFunction::apply(
       q, k, v, kernel_size.vec(), stride.vec(), dilation.vec(), is_causal, circular, scale,
-      value_or_undefined(rpb), value_or_undefined(ek), value_or_undefined(ev));
+      optional_if_defined(value_or_undefined(rpb)), optional_if_defined(value_or_undefined(ek)),
+      optional_if_defined(value_or_undefined(ev)));
   return {r[0], r[1]};
 }
 

@@ -6,6 +6,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include "tessera/nn/neighborhood_attention.h"
+#include "tessera/parallel/module.h"
 
 namespace tessera::nn {
 
@@ -78,5 +79,20 @@ at::Tensor NeighborhoodAttentionImpl<SpatialRank>::forward(const at::Tensor& x) 
 template class NeighborhoodAttentionImpl<1>;
 template class NeighborhoodAttentionImpl<2>;
 template class NeighborhoodAttentionImpl<3>;
+
+namespace {
+// distribute_module swaps parameters for distributed ones in the registry and in the member
+// that forward() reads; `rpb` is such a member.
+template <int64_t R>
+at::Tensor* rpb_member(NeighborhoodAttentionImpl<R>& m, const std::string& name) {
+  return name == "rpb" ? &m.rpb : nullptr;
+}
+const bool kAccessorsRegistered = [] {
+  register_member_accessor<NeighborhoodAttentionImpl<1>>(rpb_member<1>);
+  register_member_accessor<NeighborhoodAttentionImpl<2>>(rpb_member<2>);
+  register_member_accessor<NeighborhoodAttentionImpl<3>>(rpb_member<3>);
+  return true;
+}();
+}  // namespace
 
 }  // namespace tessera::nn

@@ -59,8 +59,8 @@ struct Input {
   bool requires_grad = true; // floating inputs only; false for targets
 };
 using Inputs = std::vector<Input>;
-using Forward = std::function<at::Tensor(nn::Module&, const std::vector<at::Tensor>&)>;
-using ModulePtr = std::shared_ptr<nn::Module>;
+using Forward = std::function<at::Tensor(torch::nn::Module&, const std::vector<at::Tensor>&)>;
+using ModulePtr = std::shared_ptr<torch::nn::Module>;
 
 struct Case {
   std::string name;
@@ -74,7 +74,7 @@ struct Case {
 
 template <class Impl, class F>
 Forward call(F f) {
-  return [f](nn::Module& m, const std::vector<at::Tensor>& x) {
+  return [f](torch::nn::Module& m, const std::vector<at::Tensor>& x) {
     return f(dynamic_cast<Impl&>(m), x);
   };
 }
@@ -385,7 +385,7 @@ std::vector<Case> cases() {
 // distribute_module's partition_fn: the parameters named in `sharded` (qualified names) get
 // their placement, every other parameter and buffer is replicated.
 PartitionFn partition(const std::map<std::string, Placement>& sharded) {
-  return [sharded](const std::string& prefix, nn::Module& m, const DeviceMesh& mesh) {
+  return [sharded](const std::string& prefix, torch::nn::Module& m, const DeviceMesh& mesh) {
     auto place = [&](const std::string& key) {
       auto it = sharded.find(prefix.empty() ? key : prefix + "." + key);
       distribute_parameter(m, key, mesh, {it == sharded.end() ? Replicate() : it->second});
@@ -396,7 +396,7 @@ PartitionFn partition(const std::map<std::string, Placement>& sharded) {
 }
 
 // Every floating parameter and buffer scaled and shifted in place through the registry.
-void perturb(nn::Module& m) {
+void perturb(torch::nn::Module& m) {
   torch::NoGradGuard no_grad;
   for (auto& p : m.named_parameters()) p.value().mul_(0.9).add_(0.01);
   for (auto& b : m.named_buffers())
@@ -407,7 +407,7 @@ at::Tensor scalar_loss(const at::Tensor& out) { return out.dim() == 0 ? out : ou
 
 const test::Tolerance kTol{1e-4, 1e-5};
 
-void expect_same_step(const Case& c, nn::Module& ref, nn::Module& dist, const DeviceMesh& mesh,
+void expect_same_step(const Case& c, torch::nn::Module& ref, torch::nn::Module& dist, const DeviceMesh& mesh,
                       const std::string& what) {
   const int world = static_cast<int>(mesh.size(0));
   const auto inputs = c.inputs();
@@ -567,7 +567,7 @@ INSTANTIATE_TEST_SUITE_P(Table, BuiltinModuleParallelized, ::testing::ValuesIn(c
 struct TransformerCase {
   std::string name;
   std::function<ModulePtr()> make;
-  std::function<at::Tensor(nn::Module&, const at::Tensor&, const at::Tensor&)> forward;
+  std::function<at::Tensor(torch::nn::Module&, const at::Tensor&, const at::Tensor&)> forward;
   std::string layers;  // the plan's path to the layers
 };
 
@@ -577,23 +577,23 @@ std::vector<TransformerCase> transformer_cases() {
   auto dec = [] { return TransformerDecoderLayerOptions(8, 2).dim_feedforward(7).dropout(0.0); };
   return {
       {"TransformerEncoderLayer", [=] { return TransformerEncoderLayer(enc()).ptr(); },
-       [](nn::Module& m, const at::Tensor& x, const at::Tensor&) {
+       [](torch::nn::Module& m, const at::Tensor& x, const at::Tensor&) {
          return dynamic_cast<TransformerEncoderLayerImpl&>(m).forward(x);
        },
        ""},
       {"TransformerDecoderLayer", [=] { return TransformerDecoderLayer(dec()).ptr(); },
-       [](nn::Module& m, const at::Tensor& x, const at::Tensor& mem) {
+       [](torch::nn::Module& m, const at::Tensor& x, const at::Tensor& mem) {
          return dynamic_cast<TransformerDecoderLayerImpl&>(m).forward(x, mem);
        },
        ""},
       {"TransformerEncoder", [=] { return TransformerEncoder(TransformerEncoderOptions(TransformerEncoderLayer(enc()), 2)).ptr(); },
-       [](nn::Module& m, const at::Tensor& x, const at::Tensor&) {
+       [](torch::nn::Module& m, const at::Tensor& x, const at::Tensor&) {
          return dynamic_cast<TransformerEncoderImpl&>(m).forward(x);
        },
        "layers.*."},
       {"Transformer",
        [] { return Transformer(TransformerOptions(8, 2, 1, 1).dim_feedforward(7).dropout(0.0)).ptr(); },
-       [](nn::Module& m, const at::Tensor& x, const at::Tensor& tgt) {
+       [](torch::nn::Module& m, const at::Tensor& x, const at::Tensor& tgt) {
          return dynamic_cast<TransformerImpl&>(m).forward(x, tgt);
        },
        "*.layers.*."},
@@ -687,8 +687,8 @@ TEST(BuiltinModules, TableCoversEveryMemberAccessor) {
 // what its forward computes with (zero weights and biases give a zero output).
 TEST(BuiltinModules, NonPublicMembersAreReached) {
   torch::manual_seed(3);
-  nn::BatchNorm1d bn(3);
-  nn::LSTM lstm(nn::LSTMOptions(2, 3).num_layers(2));
+  torch::nn::BatchNorm1d bn(3);
+  torch::nn::LSTM lstm(torch::nn::LSTMOptions(2, 3).num_layers(2));
   tessera::testing::run_ranks(1, [&](int) {
     const at::Tensor mean = at::zeros({3});
     replace_parameter(*bn, "running_mean", mean);

@@ -262,8 +262,8 @@ TEST(DomainNorm, GroupNormAndBatchNormModulesTrainOnHxWDecomposition) {
       return a.sizes() == b.sizes() && at::allclose(a.to(at::kDouble), b.to(at::kDouble), tol, tol);
     };
     torch::manual_seed(3);  // on the test thread, before any rank thread exists
-    nn::Sequential proto(nn::GroupNorm(nn::GroupNormOptions(2, 4)), nn::ReLU(),
-                         nn::BatchNorm2d(nn::BatchNorm2dOptions(4).momentum(0.3)));
+    torch::nn::Sequential proto(torch::nn::GroupNorm(torch::nn::GroupNormOptions(2, 4)), torch::nn::ReLU(),
+                         torch::nn::BatchNorm2d(torch::nn::BatchNorm2dOptions(4).momentum(0.3)));
     proto->to(dtype);
     // Non-trivial affine parameters, so their gradients are tested through the whole net.
     {
@@ -274,8 +274,8 @@ TEST(DomainNorm, GroupNormAndBatchNormModulesTrainOnHxWDecomposition) {
     const auto y = test::randn({3, 4, 7, 6}, 32, dtype);
     tessera::testing::run_ranks(4, [&](int) {
       auto mesh = init_device_mesh("cpu", {2, 2});
-      auto ref = std::dynamic_pointer_cast<nn::SequentialImpl>(proto->clone());
-      auto dist = std::dynamic_pointer_cast<nn::SequentialImpl>(proto->clone());
+      auto ref = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(proto->clone());
+      auto dist = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(proto->clone());
       distribute_module(*dist, mesh);  // parameters and buffers replicated
       const auto sizes = ShardSizes::Given({{}, {}, {5, 2}, {0, 6}});
       auto dx = distribute_tensor(x, mesh, {Shard(2), Shard(3)}, std::nullopt, sizes);

@@ -22,20 +22,20 @@ namespace F = torch::nn::functional;
 
 namespace {
 
-struct UNetImpl : nn::Cloneable<UNetImpl> {
-  nn::detail::conv_padding_mode_t mode;
-  nn::Conv2d enc1{nullptr}, enc2{nullptr}, dec{nullptr}, head{nullptr};
-  nn::ConvTranspose2d up2{nullptr};
-  nn::GroupNorm norm1{nullptr}, norm2{nullptr};
-  explicit UNetImpl(nn::detail::conv_padding_mode_t m) : mode(m) { reset(); }
+struct UNetImpl : torch::nn::Cloneable<UNetImpl> {
+  torch::nn::detail::conv_padding_mode_t mode;
+  torch::nn::Conv2d enc1{nullptr}, enc2{nullptr}, dec{nullptr}, head{nullptr};
+  torch::nn::ConvTranspose2d up2{nullptr};
+  torch::nn::GroupNorm norm1{nullptr}, norm2{nullptr};
+  explicit UNetImpl(torch::nn::detail::conv_padding_mode_t m) : mode(m) { reset(); }
   void reset() override {
-    enc1 = register_module("enc1", nn::Conv2d(nn::Conv2dOptions(1, 4, 3).padding(1).padding_mode(mode)));
-    norm1 = register_module("norm1", nn::GroupNorm(2, 4));
-    enc2 = register_module("enc2", nn::Conv2d(nn::Conv2dOptions(4, 8, 3).padding(1).padding_mode(mode)));
-    norm2 = register_module("norm2", nn::GroupNorm(4, 8));
-    up2 = register_module("up2", nn::ConvTranspose2d(nn::ConvTranspose2dOptions(8, 4, 2).stride(2)));
-    dec = register_module("dec", nn::Conv2d(nn::Conv2dOptions(12, 4, 3).padding(1).padding_mode(mode)));
-    head = register_module("head", nn::Conv2d(nn::Conv2dOptions(4, 1, 1)));
+    enc1 = register_module("enc1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1).padding_mode(mode)));
+    norm1 = register_module("norm1", torch::nn::GroupNorm(2, 4));
+    enc2 = register_module("enc2", torch::nn::Conv2d(torch::nn::Conv2dOptions(4, 8, 3).padding(1).padding_mode(mode)));
+    norm2 = register_module("norm2", torch::nn::GroupNorm(4, 8));
+    up2 = register_module("up2", torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(8, 4, 2).stride(2)));
+    dec = register_module("dec", torch::nn::Conv2d(torch::nn::Conv2dOptions(12, 4, 3).padding(1).padding_mode(mode)));
+    head = register_module("head", torch::nn::Conv2d(torch::nn::Conv2dOptions(4, 1, 1)));
   }
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor skip = at::relu(norm1(enc1(x)));
@@ -64,7 +64,7 @@ std::vector<double> train(UNetImpl& model, const at::Tensor& x, const at::Tensor
   return losses;
 }
 
-void train_and_compare(nn::detail::conv_padding_mode_t mode, const std::vector<ShardTable>& tables,
+void train_and_compare(torch::nn::detail::conv_padding_mode_t mode, const std::vector<ShardTable>& tables,
                        const std::string& what) {
   torch::manual_seed(3);  // on the test thread, before any rank thread exists
   UNet proto(mode);
@@ -124,22 +124,22 @@ TEST(DomainTraining, UNetEqualsOneDeviceOddCuts) {
 }
 
 TEST(DomainTraining, ConvModulesEveryPaddingMode) {
-  const std::vector<nn::detail::conv_padding_mode_t> modes = {torch::kZeros, torch::kReflect,
+  const std::vector<torch::nn::detail::conv_padding_mode_t> modes = {torch::kZeros, torch::kReflect,
                                                                torch::kReplicate, torch::kCircular};
   const char* names[] = {"zeros", "reflect", "replicate", "circular"};
-  std::vector<nn::Conv2d> protos;  // built on the test thread: one global generator
+  std::vector<torch::nn::Conv2d> protos;  // built on the test thread: one global generator
   torch::manual_seed(11);
   for (auto mode : modes)
     for (int64_t pad : {1, 2}) {
-      protos.emplace_back(nn::Conv2dOptions(2, 3, 2 * pad + 1).padding(pad).padding_mode(mode));
+      protos.emplace_back(torch::nn::Conv2dOptions(2, 3, 2 * pad + 1).padding(pad).padding_mode(mode));
       protos.back()->to(at::kDouble);
     }
   const at::Tensor x = test::randn({2, 2, 9, 7}, 21, at::kDouble);
   tessera::testing::run_ranks(4, [&](int) {
     auto mesh = init_device_mesh("cpu", {2, 2});
     for (size_t i = 0; i < protos.size(); ++i) {
-      auto ref = std::dynamic_pointer_cast<nn::Conv2dImpl>(protos[i]->clone());
-      auto conv = std::dynamic_pointer_cast<nn::Conv2dImpl>(protos[i]->clone());
+      auto ref = std::dynamic_pointer_cast<torch::nn::Conv2dImpl>(protos[i]->clone());
+      auto conv = std::dynamic_pointer_cast<torch::nn::Conv2dImpl>(protos[i]->clone());
       distribute_module(*conv, mesh);
       check_module([&](const at::Tensor& t) { return is_dtensor(t) ? conv->forward(t) : ref->forward(t); },
                    x, mesh, {Shard(2), Shard(3)}, {{}, {}, {3, 6}, {5, 2}},

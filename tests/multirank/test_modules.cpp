@@ -17,20 +17,20 @@ namespace nn = torch::nn;
 
 namespace {
 
-nn::Sequential make_mlp() {
-  return nn::Sequential(nn::Linear(6, 12), nn::ReLU(), nn::Linear(12, 3));
+torch::nn::Sequential make_mlp() {
+  return torch::nn::Sequential(torch::nn::Linear(6, 12), torch::nn::ReLU(), torch::nn::Linear(12, 3));
 }
 
-nn::Sequential make_cnn() {
-  return nn::Sequential(nn::Conv2d(nn::Conv2dOptions(2, 4, 3).padding(1)), nn::ReLU(),
-                        nn::MaxPool2d(nn::MaxPool2dOptions(2)),
-                        nn::Conv2d(nn::Conv2dOptions(4, 4, 3)), nn::ReLU(),
-                        nn::AdaptiveAvgPool2d(nn::AdaptiveAvgPool2dOptions(1)), nn::Flatten(),
-                        nn::Linear(4, 3));
+torch::nn::Sequential make_cnn() {
+  return torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3).padding(1)), torch::nn::ReLU(),
+                        torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(2)),
+                        torch::nn::Conv2d(torch::nn::Conv2dOptions(4, 4, 3)), torch::nn::ReLU(),
+                        torch::nn::AdaptiveAvgPool2d(torch::nn::AdaptiveAvgPool2dOptions(1)), torch::nn::Flatten(),
+                        torch::nn::Linear(4, 3));
 }
 
 // Train `model` 20 steps on (x, y); returns the losses.
-std::vector<double> train(nn::Sequential model, const at::Tensor& x, const at::Tensor& y, bool adam) {
+std::vector<double> train(torch::nn::Sequential model, const at::Tensor& x, const at::Tensor& y, bool adam) {
   std::unique_ptr<torch::optim::Optimizer> opt;
   if (adam) opt = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(0.01));
   else opt = std::make_unique<torch::optim::SGD>(model->parameters(),
@@ -46,7 +46,7 @@ std::vector<double> train(nn::Sequential model, const at::Tensor& x, const at::T
   return losses;
 }
 
-void compare(nn::Sequential ref, nn::Sequential dist, const std::vector<double>& a,
+void compare(torch::nn::Sequential ref, torch::nn::Sequential dist, const std::vector<double>& a,
              const std::vector<double>& b, const std::string& what) {
   for (size_t s = 0; s < a.size(); ++s)
     ASSERT_NEAR(a[s], b[s], 1e-4 * (1 + std::abs(a[s]))) << what << " step " << s;
@@ -73,8 +73,8 @@ TEST(Modules, DataParallelMlpAndCnn) {
       for (bool adam : {false, true}) {
         for (bool conv : {false, true}) {
           auto proto = conv ? cnn : mlp;
-          auto ref = std::dynamic_pointer_cast<nn::SequentialImpl>(proto->clone());
-          auto dist = std::dynamic_pointer_cast<nn::SequentialImpl>(proto->clone());
+          auto ref = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(proto->clone());
+          auto dist = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(proto->clone());
           distribute_module(*dist, mesh);  // every parameter replicated
           const auto& x = conv ? x_cnn : x_mlp;
           const auto& y = conv ? y_cnn : y_mlp;
@@ -84,9 +84,9 @@ TEST(Modules, DataParallelMlpAndCnn) {
           if (world > 1) rows[0] = 1;
           auto dx = distribute_tensor(x, mesh, {Shard(0)}, std::nullopt, ShardSizes::Given(0, rows));
           auto dy = distribute_tensor(y, mesh, {Shard(0)}, std::nullopt, ShardSizes::Given(0, rows));
-          auto a = train(nn::Sequential(ref), x, y, adam);
-          auto b = train(nn::Sequential(dist), dx, dy, adam);
-          compare(nn::Sequential(ref), nn::Sequential(dist), a, b,
+          auto a = train(torch::nn::Sequential(ref), x, y, adam);
+          auto b = train(torch::nn::Sequential(dist), dx, dy, adam);
+          compare(torch::nn::Sequential(ref), torch::nn::Sequential(dist), a, b,
                   std::string(conv ? "cnn" : "mlp") + (adam ? " adam" : " sgd") + " world " +
                       std::to_string(world));
         }
@@ -101,10 +101,10 @@ TEST(Modules, TensorParallelMlpOnTwoDimensionalMesh) {
   const auto x = tessera::test::randn({8, 6}, 5), y = tessera::test::randn({8, 3}, 6);
   tessera::testing::run_ranks(4, [&](int) {
     auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
-    auto ref = std::dynamic_pointer_cast<nn::SequentialImpl>(mlp->clone());
-    auto dist = std::dynamic_pointer_cast<nn::SequentialImpl>(mlp->clone());
+    auto ref = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(mlp->clone());
+    auto dist = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(mlp->clone());
     // Colwise first layer, rowwise second, replicated over dp; data sharded over dp.
-    distribute_module(*dist, mesh, [](const std::string& name, nn::Module& m, const DeviceMesh& mesh) {
+    distribute_module(*dist, mesh, [](const std::string& name, torch::nn::Module& m, const DeviceMesh& mesh) {
       if (name == "0") {
         distribute_parameter(m, "weight", mesh, {Replicate(), Shard(0)});
         distribute_parameter(m, "bias", mesh, {Replicate(), Shard(0)});
@@ -115,16 +115,16 @@ TEST(Modules, TensorParallelMlpOnTwoDimensionalMesh) {
     });
     auto dx = distribute_tensor(x, mesh, {Shard(0), Replicate()}, std::nullopt);
     auto dy = distribute_tensor(y, mesh, {Shard(0), Replicate()}, std::nullopt);
-    auto a = train(nn::Sequential(ref), x, y, true);
-    auto b = train(nn::Sequential(dist), dx, dy, true);
-    compare(nn::Sequential(ref), nn::Sequential(dist), a, b, "2-D tp mlp");
+    auto a = train(torch::nn::Sequential(ref), x, y, true);
+    auto b = train(torch::nn::Sequential(dist), dx, dy, true);
+    compare(torch::nn::Sequential(ref), torch::nn::Sequential(dist), a, b, "2-D tp mlp");
   });
 }
 
 TEST(Modules, ReplaceParameterRejectsUnknownEntries) {
   tessera::testing::run_ranks(1, [](int) {
     auto mesh = init_device_mesh("cpu", {1});
-    nn::Linear lin(2, 2);
+    torch::nn::Linear lin(2, 2);
     EXPECT_THROW(distribute_parameter(*lin, "nope", mesh, {Replicate()}), c10::Error);
     distribute_parameter(*lin, "weight", mesh, {Shard(0)});
     EXPECT_TRUE(is_dtensor(lin->weight));

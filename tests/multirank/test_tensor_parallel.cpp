@@ -55,7 +55,7 @@ TEST(TensorParallel, ColwiseLinear) {
   for (int world : {1, 2, 3, 4}) {
     for (int64_t out : {16, 10}) {
       torch::manual_seed(out);
-      nn::Linear ref(16, out);
+      torch::nn::Linear ref(16, out);
       const at::Tensor x = test::randn({8, 16}, 1);
       at::Tensor xr = x.clone().requires_grad_();
       at::Tensor y_ref = ref(xr);
@@ -90,7 +90,7 @@ TEST(TensorParallel, ColwiseLinear) {
 TEST(TensorParallel, ColwiseLinearShardedRows) {
   for (int world : {2, 3, 4}) {
     torch::manual_seed(3);
-    nn::Linear ref(16, 16);
+    torch::nn::Linear ref(16, 16);
     const at::Tensor x = test::randn({8 * world - 1, 16}, 2);  // uneven rows
     at::Tensor xr = x.clone().requires_grad_();
     at::Tensor y_ref = ref(xr);
@@ -125,7 +125,7 @@ TEST(TensorParallel, RowwiseLinear) {
     for (int64_t in : {16, 10}) {
       for (bool shard_out : {false, true}) {
         torch::manual_seed(in);
-        nn::Linear ref(in, 16);
+        torch::nn::Linear ref(in, 16);
         const at::Tensor x = test::randn({8, in}, 4);
         at::Tensor xr = x.clone().requires_grad_();
         at::Tensor y_ref = ref(xr);
@@ -173,7 +173,7 @@ TEST(TensorParallel, Embeddings) {
     for (bool rowwise : {false, true}) {
       const int64_t vocab = 4 * world + 1;
       torch::manual_seed(world);
-      nn::Embedding ref(vocab, 16);
+      torch::nn::Embedding ref(vocab, 16);
       const at::Tensor idx = at::randint(vocab, {4, 3}, test::generator(5), at::kLong);
       at::Tensor y_ref = ref(idx);
       y_ref.pow(2).sum().backward();
@@ -212,10 +212,10 @@ TEST(TensorParallel, UnevenHeadsStayWhole) {
   const int world = 4;
   const int64_t heads = 6, hd = 4, dim = heads * hd;
   torch::manual_seed(7);
-  nn::Linear wq_ref(dim, dim), wo_ref(dim, dim);
+  torch::nn::Linear wq_ref(dim, dim), wo_ref(dim, dim);
   const at::Tensor x = test::randn({2, 5, dim}, 8);
   at::Tensor xr = x.clone().requires_grad_();
-  auto attn = [&](nn::Linear wq, nn::Linear wo, const at::Tensor& in) {
+  auto attn = [&](torch::nn::Linear wq, torch::nn::Linear wo, const at::Tensor& in) {
     at::Tensor q = wq(in).view({2, 5, heads, hd}).softmax(-1);
     return wo(q.reshape({2, 5, dim}));
   };
@@ -245,7 +245,7 @@ TEST(TensorParallel, SequenceParallelLayerNorm) {
   for (int world : {1, 2, 3}) {
     for (bool plain : {true, false}) {
       torch::manual_seed(11);
-      nn::LayerNorm ref(nn::LayerNormOptions({12}));
+      torch::nn::LayerNorm ref(torch::nn::LayerNormOptions({12}));
       const at::Tensor x = test::randn({3, 4 * world + 1, 12}, 12);
       at::Tensor xr = x.clone().requires_grad_();
       at::Tensor y_ref = ref(xr);
@@ -275,10 +275,10 @@ TEST(TensorParallel, SequenceParallelLayerNorm) {
 TEST(TensorParallel, MlpPlanTrainsLikeOneDevice) {
   for (int world : {2, 3, 4}) {
     torch::manual_seed(5);
-    nn::Sequential ref(nn::Linear(10, 16), nn::ReLU(), nn::Linear(16, 10));
+    torch::nn::Sequential ref(torch::nn::Linear(10, 16), torch::nn::ReLU(), torch::nn::Linear(16, 10));
     const at::Tensor x = test::randn({8, 10}, 6), t = test::randn({8, 10}, 7);
     std::vector<double> losses_ref;
-    auto train = [&](nn::Sequential model, std::vector<double>& losses, const DeviceMesh* mesh,
+    auto train = [&](torch::nn::Sequential model, std::vector<double>& losses, const DeviceMesh* mesh,
                      std::vector<std::map<std::string, int64_t>>* comms) {
       torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.25));
       for (int step = 0; step < 3; ++step) {
@@ -312,10 +312,10 @@ TEST(TensorParallel, MlpPlanTrainsLikeOneDevice) {
 
 namespace {
 // forward(x, y) = linear(x) + y, as PyTorch's test_prepare_module_input_multiple_inputs.
-struct TwoInputsImpl : nn::Cloneable<TwoInputsImpl> {
-  nn::Linear linear{nullptr};
+struct TwoInputsImpl : torch::nn::Cloneable<TwoInputsImpl> {
+  torch::nn::Linear linear{nullptr};
   TwoInputsImpl() { reset(); }
-  void reset() override { linear = register_module("linear", nn::Linear(8, 8)); }
+  void reset() override { linear = register_module("linear", torch::nn::Linear(8, 8)); }
   at::Tensor forward(const at::Tensor& x, const at::Tensor& y) { return linear(x) + y; }
 };
 TORCH_MODULE(TwoInputs);
@@ -345,7 +345,7 @@ TEST(TensorParallel, PrepareModuleInputOnComposite) {
 namespace {
 // A style of the user's own: keeps every parameter replicated (torchtitan's NoParallel).
 struct Replicated : ParallelStyle {
-  void apply(nn::Module& module, const DeviceMesh& mesh) const override {
+  void apply(torch::nn::Module& module, const DeviceMesh& mesh) const override {
     for (const auto& p : module.named_parameters(/*recurse=*/false))
       tp::distribute_parameter(*this, module, p.key(), mesh, Replicate());
   }
@@ -357,10 +357,10 @@ TEST(TensorParallel, UserStyle) {
   tessera::testing::run_ranks(2, [&](int) {
     auto mesh = init_device_mesh("cpu", {2});
     torch::manual_seed(1);
-    nn::Sequential m(nn::Linear(4, 4), nn::ReLU(), nn::Linear(4, 4));
+    torch::nn::Sequential m(torch::nn::Linear(4, 4), torch::nn::ReLU(), torch::nn::Linear(4, 4));
     parallelize_module(m, mesh, {{"0", Replicated()}, {"2", ColwiseParallel()}});
-    EXPECT_EQ(placements(m[0]->as<nn::Linear>()->weight), (Placements{Replicate()}));
-    EXPECT_EQ(placements(m[2]->as<nn::Linear>()->weight), (Placements{Shard(0)}));
+    EXPECT_EQ(placements(m[0]->as<torch::nn::Linear>()->weight), (Placements{Replicate()}));
+    EXPECT_EQ(placements(m[2]->as<torch::nn::Linear>()->weight), (Placements{Shard(0)}));
   });
 }
 
@@ -377,7 +377,7 @@ TEST(TensorParallel, BadPlansAreErrors) {
       }
     });
   };
-  auto mlp = [] { return nn::Sequential(nn::Linear(4, 4), nn::ReLU(), nn::Linear(4, 4)); };
+  auto mlp = [] { return torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::ReLU(), torch::nn::Linear(4, 4)); };
   expect_error([&](const DeviceMesh& mesh) {
     auto m = mlp();
     parallelize_module(m, mesh, {{"0", ColwiseParallel()}, {"net3", RowwiseParallel()}});
@@ -427,9 +427,9 @@ TEST(TensorParallel, BadPlansAreErrors) {
 TEST(TensorParallel, DropoutEqualsOneDeviceWhateverEachRanksSeed) {
   for (int world : {2, 3}) {
     torch::manual_seed(21);
-    nn::Linear up_ref(8, 12), down_ref(12, 8);
+    torch::nn::Linear up_ref(8, 12), down_ref(12, 8);
     const at::Tensor x = test::randn({5, 8}, 22);
-    auto run = [&](nn::Linear up, nn::Linear down, const at::Tensor& in) {
+    auto run = [&](torch::nn::Linear up, torch::nn::Linear down, const at::Tensor& in) {
       at::Tensor h = torch::nn::functional::dropout(up(in).relu(),
                                                     torch::nn::functional::DropoutFuncOptions().p(0.4));
       return torch::nn::functional::dropout(down(h), torch::nn::functional::DropoutFuncOptions().p(0.3));
@@ -460,7 +460,7 @@ TEST(TensorParallel, DropoutEqualsOneDeviceWhateverEachRanksSeed) {
 // 3 + 2). Three SGD steps equal one device.
 TEST(TensorParallel, SliceOfThreeDimensionalMesh) {
   torch::manual_seed(9);
-  nn::Sequential ref(nn::Linear(6, 10), nn::Tanh(), nn::Linear(10, 6));
+  torch::nn::Sequential ref(torch::nn::Linear(6, 10), torch::nn::Tanh(), torch::nn::Linear(10, 6));
   const at::Tensor x = test::randn({5, 6}, 10), t = test::randn({5, 6}, 11);
   auto model_ref = clone_of(ref);
   std::vector<double> losses_ref;
