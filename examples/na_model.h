@@ -21,7 +21,6 @@
 #include <torch/torch.h>
 
 #include "tessera/nn/neighborhood_attention.h"
-#include "tessera/parallel/module.h"
 
 namespace na_model {
 
@@ -101,15 +100,6 @@ struct NABlockImpl : torch::nn::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
 };
 TORCH_MODULE(NABlock);
-
-// NeighborhoodAttention2d holds its rpb in a member handle: tell distribute_module where, so
-// the replicated parameter replaces it there too (see NOTE: [Swapping module parameters]).
-inline void register_member_accessors() {
-  tessera::register_member_accessor<tessera::nn::NeighborhoodAttention2dImpl>(
-      [](tessera::nn::NeighborhoodAttention2dImpl& m, const std::string& name) -> at::Tensor* {
-        return name == "rpb" ? &m.rpb : nullptr;
-      });
-}
 
 struct NATransformerImpl : torch::nn::Module {
   explicit NATransformerImpl(const NAConfig& c) : config(c) {

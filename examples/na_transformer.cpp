@@ -184,7 +184,6 @@ int run(int argc, char** argv) {
   NATransformer reference(config);
   model->to(dtype);
   reference->to(dtype);
-  na_model::register_member_accessors();
   tessera::distribute_module(*model, mesh);  // every parameter replicated over the mesh
   const auto adamw = torch::optim::AdamWOptions(lr).weight_decay(0.01);
   torch::optim::AdamW optimizer(model->parameters(), adamw);
