@@ -128,9 +128,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> na_backward_plain(
                                circular, rpb, ek, ev);
   TORCH_CHECK(grad_out.sizes() == out.sizes(), kBackwardOp, ": grad_out ", grad_out.sizes(),
               " must have the shape of out ", out.sizes());
-  auto empty_if_undefined = [&](const Tensor& t) {
-    return t.defined() ? t : at::empty({0}, q.options());
-  };
   if (q.numel() == 0 || k.numel() == 0) {  // an empty batch or heads shard
     auto zeros_or_empty = [&](const OptTensor& t) {
       return t.has_value() && t->defined() ? at::zeros_like(*t) : at::empty({0}, q.options());
@@ -141,6 +138,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> na_backward_plain(
   auto r = detail::backward(grad_out, q, fill_windows(w, k), fill_windows(w, v), out, lse,
                             w.tables, scale, value_or_undefined(rpb), value_or_undefined(ek),
                             value_or_undefined(ev));
+  auto empty_if_undefined = [&](const Tensor& t) {
+    return t.defined() ? t : at::empty({0}, q.options());
+  };
   return {std::get<0>(r), fold_windows(w, std::get<1>(r)), fold_windows(w, std::get<2>(r)),
           empty_if_undefined(std::get<3>(r)), empty_if_undefined(std::get<4>(r)),
           empty_if_undefined(std::get<5>(r))};
@@ -167,20 +167,16 @@ struct NeighborhoodAttentionFunction
                                const Tensor& v, std::vector<int64_t> kernel_size,
                                std::vector<int64_t> stride, std::vector<int64_t> dilation,
                                BoolList is_causal, BoolList circular, double scale,
-                               // Optional, not undefined tensors: LibTorch 1.13's Function
-                               // cannot take an undefined tensor as an input.
-                               const OptTensor& rpb_opt, const OptTensor& ek_opt,
-                               const OptTensor& ev_opt) {
-    const Tensor rpb = value_or_undefined(rpb_opt), ek = value_or_undefined(ek_opt),
-                 ev = value_or_undefined(ev_opt);
+                               const OptTensor& rpb, const OptTensor& ek, const OptTensor& ev) {
+    // (Absent tensors are passed as nullopt: autograd skips them as inputs.)
     Tensor out, lse;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
       std::tie(out, lse) = forward_op().call(q, k, v, kernel_size, stride, dilation, is_causal,
-                                             circular, scale, optional_if_defined(rpb),
-                                             optional_if_defined(ek), optional_if_defined(ev));
+                                             circular, scale, rpb, ek, ev);
     }
-    ctx->save_for_backward({q, k, v, out, lse, rpb, ek, ev});
+    ctx->save_for_backward({q, k, v, out, lse, value_or_undefined(rpb), value_or_undefined(ek),
+                            value_or_undefined(ev)});
     ctx->saved_data["kernel_size"] = kernel_size;
     ctx->saved_data["stride"] = stride;
     ctx->saved_data["dilation"] = dilation;

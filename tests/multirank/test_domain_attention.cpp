@@ -11,6 +11,7 @@
 
 #include "helpers.h"
 #include "support/meshes.h"
+#include "tessera/nn/neighborhood_attention.h"
 
 using namespace tessera;
 

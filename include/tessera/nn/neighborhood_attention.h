@@ -20,6 +20,10 @@
 //
 // The op is `tessera::neighborhood_attention` (and `..._backward`) in the dispatcher; these
 // functions call it, so distributed tensors reach their domain-parallel rule.
+//
+// Not included by tessera/tessera.h: a namespace tessera::nn visible through
+// `using namespace tessera;` would make `nn::` ambiguous next to `namespace nn = torch::nn`.
+// Include this header where it is used.
 #include <cstdint>
 #include <tuple>
 #include <vector>

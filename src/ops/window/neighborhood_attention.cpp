@@ -49,26 +49,16 @@ at::Tensor optional_tensor(const c10::IValue& v) { return v.isTensor() ? v.toTen
 
 // The per-axis arguments; the op receives them already expanded to one entry per axis.
 std::vector<NAAxis> na_axes(const OpCall& call, const std::vector<int64_t>& q_sizes) {
-  const auto nd = q_sizes.size() - 3;
-  const auto kernel = call.arg<std::vector<int64_t>>("kernel_size");
-  const auto stride = call.arg<std::vector<int64_t>>("stride");
-  const auto dilation = call.arg<std::vector<int64_t>>("dilation");
-  const auto causal = call.arg("is_causal").toBoolList();
-  const auto circular = call.arg("circular").toBoolList();
-  TORCH_CHECK(kernel.size() == nd && stride.size() == nd && dilation.size() == nd &&
-                  causal.size() == nd && circular.size() == nd,
-              "tessera: ", call.describe(), ": kernel_size, stride, dilation, is_causal and ",
-              "circular need one entry per spatial dim (", nd, ")");
-  std::vector<NAAxis> axes(nd);
-  for (size_t i = 0; i < nd; ++i) {
-    axes[i].length = q_sizes[1 + i];
-    axes[i].kernel = kernel[i];
-    axes[i].stride = stride[i];
-    axes[i].dilation = dilation[i];
-    axes[i].causal = causal.get(i);
-    axes[i].circular = circular.get(i);
-  }
-  return axes;
+  auto bools = [&](const char* name) {
+    std::vector<bool> v;
+    for (bool b : call.arg(name).toBoolList()) v.push_back(b);
+    return v;
+  };
+  return nn::detail::make_axes(call.describe().c_str(), q_sizes,
+                               call.arg<std::vector<int64_t>>("kernel_size"),
+                               call.arg<std::vector<int64_t>>("stride"),
+                               call.arg<std::vector<int64_t>>("dilation"), bools("is_causal"),
+                               bools("circular"));
 }
 
 bool any_circular(const std::vector<NAAxis>& axes) {
