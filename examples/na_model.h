@@ -38,9 +38,8 @@ struct NAConfig {
   // query alike), so its gradient is rounding noise, which AdamW scales up to steps of lr;
   // the two float32 runs would then differ there by up to lr.
   bool qkv_bias = false;
-  // The modules' own forward (torch::nn::Linear, NeighborhoodAttention2d::forward) instead of
-  // the 1x1-convolution form: the same values; on blocks cut along H and W, every Linear then
-  // gathers its input.
+  // The MLP's own torch::nn::Linear forward instead of the 1x1-convolution form: the same
+  // values; on blocks cut along H and W, each Linear then gathers its input.
   bool module_forward = false;
 };
 
@@ -66,29 +65,8 @@ struct NABlockImpl : torch::nn::Module {
     fc2 = register_module("fc2", nn::Linear(c.mlp_ratio * c.dim, c.dim));
   }
 
-  // NeighborhoodAttention2d's forward with its projections as pixel_linear (module_forward:
-  // the module's own forward, with Linear).
-  at::Tensor attention(const at::Tensor& x) {
-    if (module_forward) return attn(x);
-    const auto& o = attn->options;
-    const int64_t heads = o.num_heads(), head_dim = o.dim() / heads;
-    auto split = x.sizes().vec();  // [B, H, W, dim] -> [B, H, W, 3, heads, head_dim]
-    split.back() = 3;
-    split.push_back(heads);
-    split.push_back(head_dim);
-    const auto qkv = pixel_linear(x, attn->qkv).view(split);
-    const auto y = tessera::nn::functional::na2d(
-        qkv.select(-3, 0), qkv.select(-3, 1), qkv.select(-3, 2), o.kernel_size(),
-        tessera::nn::functional::NeighborhoodAttentionFuncOptions()
-            .stride(o.stride())
-            .dilation(o.dilation())
-            .scale(o.scale())
-            .rpb(attn->rpb));
-    return pixel_linear(y.flatten(-2), attn->proj);
-  }
-
   at::Tensor forward(at::Tensor x) {
-    x = x + attention(norm1(x));
+    x = x + attn(norm1(x));  // the module keeps the field sharded itself
     if (module_forward) return x + fc2(torch::gelu(fc1(norm2(x))));
     return x + pixel_linear(torch::gelu(pixel_linear(norm2(x), fc1)), fc2);
   }
