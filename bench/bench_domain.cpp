@@ -36,6 +36,7 @@
 #include <torch/torch.h>
 
 #include "heat_net.h"
+#include "bench_main.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
@@ -1118,15 +1119,5 @@ int run(int argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
-  // Before any tensor exists, so every CPU buffer (oneDNN's raw ones included) is counted.
-  static CountingAllocator counting(c10::GetDefaultCPUAllocator());
-  c10::SetCPUAllocator(&counting, /*priority=*/100);
-  try {
-    return run(argc, argv);
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "bench_domain: %s\n", e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_domain: %s\n", e.what());
-  }
-  return 1;
+  return counting_bench_main<CountingAllocator>("bench_domain", run, argc, argv);
 }

@@ -33,6 +33,7 @@
 #include <torch/torch.h>
 
 #include "tessera/nn/neighborhood_attention.h"
+#include "bench_main.h"
 #include "tessera/tessera.h"
 
 using Clock = std::chrono::steady_clock;
@@ -484,15 +485,5 @@ int run(int argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
-  // Before any tensor exists, so every CPU buffer is counted.
-  static PeakAllocator counting(c10::GetDefaultCPUAllocator());
-  c10::SetCPUAllocator(&counting, /*priority=*/100);
-  try {
-    return run(argc, argv);
-  } catch (const c10::Error& e) {
-    std::fprintf(stderr, "bench_neighborhood_attention: %s\n", e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_neighborhood_attention: %s\n", e.what());
-  }
-  return 1;
+  return counting_bench_main<PeakAllocator>("bench_neighborhood_attention", run, argc, argv);
 }

@@ -93,6 +93,20 @@ json comm_summary(const CommDebugMode& cdm) {
           {"collectives", cdm.get_comm_counts()}};
 }
 
+// One training step: a first call outside the timing (optimizer state, first decisions), the
+// collectives of the second, then the median time.
+std::pair<double, json> time_training_step(const std::function<void()>& step, int iters,
+                                           const comm::Group& pg) {
+  step();
+  json comm;
+  {
+    CommDebugMode cdm;
+    step();
+    comm = comm_summary(cdm);
+  }
+  return {step_us(step, iters, pg), comm};
+}
+
 void per_op_costs() {
   at::set_num_threads(1);
   at::manual_seed(0);
@@ -201,14 +215,7 @@ void train(int iters) {
       loss.backward();
       adam.step();
     };
-    step();  // optimizer state and first decisions outside the timing
-    json comm;
-    {
-      CommDebugMode cdm;
-      step();
-      comm = comm_summary(cdm);
-    }
-    const double us = step_us(step, iters, pg);
+    const auto [us, comm] = time_training_step(step, iters, pg);
     if (rank == 0) emit("train", "MLP step, data parallel", variant, us, comm);
   };
   const int64_t lo = rank * kBatch / world, hi = (rank + 1) * kBatch / world;
@@ -265,14 +272,7 @@ void tensor_parallel(int iters) {
       loss.backward();
       opt.step();
     };
-    step();  // optimizer state and first decisions outside the timing
-    json comm;
-    {
-      CommDebugMode cdm;
-      step();
-      comm = comm_summary(cdm);
-    }
-    const double us = step_us(step, iters, pg);
+    const auto [us, comm] = time_training_step(step, iters, pg);
     if (rank == 0) emit("tp", "Llama step, " + std::to_string(world) + " ranks", variant, us, comm);
   };
   timed("plain", llama_model());  // the whole model, no communication

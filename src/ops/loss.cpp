@@ -13,6 +13,7 @@
 #include <c10/util/Exception.h>
 
 #include "tessera/comm/collectives.h"
+#include "loss_mean.h"
 #include "tessera/ops/rule.h"
 
 namespace tessera::ops {
@@ -41,12 +42,7 @@ OpPlan loss_rule(const OpCall& call) {
   if (reduction == at::Reduction::Mean) {
     // Run with reduction=sum and divide by the global count.
     const double count = static_cast<double>(self.numel());
-    plan.local_kernel = [count](KernelCall& k) {
-      k.set("reduction", int64_t{at::Reduction::Sum});
-      k.call_op();
-      const at::Tensor sum = k.stack().back().toTensor();
-      k.finish({sum.div(count)});
-    };
+    plan.local_kernel = sum_then_divide_by(count);
   }
   return plan;
 }

@@ -10,6 +10,7 @@
 #include <ATen/core/Reduction.h>
 #include <c10/util/Exception.h>
 
+#include "loss_mean.h"
 #include "tessera/ops/rule.h"
 
 namespace tessera::ops {
@@ -65,12 +66,7 @@ OpPlan multi_margin_rule(const OpCall& call) {
   if (reduction == at::Reduction::Mean && self_t->is_sharded()) {
     // Run with reduction=sum and divide by the global batch size.
     const double count = self_t->ndim() >= 2 ? static_cast<double>(self_t->sizes()[0]) : 1.0;
-    plan.local_kernel = [count](KernelCall& k) {
-      k.set("reduction", int64_t{at::Reduction::Sum});
-      k.call_op();
-      const at::Tensor sum = k.stack().back().toTensor();
-      k.finish({sum.div(count)});
-    };
+    plan.local_kernel = sum_then_divide_by(count);
   }
   return plan;
 }
