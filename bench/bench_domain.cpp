@@ -812,7 +812,8 @@ void memory_report(const std::vector<std::pair<int64_t, int64_t>>& fields) {
 // and the Tessera step on the 2-tile field. Their ratio is the local work the halo path adds
 // (window copies, index and statistics handling, dispatch), on cores shared the same way.
 struct UnetPairTimes {
-  double alone = 0, dist = 0;          // wall, the slower rank
+  double alone = 0, dist = 0;          // wall, the slower rank (dist: gradients in buckets)
+  double unbucketed = 0;               // wall, gradients reduced one parameter at a time
   double alone_cpu = 0, dist_cpu = 0;  // thread CPU time, the larger rank's
   std::map<std::string, double> alone_profile, dist_profile;  // one more step each, rank's own
   double local_factor() const { return alone > 0 ? dist / alone : 0.0; }
@@ -848,10 +849,15 @@ UnetPairTimes time_unet_pair(int64_t tile, int64_t B, int warmup, int iters) {
     at::mse_loss(model->forward(x), y).backward();
     r.alone_profile = prof.self;
   }
-  {
+  // The Tessera step, its weight gradients reduced one by one as they arrive
+  // (distribute_module alone) or in replicate()'s buckets.
+  auto time_dist = [&](bool bucketed, std::vector<double>& wall, std::vector<double>& cpu,
+                       std::map<std::string, double>& profile) {
     torch::manual_seed(0);
     HeatNet model;
-    distribute_module(*model, mesh);
+    std::shared_ptr<ReplicatedModule> ddp;
+    if (bucketed) ddp = replicate(*model, mesh);
+    else distribute_module(*model, mesh);
     const Placements rows = {Shard(2)};
     const auto x = distribute_tensor(seeded_randn({B, 1, 2 * tile, tile}, 3), mesh, rows, std::nullopt);
     const auto y = distribute_tensor(seeded_randn({B, 1, 2 * tile, tile}, 4), mesh, rows, std::nullopt);
@@ -865,8 +871,8 @@ UnetPairTimes time_unet_pair(int64_t tile, int64_t B, int warmup, int iters) {
       const double c = thread_cpu_seconds() - c0;
       const double t = max_over(pg, seconds_since(t0));
       if (i >= warmup) {
-        dist.push_back(t);
-        dist_cpu.push_back(max_over(pg, c));
+        wall.push_back(t);
+        cpu.push_back(max_over(pg, c));
       } else {
         max_over(pg, c);
       }
@@ -876,8 +882,13 @@ UnetPairTimes time_unet_pair(int64_t tile, int64_t B, int warmup, int iters) {
     OpProfile prof;
     at::mse_loss(model->forward(x), y).backward();
     reduce_grads(*model, mesh);
-    r.dist_profile = prof.self;
-  }
+    profile = prof.self;
+  };
+  std::vector<double> per_param, per_param_cpu;
+  std::map<std::string, double> per_param_profile;
+  time_dist(false, per_param, per_param_cpu, per_param_profile);
+  time_dist(true, dist, dist_cpu, r.dist_profile);
+  r.unbucketed = median(per_param);
   r.alone = median(alone);
   r.dist = median(dist);
   r.alone_cpu = median(alone_cpu);
@@ -927,6 +938,10 @@ void scaling_model(const ScalingInputs& in, int64_t tile, int64_t B, double alph
                 " %.2f vs %.2f ms: x%.2f)\n",
                 in.pair_mode, (long long)tile, (long long)tile, 1e3 * in.pair.dist, 1e3 * in.pair.alone, local,
                 1e3 * in.pair.dist_cpu, 1e3 * in.pair.alone_cpu, in.pair.dist_cpu / in.pair.alone_cpu);
+  if (local > 0)
+    std::printf("  (weight gradients in replicate()'s buckets; reduced one parameter at a time as they"
+                " arrive instead: %.2f ms, x%.2f)\n",
+                1e3 * in.pair.unbucketed, in.pair.unbucketed / in.pair.alone);
   if (local > 0) print_profiles(in.pair.alone_profile, in.pair.dist_profile, "plain tile", "Tessera/r0", 12);
   std::printf("  halo per step, 3x3 mesh of %lldx%lld tiles: corner rank %lld B in %lld messages,"
               " interior rank %lld B in %lld messages (%lld exchanges with rows of %lld calls)\n",

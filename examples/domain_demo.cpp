@@ -8,7 +8,11 @@
 // against the same step on one device. The result is written as a PNG (input | prediction |
 // target) with the rank boundaries and the halo bands drawn on it.
 //
-//   tessera-run -n 4 ./build/examples/domain_demo [--steps 40] [--size 64] [--out domain_demo.png]
+// --dp 2 trains data parallel x domain parallel instead (ShardTensor's layout): a 2x2 mesh
+// ("dp", "h"), the batch split unevenly over "dp" and the rows over "h". --dp 4 is plain data
+// parallelism. Either way replicate() sums every weight gradient in one bucket per step.
+//
+//   tessera-run -n 4 ./build/examples/domain_demo [--dp 1|2|4] [--steps 40] [--size 64] [--out domain_demo.png]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -32,7 +36,7 @@ namespace nn = torch::nn;
 
 namespace {
 
-constexpr int64_t kBatch = 4;
+constexpr int64_t kBatch = 5;  // odd: data parallel ranks get uneven batches
 constexpr int kDiffusionSteps = 16;
 constexpr double kDiffusivity = 0.2;  // explicit 5-point scheme is stable below 0.25
 constexpr int64_t kConvHalo = 1;      // a 3x3 convolution with padding 1 reads 1 row/col beyond a block
@@ -160,7 +164,11 @@ int run(int argc, char** argv) {
   std::string out_path = "domain_demo.png";
   int steps = 40;
   int64_t size = 64;
+  int dp = 1;
   app.add_option("--out", out_path, "PNG to write on rank 0")->capture_default_str();
+  app.add_option("--dp", dp, "data-parallel ranks (1: 2x2 domain mesh; 2: dp x rows; 4: data parallel only)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({1, 2, 4}));
   app.add_option("--steps", steps, "training steps")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--size", size, "field height and width (even, at least 16)")
       ->capture_default_str()
@@ -178,14 +186,20 @@ int run(int argc, char** argv) {
   init_process_group();
   const int rank = get_rank();
   TORCH_CHECK(get_world_size() == 4, "domain_demo runs on 4 ranks: tessera-run -n 4 domain_demo");
-  auto mesh = init_device_mesh("cpu", {2, 2}, {"h", "w"});
+  // dp 1: rows over "h", columns over "w"; dp 2: batch over "dp", rows over "h"; dp 4: batch.
+  const DeviceMesh mesh = dp == 1   ? init_device_mesh("cpu", {2, 2}, {"h", "w"})
+                          : dp == 2 ? init_device_mesh("cpu", {2, 2}, {"dp", "h"})
+                                    : init_device_mesh("cpu", {4}, {"dp"});
 
   // The same data on every rank, then each rank keeps its own block (no communication).
   const HeatData data = make_heat_data(kBatch, size, /*seed=*/2024);
-  const ShardTable row_blocks = uneven_even_split(size, 6);  // 24 + 40 for 64
-  const ShardTable col_blocks = uneven_even_split(size, 9);  // 36 + 28 for 64
-  const Placements spatial = {Shard(2), Shard(3)};  // rows over "h", columns over "w"
-  const auto blocks = ShardSizes::Given({{}, {}, row_blocks, col_blocks});
+  const ShardTable row_blocks = dp == 4 ? ShardTable{} : uneven_even_split(size, 6);  // 24 + 40 for 64
+  const ShardTable col_blocks = dp == 1 ? uneven_even_split(size, 9) : ShardTable{};  // 36 + 28 for 64
+  const ShardTable batch_blocks = dp == 2 ? ShardTable{2, 3} : dp == 4 ? ShardTable{2, 1, 1, 1} : ShardTable{};
+  const Placements spatial = dp == 1   ? Placements{Shard(2), Shard(3)}
+                             : dp == 2 ? Placements{Shard(0), Shard(2)}
+                                       : Placements{Shard(0)};
+  const auto blocks = ShardSizes::Given({batch_blocks, {}, row_blocks, col_blocks});
   const auto input = distribute_tensor(data.initial, mesh, spatial, std::nullopt, blocks);
   const auto target = distribute_tensor(data.later, mesh, spatial, std::nullopt, blocks);
   {
@@ -202,16 +216,27 @@ int run(int argc, char** argv) {
   HeatNet model;
   torch::manual_seed(0);
   HeatNet reference;
-  distribute_module(*model, mesh);  // every parameter replicated over the mesh
+  // Every parameter replicated over the mesh, its gradient summed over all ranks in buckets
+  // (one all-reduce per step for this model) as backward produces it.
+  const auto data_parallel = replicate(*model, mesh);
   const double lr = 3e-3;
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(lr));
   torch::optim::Adam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(lr));
 
-  if (rank == 0)
+  if (rank == 0 && dp == 1)
     std::printf("%lld fields of %lldx%lld on a 2x2 mesh: rows split %s over \"h\", cols %s over \"w\"\n",
                 static_cast<long long>(kBatch), static_cast<long long>(size),
                 static_cast<long long>(size), shape_str(row_blocks).c_str(),
                 shape_str(col_blocks).c_str());
+  if (rank == 0 && dp == 2)
+    std::printf("%lld fields of %lldx%lld on a 2x2 mesh: samples split %s over \"dp\", rows %s over \"h\"\n",
+                static_cast<long long>(kBatch), static_cast<long long>(size),
+                static_cast<long long>(size), shape_str(batch_blocks).c_str(),
+                shape_str(row_blocks).c_str());
+  if (rank == 0 && dp == 4)
+    std::printf("%lld fields of %lldx%lld, samples split %s over 4 data-parallel ranks\n",
+                static_cast<long long>(kBatch), static_cast<long long>(size),
+                static_cast<long long>(size), shape_str(batch_blocks).c_str());
 
   auto train_step = [](HeatNet& net, torch::optim::Adam& opt, const at::Tensor& x, const at::Tensor& y) {
     opt.zero_grad();
@@ -275,8 +300,12 @@ int run(int argc, char** argv) {
   const auto whole_target = full_tensor(target);
   if (rank == 0) {
     const int scale = static_cast<int>((256 + size - 1) / size);  // panels at least 256 px wide
+    const auto blocks_along = [&](int64_t dim) {
+      const auto& table = spec(input).shard_table(dim);
+      return table.empty() ? ShardTable{size} : table;
+    };
     const auto image = draw_panels({whole_input[0][0], prediction[0][0], whole_target[0][0]},
-                                   spec(input).shard_table(2), spec(input).shard_table(3), scale);
+                                   blocks_along(2), blocks_along(3), scale);
     write_png(out_path, image);
     std::printf("wrote %s (%dx%d: input | prediction | target of sample 0; lines: rank "
                 "boundaries, shaded: halo rows/cols)\n",

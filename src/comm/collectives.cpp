@@ -231,6 +231,54 @@ at::Tensor all_reduce(const Group& pg, const at::Tensor& x, PartialOp op) {
   return buf[0];
 }
 
+PendingAllReduce all_reduce_start(const Group& pg, at::Tensor buffer, PartialOp op) {
+  TORCH_INTERNAL_ASSERT(buffer.is_contiguous());
+  const int n = pg->getSize();
+  const int64_t ring = 2 * (n - 1) * nbytes(buffer) / n;
+  record({CollectiveKind::AllReduce, ring, ring, n});
+  PendingAllReduce p;
+  p.buffer_ = std::move(buffer);
+  p.op_ = op;
+  p.group_size_ = n;
+  if (n == 1 || p.buffer_.numel() == 0) return p;
+  std::vector<at::Tensor> buf{p.buffer_};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(op);
+  p.work_ = pg->allreduce(buf, opts);
+  return p;
+}
+
+at::Tensor PendingAllReduce::wait() {
+  if (work_.defined()) {
+    auto work = std::move(work_);
+    work_.reset();
+    work->wait();
+    if (op_ == PartialOp::Avg) buffer_.div_(group_size_);
+  }
+  return buffer_;
+}
+
+PendingAllReduce& PendingAllReduce::operator=(PendingAllReduce&& o) {
+  if (this != &o) {
+    if (work_.defined()) work_->wait();
+    work_ = std::move(o.work_);
+    buffer_ = std::move(o.buffer_);
+    op_ = o.op_;
+    group_size_ = o.group_size_;
+  }
+  return *this;
+}
+
+PendingAllReduce::~PendingAllReduce() {
+  // The backend writes into buffer_ until the work finishes: never let it go earlier.
+  if (work_.defined()) {
+    try {
+      work_->wait();
+    } catch (...) {
+    }
+  }
+}
+
 at::Tensor reduce_scatter(const Group& pg, const at::Tensor& x, int64_t dim,
                           const std::vector<int64_t>& sizes, PartialOp op) {
   const int n = pg->getSize();

@@ -1,7 +1,9 @@
 #include "tessera/parallel/module.h"
 
+#include <atomic>
 #include <mutex>
 #include <optional>
+#include <unordered_set>
 
 #include <c10/util/SmallVector.h>
 #include <torch/nn/modules/activation.h>
@@ -21,7 +23,38 @@
 #include "tessera/tensor/api.h"
 #include "tessera/tensor/dtensor_impl.h"
 
+#include "gradient_owner.h"
+
 namespace tessera {
+
+namespace detail {
+namespace {
+struct OwnedGradients {
+  std::mutex mu;
+  std::unordered_set<const c10::TensorImpl*> params;
+  std::atomic<size_t> count{0};  // lets the common case (no reducer) skip the lock
+};
+OwnedGradients& owned_gradients() {
+  static OwnedGradients o;
+  return o;
+}
+}  // namespace
+
+void set_gradient_owned(const c10::TensorImpl* param, bool owned) {
+  auto& o = owned_gradients();
+  std::lock_guard<std::mutex> lock(o.mu);
+  if (owned) o.params.insert(param);
+  else o.params.erase(param);
+  o.count.store(o.params.size(), std::memory_order_relaxed);
+}
+
+bool gradient_owned(const c10::TensorImpl* param) {
+  auto& o = owned_gradients();
+  if (o.count.load(std::memory_order_relaxed) == 0) return false;
+  std::lock_guard<std::mutex> lock(o.mu);
+  return o.params.count(param) != 0;
+}
+}  // namespace detail
 
 namespace {
 
@@ -287,8 +320,11 @@ void replace_parameter(torch::nn::Module& module, const std::string& name, at::T
       // weight used on sharded activations gets Partial terms, reduced here once (one
       // all-reduce per mesh dim) instead of each time the optimizer reads the gradient.
       SpecPtr target = dtensor_impl(value)->spec_ptr();
-      value.register_hook([target](const at::Tensor& g) -> at::Tensor {
+      // (the hook lives in the parameter's autograd metadata: the parameter outlives it)
+      const c10::TensorImpl* param = value.unsafeGetTensorImpl();
+      value.register_hook([target, param](const at::Tensor& g) -> at::Tensor {
         if (!g.defined() || !is_dtensor(g) || spec(g) == *target) return g;
+        if (detail::gradient_owned(param)) return g;  // a bucketed reducer reduces it
         // (in the gradient's own dtype, should it differ from the parameter's)
         return redistribute(g, std::make_shared<DTensorSpec>(target->mesh(), target->placements(),
                                                              target->sizes(), g.scalar_type(),

@@ -28,6 +28,28 @@ at::Tensor all_gather(const Group& pg, const at::Tensor& x, int64_t dim,
 // ring: 2*(n-1)*B/n sent and received. Avg = sum / n.
 at::Tensor all_reduce(const Group& pg, const at::Tensor& x, PartialOp op);
 
+// The same all-reduce, in place on `buffer` (contiguous), left running on the backend's own
+// threads so the caller can go on computing (gradient buckets in backward). wait() finishes
+// it and returns the buffer; a pending all-reduce that is never waited for is waited for by
+// its destructor. Accounted when started.
+class PendingAllReduce {
+ public:
+  PendingAllReduce() = default;
+  PendingAllReduce(PendingAllReduce&&) = default;
+  PendingAllReduce& operator=(PendingAllReduce&&);
+  ~PendingAllReduce();
+  at::Tensor wait();
+  bool pending() const { return work_.defined(); }
+
+ private:
+  friend PendingAllReduce all_reduce_start(const Group&, at::Tensor, PartialOp);
+  c10::intrusive_ptr<c10d::Work> work_;
+  at::Tensor buffer_;
+  PartialOp op_ = PartialOp::Sum;
+  int group_size_ = 1;
+};
+PendingAllReduce all_reduce_start(const Group& pg, at::Tensor buffer, PartialOp op);
+
 // Member i gets piece i (sizes[i] along `dim`) of op over every member's x.
 // Sends B - own piece; receives (n-1) * own piece. One all-to-all-v + a local reduction.
 at::Tensor reduce_scatter(const Group& pg, const at::Tensor& x, int64_t dim,
