@@ -580,7 +580,8 @@ UnetStepComm unet_step_comm(const DeviceMesh& mesh, int64_t B, int64_t H, int64_
                             const ShardTable& rows, const ShardTable& cols) {
   torch::manual_seed(0);
   HeatNet model;
-  distribute_module(*model, mesh);
+  // Weight gradients summed in replicate()'s bucket: one all-reduce over the whole mesh.
+  const auto data_parallel = replicate(*model, mesh);
   const auto tables = ShardSizes::Given({{}, {}, rows, cols});
   const Placements hw = {Shard(2), Shard(3)};
   const auto x = distribute_tensor(seeded_randn({B, 1, H, W}, 3), mesh, hw, std::nullopt, tables);

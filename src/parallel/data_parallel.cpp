@@ -403,8 +403,17 @@ std::shared_ptr<ReplicatedModule> replicate(torch::nn::Module& module, const Dev
     state->params.push_back(std::move(p));
   }
   if (!options.local_batches()) {
-    for (auto& [m, name] : buffer_entries)
-      if (!is_dtensor(current(*m, name))) distribute_parameter(*m, name, layout, replicated);
+    // Buffers become replicated distributed tensors where Tessera can swap them (running
+    // statistics then cover the global batch). A buffer kept in a member Tessera does not
+    // know (a rotary table, say) stays plain: plain operands are replicated values anyway.
+    for (auto& [m, name] : buffer_entries) {
+      if (is_dtensor(current(*m, name))) continue;
+      try {
+        distribute_parameter(*m, name, layout, replicated);
+      } catch (const c10::Error&) {
+        // same outcome on every rank: it depends only on the module's type
+      }
+    }
   } else {
     for (auto& [m, name] : buffer_entries) state->buffers.push_back(current(*m, name));
   }

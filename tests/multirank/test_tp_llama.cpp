@@ -270,7 +270,7 @@ TEST(TpLlama, DataAndTensorParallelTwoByTwo) {
   const Reference ref = reference_run(c, task, 23);
   for (bool sequence_parallel : {false, true}) {
     const std::string what = std::string("dp x ") + (sequence_parallel ? "tp+sp" : "tp") + " on 2x2";
-    std::vector<Trained> per_rank(4);
+    std::vector<Trained> per_rank(4), bucketed(4);
     tessera::testing::run_ranks(
         4,
         [&](int rank) {
@@ -286,9 +286,25 @@ TEST(TpLlama, DataAndTensorParallelTwoByTwo) {
           const auto targets = distribute_tensor(task.targets, mesh, batch, std::nullopt);
           per_rank[rank] = train(model, tokens, targets);
           expect_same(ref, per_rank[rank], model, what);
+          // The same with replicate() over "dp": every gradient summed in buckets (by the
+          // mesh dims it is replicated on: "dp" for tensor-parallel weights, both dims for
+          // the norms' under sequence parallelism) instead of one all-reduce per parameter.
+          auto again = copy_of(ref.initial);
+          parallelize_module(again, mesh["tp"], llama::tensor_parallel_plan(o));
+          auto ddp = replicate(again, mesh["dp"]);
+          bucketed[rank] = train(again, tokens, targets);
+          expect_same(ref, bucketed[rank], again, what + " with replicate");
+          const auto buckets = static_cast<int64_t>(ddp->bucket_parameter_names().size());
+          EXPECT_LE(buckets, 2) << what;
+          // No gradient is left for the optimizer's reads to reduce, and backward sums fewer.
+          EXPECT_EQ(bucketed[rank].optimizer["all_reduce"], 0) << what;
+          EXPECT_LT(bucketed[rank].backward["all_reduce"] + bucketed[rank].optimizer["all_reduce"],
+                    per_rank[rank].backward["all_reduce"] + per_rank[rank].optimizer["all_reduce"])
+              << what;
         },
         {std::chrono::seconds(600)});
     record(what, per_rank[0]);
+    record(what + " with replicate", bucketed[0]);
   }
 }
 
