@@ -8,10 +8,10 @@ PyTorch 2.6 and LibTorch 2.6 are both installed. Directly:
                                   [--json results.json]
 
 A suite is a name, the PyTorch command(s), the Tessera command(s) and how to print its rows;
-later work adds a Suite line (FSDP step, ...) and the programs behind it. The tp suite runs
-on 2 and --ranks processes.
+later work adds a Suite line and the programs behind it. The tp suite runs on 2 and --ranks
+processes, the dp suite on 1, 2 and --ranks.
 Each program prints `PEER {json}` lines: suite, case, impl, variant, us, and optionally
-bytes / calls / collectives.
+bytes / calls / collectives, and (dp) ranks / mem_peak / mem_start.
 """
 import argparse
 import json
@@ -129,6 +129,46 @@ def comm_table(title, recs, variants=("dist",)):
     return "\n".join(rows)
 
 
+# The dp suite's rows per rank count: (impl, variant, label, the PyTorch row it is compared
+# with). A row nobody reported is printed as "not yet" (Tessera's fully_shard is being built).
+DP_ROWS = [
+    ("pytorch", "plain", "PyTorch plain (local batch, no comm)", None),
+    ("pytorch", "ddp", "PyTorch DDP", None),
+    ("pytorch", "fsdp2", "PyTorch FSDP2 (fully_shard)", None),
+    ("tessera", "plain", "Tessera plain (local batch, no comm)", "plain"),
+    ("tessera", "replicate", "Tessera replicate, distributed inputs", "ddp"),
+    ("tessera", "replicate local", "Tessera replicate, local_batches(true)", "ddp"),
+    ("tessera", "fully_shard", "Tessera fully_shard", "fsdp2"),
+]
+
+
+def dp_table(title, recs):
+    rows = [f"### {title}", "",
+            "| ranks | implementation | step µs | vs PyTorch | peak MiB / rank | vs PyTorch | "
+            "live at step start MiB | sent / step | collectives / step |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    mib = lambda b: "-" if b is None else f"{b / (1 << 20):.3f}"
+    ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"
+    colls = lambda r: ", ".join(f"{k.split('.')[-1]} {v}" for k, v in
+                                sorted(r.get("collectives", {}).items())) or "none"
+    for ranks in sorted({r["ranks"] for r in recs if "ranks" in r}):
+        case = f"MLP step, {ranks} ranks"
+        for impl, variant, label, against in DP_ROWS:
+            r = pick(recs, impl, case, variant)
+            if not r:
+                rows.append(f"| {ranks} | {label} | not yet | - | not yet | - | - | - | - |")
+                continue
+            p = pick(recs, "pytorch", case, against) if against else None
+            rows.append(
+                f"| {ranks} | {label} | {us_cell(r)} | {ratio(r['us'], p and p['us'])} | "
+                f"{mib(r.get('mem_peak'))} | {ratio(r.get('mem_peak'), p and p.get('mem_peak'))} | "
+                f"{mib(r.get('mem_start'))} | {fmt_bytes(r.get('bytes'))} | {colls(r)} |")
+    rows += ["", "vs PyTorch: Tessera / PyTorch in this run; plain against PyTorch plain, "
+             "replicate against DDP, fully_shard against FSDP2. Memory: rank 0's CPU allocator "
+             "bytes, counted from before the model was built (dtensor_dp.py, tessera_peer dp)."]
+    return "\n".join(rows)
+
+
 def py(script, extra):
     return lambda a: [sys.executable, os.path.join(HERE, script), *extra(a)]
 
@@ -141,6 +181,11 @@ def tessera_multi(sub, ranks=None):
     return lambda a: [os.path.join(a.build, "tessera-run"), "-n", str(ranks or a.ranks),
                       "--no-prefix", os.path.join(a.build, "bench", "tessera_peer"), sub,
                       "--iters", str(a.iters)]
+
+
+def over_dp_sizes(command):
+    """`command(a, ranks)` once per data-parallel size: 1, 2 and --ranks."""
+    return lambda a: [command(a, n) for n in sorted({1, 2, a.ranks})]
 
 
 def over_tp_sizes(command):
@@ -165,6 +210,12 @@ SUITES = [
                                                                   "--iters", str(a.iters)])(a)),
           over_tp_sizes(lambda a, n: tessera_multi("tp", n)(a)),
           lambda t, r: comm_table(t, r, variants=("plain", "tp", "tp+sp"))),
+    Suite("dp", "Data-parallel MLP step, DDP / FSDP2 vs Tessera replicate (1, 2 and --ranks "
+          "processes, Gloo)",
+          over_dp_sizes(lambda a, n: py("dtensor_dp.py", lambda a: ["--ranks", str(n),
+                                                                  "--iters", str(a.iters)])(a)),
+          over_dp_sizes(lambda a, n: tessera_multi("dp", n)(a)),
+          dp_table),
 ]
 
 

@@ -139,19 +139,22 @@ class ByteCounter:
         if name in ("wait_tensor", "barrier", "monitored_barrier"):
             return
         self.calls[name] = self.calls.get(name, 0) + 1
-        t = args[0]
+        # c10d's tensor-to-tensor forms (FSDP2's) take the output first, the input second.
+        t = args[1] if name in ("_allgather_base_", "_reduce_scatter_base_") else args[0]
         if isinstance(t, (list, tuple)):
             t = t[0]
         b = element_bytes(t)
         group = args[-1] if isinstance(args[-1], str) else None
         n = dist.get_world_size(_resolve_process_group(group)) if group else dist.get_world_size()
-        if name.startswith("all_gather"):
+        # c10d spells them _allgather_base_, allreduce_, ...
+        kind = name.lstrip("_").replace("allgather", "all_gather").replace("allreduce", "all_reduce")
+        if kind.startswith("all_gather"):
             self.bytes += (n - 1) * b
-        elif name.startswith("all_reduce"):
+        elif kind.startswith("all_reduce"):
             self.bytes += 2 * (n - 1) * b // n
-        elif name.startswith("reduce_scatter"):
+        elif kind.startswith("reduce_scatter"):
             self.bytes += (n - 1) * b // n
-        elif name.startswith("all_to_all"):
+        elif kind.startswith("all_to_all"):
             splits = args[2] if len(args) > 2 else None
             if splits:
                 row = b // max(t.shape[0], 1)
@@ -159,7 +162,7 @@ class ByteCounter:
                 self.bytes += (t.shape[0] - splits[me]) * row
             else:
                 self.bytes += (n - 1) * b // n
-        elif name.startswith("broadcast"):
+        elif kind.startswith("broadcast"):
             self.bytes += (n - 1) * b if dist.get_rank() == 0 else 0
 
     def __enter__(self):
