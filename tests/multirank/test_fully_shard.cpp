@@ -187,3 +187,79 @@ TEST(FullyShard, EvaluationBetweenBackwardAndStepReadsNoStaleWeights) {
     expect_parameters(*model, *ref, 2, rank, "evaluation between backward and step");
   }, {std::chrono::seconds(60)});
 }
+
+// mm has a typed fast-path kernel, which replays cached decisions without the fallback: it
+// must gather a freed parameter before it reads the shard, on the first call (which it hands
+// to the fallback and caches) and on the replayed ones after each reshard().
+TEST(FullyShard, FallbackAndFastPathBothGatherFreedParameters) {
+  torch::manual_seed(11);
+  auto proto = std::make_shared<torch::nn::LinearImpl>(5, 7);
+  proto->to(at::kDouble);
+  const at::Tensor weight = proto->weight.detach().clone();
+  const at::Tensor x = test::randn({3, 5}, 141, at::kDouble);
+  tessera::testing::run_ranks(3, [&](int) {
+    at::set_num_threads(1);
+    auto mesh = init_device_mesh("cpu", {3}, {"dp"});
+    auto model = std::dynamic_pointer_cast<torch::nn::LinearImpl>(proto->clone());
+    auto handle = fully_shard(*model, mesh);
+    ASSERT_EQ(fsdp_module_of(*model), handle);
+    const at::Tensor u = handle->unsharded_parameters().at(0);
+    ASSERT_FALSE(handle->is_unsharded());
+    const at::Tensor ut = u.detach().t();  // a view: aliases u's freed storage
+    const at::Tensor dx = distribute_tensor(x, mesh, {Replicate()}, std::nullopt);
+    for (int call = 0; call < 3; ++call) {
+      handle->reshard();
+      CommDebugMode comm;
+      const at::Tensor y = at::mm(dx, ut);
+      EXPECT_EQ(comm.get_comm_counts()["all_gather"], 1) << "call " << call;
+      EXPECT_TRUE(handle->is_unsharded());
+      EXPECT_TRUE(test::full_matches(y, at::mm(x, weight.t()), {1e-12, 1e-12})) << "call " << call;
+    }
+  }, {std::chrono::seconds(60)});
+}
+
+// A group whose parameters are partly unused (no gradient) or frozen: the used ones are
+// reduced by the backward's final callback, the others keep no gradient, as on one device.
+TEST(FullyShard, UnusedAndFrozenParametersTrainLikeOneDevice) {
+  struct PartlyUsedImpl : torch::nn::Cloneable<PartlyUsedImpl> {
+    torch::nn::Linear used{nullptr}, frozen{nullptr}, spare{nullptr};
+    PartlyUsedImpl() { reset(); }
+    void reset() override {
+      used = register_module("used", torch::nn::Linear(6, 5));
+      frozen = register_module("frozen", torch::nn::Linear(5, 3));
+      spare = register_module("spare", torch::nn::Linear(6, 3));
+    }
+    at::Tensor forward(const at::Tensor& x) { return frozen(at::relu(used(x))); }
+  };
+  torch::manual_seed(12);
+  auto proto = std::make_shared<PartlyUsedImpl>();
+  proto->to(at::kDouble);
+  const auto x = test::randn({9, 6}, 151, at::kDouble), y = test::randn({9, 3}, 152, at::kDouble);
+  auto ref = clone_of(proto);
+  ref->frozen->weight.set_requires_grad(false);  // (clone() makes every parameter trainable)
+  const auto expected = train(*ref, Opt::AdamW, x, y, 4);
+  ASSERT_FALSE(ref->spare->weight.grad().defined());
+  ASSERT_FALSE(ref->frozen->weight.grad().defined());
+  tessera::testing::run_ranks(2, [&](int rank) {
+    at::set_num_threads(1);
+    auto mesh = init_device_mesh("cpu", {2}, {"dp"});
+    auto model = clone_of(proto);
+    model->frozen->weight.set_requires_grad(false);
+    auto handle = fully_shard(*model, mesh);
+    const ShardTable rows = {2, 7};
+    const auto dx = local_batch(x, mesh, rows), dy = local_batch(y, mesh, rows);
+    {
+      CommDebugMode comm;
+      at::mse_loss(model->forward(dx), dy).backward();
+      EXPECT_EQ(comm.get_comm_counts()["reduce_scatter"], 1) << "the final callback reduces";
+      EXPECT_FALSE(handle->is_unsharded()) << "and reshards";
+      for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+    }
+    const auto losses = train(*model, Opt::AdamW, dx, dy, 4);
+    expect_losses(losses, expected, "partly used");
+    expect_parameters(*model, *ref, 2, rank, "partly used");
+    EXPECT_FALSE(model->spare->weight.grad().defined());
+    EXPECT_FALSE(model->frozen->weight.grad().defined());
+    EXPECT_FALSE(model->frozen->weight.requires_grad());
+  }, {std::chrono::seconds(60)});
+}

@@ -326,3 +326,41 @@ TEST(FullyShard, ErrorsAreRaisedOnEveryRank) {
     }, "1-D mesh");
   }, {std::chrono::seconds(60)});
 }
+
+// A parameter two modules share is one entry of one group: gathered once, its gradient the
+// sum over both uses, as on one device.
+TEST(FullyShard, TiedParameterInOneGroupTrainsLikeOneDevice) {
+  register_member_accessor<SharedWeightImpl>(
+      [](SharedWeightImpl& m, const std::string& name) { return name == "w" ? &m.w : nullptr; });
+  const at::Tensor init = test::randn({4, 4}, 161, at::kDouble) * 0.5;
+  const auto x = test::randn({7, 4}, 162, at::kDouble), y = test::randn({7, 4}, 163, at::kDouble);
+  auto run = [&](TwoSharedImpl& m, const at::Tensor& dx, const at::Tensor& dy) {
+    // The registered (sharded) tensor, once: parameters() lists it under both names.
+    torch::optim::AdamW opt({m.named_parameters()["a.w"]}, torch::optim::AdamWOptions(0.01));
+    std::vector<double> losses;
+    for (int s = 0; s < 4; ++s) {
+      opt.zero_grad();
+      auto loss = at::mse_loss(m.b->forward(at::tanh(m.a->forward(dx))), dy);
+      loss.backward();
+      opt.step();
+      losses.push_back(loss.item<double>());
+    }
+    return losses;
+  };
+  TwoSharedImpl ref(init.clone());
+  const auto expected = run(ref, x, y);
+  tessera::testing::run_ranks(3, [&](int rank) {
+    at::set_num_threads(1);
+    auto mesh = init_device_mesh("cpu", {3}, {"dp"});
+    auto model = std::make_shared<TwoSharedImpl>(init.clone());
+    auto handle = fully_shard(*model, mesh);
+    ASSERT_EQ(handle->parameter_names().size(), 1u);
+    ASSERT_EQ(model->a->w.unsafeGetTensorImpl(), model->b->w.unsafeGetTensorImpl());
+    const ShardTable rows = {3, 0, 4};
+    const auto losses = run(*model, local_batch(x, mesh, rows), local_batch(y, mesh, rows));
+    expect_losses(losses, expected, "tied");
+    const auto named = model->named_parameters();
+    ASSERT_EQ(named["a.w"].unsafeGetTensorImpl(), named["b.w"].unsafeGetTensorImpl());
+    expect_parameters(*model, ref, 3, rank, "tied");
+  }, {std::chrono::seconds(60)});
+}
