@@ -119,6 +119,8 @@ TEST(FullyShard, DataTimesDomainConvNetTrainsLikeOneDevice) {
   }, {std::chrono::seconds(120)});
 }
 
+// reduce_dtype float64 reduces the float32 gradients in float64: twice the reduce-scatter
+// bytes, and the same training within float32's precision.
 TEST(FullyShard, MixedPrecisionFloat32ComputeWithFloat64MasterWeights) {
   const auto proto = make_mlp();
   const auto x = test::randn({10, 15}, 91), y = test::randn({10, 2}, 92);  // float32
@@ -140,22 +142,36 @@ TEST(FullyShard, MixedPrecisionFloat32ComputeWithFloat64MasterWeights) {
       expected.push_back(loss.item<double>());
     }
   }
-  tessera::testing::run_ranks(3, [&](int rank) {
-    at::set_num_threads(1);
-    auto mesh = init_device_mesh("cpu", {3}, {"dp"});
-    auto model = clone_of(proto);
-    MixedPrecisionPolicy mp;
-    mp.param_dtype = at::kFloat;
-    const auto groups = shard_mlp(*model, mesh, FullyShardOptions().mp_policy(mp));
-    const ShardTable rows = {5, 1, 4};
-    const auto losses = train(*model, Opt::AdamW, local_batch(x, mesh, rows),
-                              local_batch(y, mesh, rows), 6);
-    expect_losses(losses, expected, "mixed precision", 1e-4);
-    expect_parameters(*model, *ref, 3, rank, "mixed precision", {1e-4, 1e-5});
-    for (const auto& p : model->parameters()) EXPECT_EQ(p.scalar_type(), at::kDouble);
-    for (const auto& g : groups)
-      for (const auto& u : g->unsharded_parameters()) EXPECT_EQ(u.scalar_type(), at::kFloat);
-  }, {std::chrono::seconds(120)});
+  int64_t reduced_bytes[2] = {0, 0};
+  for (int wide_reduce : {0, 1}) {
+    tessera::testing::run_ranks(3, [&](int rank) {
+      at::set_num_threads(1);
+      auto mesh = init_device_mesh("cpu", {3}, {"dp"});
+      auto model = clone_of(proto);
+      MixedPrecisionPolicy mp;
+      mp.param_dtype = at::kFloat;
+      if (wide_reduce) mp.reduce_dtype = at::kDouble;
+      const auto groups = shard_mlp(*model, mesh, FullyShardOptions().mp_policy(mp));
+      const ShardTable rows = {5, 1, 4};
+      const auto dx = local_batch(x, mesh, rows), dy = local_batch(y, mesh, rows);
+      {
+        auto loss = at::mse_loss(model->forward(dx), dy);
+        CommDebugMode comm;
+        loss.backward();
+        if (rank == 0) reduced_bytes[wide_reduce] = comm.stats(comm::CollectiveKind::ReduceScatter).bytes_sent;
+        for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+      }
+      const auto losses = train(*model, Opt::AdamW, dx, dy, 6);
+      const std::string ctx = wide_reduce ? "mixed precision, float64 reduce" : "mixed precision";
+      expect_losses(losses, expected, ctx, 1e-4);
+      expect_parameters(*model, *ref, 3, rank, ctx, {1e-4, 1e-5});
+      for (const auto& p : model->parameters()) EXPECT_EQ(p.scalar_type(), at::kDouble);
+      for (const auto& g : groups)
+        for (const auto& u : g->unsharded_parameters()) EXPECT_EQ(u.scalar_type(), at::kFloat);
+    }, {std::chrono::seconds(120)});
+  }
+  EXPECT_GT(reduced_bytes[0], 0);
+  EXPECT_EQ(reduced_bytes[1], 2 * reduced_bytes[0]) << "reduce_dtype float64 doubles the bytes";
 }
 
 TEST(FullyShard, NoSyncAccumulatesMicroBatchesLikeOneDevice) {
