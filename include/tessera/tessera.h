@@ -20,6 +20,7 @@
 #include "tessera/parallel/tensor_parallel.h"
 #include "tessera/parallel/loss_parallel.h"
 #include "tessera/parallel/data_parallel.h"
+#include "tessera/parallel/fully_shard.h"
 // Neighbourhood attention has its own header, "tessera/nn/neighborhood_attention.h": its
 // tessera::nn namespace would make `nn::` ambiguous in code that uses both `using namespace
 // tessera` and torch::nn.

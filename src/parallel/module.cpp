@@ -337,6 +337,27 @@ void replace_parameter(torch::nn::Module& module, const std::string& name, at::T
     for (at::Tensor* handle : *members) *handle = value;
 }
 
+void check_splittable(torch::nn::Module& module, const std::string& name) {
+  TORCH_CHECK(parameter_registry(module).find(name), "tessera: fully_shard: module ", module.name(),
+              " has no parameter named \"", name, "\"");
+  const std::optional<Handles> members = member_handles(module, name);
+  TORCH_CHECK(members, "tessera: fully_shard: ", module.name(), " keeps parameter \"", name,
+              "\" in a member tessera does not know, so its forward() cannot be given the ",
+              "unsharded parameter. Register an accessor with tessera::register_member_accessor");
+  TORCH_CHECK(!members->empty(), "tessera: fully_shard: ", module.name(), " has no member handle ",
+              "for parameter \"", name, "\": its forward() reads the registry (ParameterDict / ",
+              "ParameterList), which must hold the sharded parameter. Keep such parameters in a ",
+              "module with a member (e.g. a custom module with a registered accessor), or leave ",
+              "the module out of fully_shard and distribute it with distribute_module");
+}
+
+void split_parameter(torch::nn::Module& module, const std::string& name, at::Tensor registered,
+                     at::Tensor member) {
+  check_splittable(module, name);
+  *parameter_registry(module).find(name) = std::move(registered);
+  for (at::Tensor* handle : *member_handles(module, name)) *handle = member;
+}
+
 void distribute_module(torch::nn::Module& module, const DeviceMesh& mesh,
                        const PartitionFn& partition_fn) {
   auto visit = [&](const std::string& name, torch::nn::Module& m) {

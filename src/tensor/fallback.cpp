@@ -255,11 +255,13 @@ struct Frame {
 
 // Step 1: find the distributed arguments and the reference (the first one, in a list or not).
 void collect(Frame& f) {
+  bool any_freed = false;
   for (size_t i = 0; i < f.nargs; ++i) {
     f.holds[i] = holds(f.args[i]);
     for_each_tensor(f.args[i], f.holds[i], [&](size_t, const at::Tensor& t) {
       auto* d = as_dtensor(t);
       if (!d) return;
+      any_freed = any_freed || detail::is_freed(d->local());
       if (f.holds[i] == Holds::Tensor) {
         f.impls[i] = d;
         f.call.specs[i] = &d->spec();
@@ -271,6 +273,14 @@ void collect(Frame& f) {
   }
   TORCH_CHECK(f.call.reference, "tessera: ", f.schema.operator_name(),
               " reached the distributed-tensor fallback without a distributed tensor argument");
+  if (any_freed) {
+    c10::SmallVector<at::Tensor, 8> locals;
+    for (size_t i = 0; i < f.nargs; ++i)
+      for_each_tensor(f.args[i], f.holds[i], [&](size_t, const at::Tensor& t) {
+        if (auto* d = as_dtensor(t)) locals.push_back(d->local());
+      });
+    detail::refill_freed(locals);
+  }
   if (f.lists) f.call.list_specs.resize(f.nargs);
 }
 
@@ -629,6 +639,14 @@ void register_explicit_kernels() {
 
 void set_plain_operand_check(PlainOperandCheck check) {
   g_plain_operand_check.store(check, std::memory_order_release);
+}
+
+namespace detail {
+std::atomic<FreedStorageHandler> g_freed_storage_handler{nullptr};
+}  // namespace detail
+
+void set_freed_storage_handler(FreedStorageHandler handler) {
+  detail::g_freed_storage_handler.store(handler, std::memory_order_release);
 }
 
 namespace detail {

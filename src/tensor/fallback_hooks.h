@@ -1,5 +1,7 @@
 #pragma once
 // Checks other layers install into the fallback (internal).
+#include <atomic>
+
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/ArrayRef.h>
@@ -14,5 +16,26 @@ using PlainOperandCheck = void (*)(const c10::OperatorHandle& op,
                                    c10::ArrayRef<const c10::TensorImpl*> distributed,
                                    c10::ArrayRef<at::Tensor> plain);
 void set_plain_operand_check(PlainOperandCheck check);
+
+// Called, before anything reads them, when a distributed argument's local shard has elements
+// but no bytes: fully_shard freed its storage (NOTE: [Freeing unsharded parameters] in
+// parallel/fsdp_group.cpp) and the handler refills it. It gets the local shards of *all* the
+// op's distributed arguments, so that refilling one parameter group never frees another the
+// same op reads. Both the fallback and the fast path check every distributed argument;
+// installed only while fully_shard groups exist, so otherwise the check is one relaxed load.
+using FreedStorageHandler = void (*)(c10::ArrayRef<at::Tensor> locals);
+void set_freed_storage_handler(FreedStorageHandler handler);
+
+namespace detail {
+extern std::atomic<FreedStorageHandler> g_freed_storage_handler;
+inline bool is_freed(const at::Tensor& local) {
+  return g_freed_storage_handler.load(std::memory_order_relaxed) && local.has_storage() &&
+         local.numel() > 0 && local.storage().nbytes() == 0;
+}
+inline void refill_freed(c10::ArrayRef<at::Tensor> locals) {
+  if (FreedStorageHandler handler = g_freed_storage_handler.load(std::memory_order_relaxed))
+    handler(locals);
+}
+}  // namespace detail
 
 }  // namespace tessera

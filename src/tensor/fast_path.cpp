@@ -18,6 +18,7 @@
 #include <ATen/Operators.h>
 #include <torch/library.h>
 
+#include "fallback_hooks.h"
 #include "fast_path.h"
 #include "tessera/tensor/dtensor_impl.h"
 
@@ -32,10 +33,12 @@ struct Probe {
   bool ok = true;
   c10::SmallVector<const SpecPtr*, 4> specs;  // per distributed argument
   c10::SmallVector<int64_t, 8> extras;       // non-tensor arguments, 0-dim plain tensors
+  bool freed = false;  // a shard whose storage fully_shard freed (refilled before any read)
 };
 
 void probe(Probe& p, const at::Tensor& t) {
   if (auto* d = as_dtensor(t)) {
+    p.freed = p.freed || detail::is_freed(d->local());
     p.specs.push_back(&d->spec_ptr());
   } else if (t.defined() && t.dim() == 0) {  // a scalar operand: its dtype can promote
     p.extras.push_back(0x5ca1a0 + static_cast<int64_t>(t.scalar_type()));
@@ -58,6 +61,13 @@ void probe(Probe& p, c10::SymIntArrayRef sizes) {
 }
 void probe(Probe& p, c10::optional<at::ScalarType> t) {
   p.extras.push_back(t ? 0x700 + static_cast<int64_t>(*t) : 0x6ff);
+}
+
+template <class A>
+void add_local(c10::SmallVector<at::Tensor, 4>& locals, const A& a) {
+  if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
+    if (auto* d = as_dtensor(a)) locals.push_back(d->local());
+  }
 }
 
 template <class A>
@@ -126,6 +136,11 @@ struct FastKernel<Op, Ret(Args...)> {
     const void* id = &handle.schema();
     Probe p;
     (probe(p, args), ...);
+    if (p.freed) {
+      c10::SmallVector<at::Tensor, 4> locals;
+      (add_local(locals, args), ...);
+      detail::refill_freed(locals);
+    }
     const size_t slot = p.ok ? slot_of(id, p) : 0;
     if (p.ok) {
       if (const Entry* e = lookup(id, p, slot)) {
@@ -209,6 +224,7 @@ at::Tensor detach_sharing_shard(const at::Tensor& self) {
 // alias the input, as it would not have after contiguous().
 at::Tensor view_of_contiguous_shard(const at::Tensor& self, c10::SymIntArrayRef size) {
   auto* d = detail::as_dtensor(self);
+  if (d && detail::is_freed(d->local())) detail::refill_freed({d->local()});  // read below
   if (d && !d->local().is_contiguous()) {
     const at::Tensor packed =
         at::detail::make_tensor<DTensorImpl>(d->local().contiguous(), d->spec_ptr());

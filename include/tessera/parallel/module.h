@@ -43,6 +43,17 @@ std::vector<std::type_index> builtin_member_accessor_types();
 // module type without a member accessor whose forward() would keep using the old tensor.
 void replace_parameter(torch::nn::Module& module, const std::string& name, at::Tensor value);
 
+// For fully_shard: registers `registered` as parameter `name` of `module` (what parameters(),
+// optimizers and state dicts see) and points the member handles forward() reads at `member`.
+// Both are stored as given (no gradient-layout hook, requires_grad untouched). Throws, naming
+// the module and the fix, if forward() reads the registry itself (ParameterDict,
+// ParameterList) or the module type has no member accessor.
+void split_parameter(torch::nn::Module& module, const std::string& name, at::Tensor registered,
+                     at::Tensor member);
+// The checks of split_parameter alone, changing nothing (so a caller can check every
+// parameter before it changes any).
+void check_splittable(torch::nn::Module& module, const std::string& name);
+
 // torch.distributed.tensor.distribute_module: calls partition_fn(qualified_name, submodule,
 // mesh) for the module and every submodule; partition_fn typically calls replace_parameter
 // with distribute_tensor(...). Without partition_fn every parameter and buffer is

@@ -1,0 +1,390 @@
+// NOTE: [Gather on first touch]
+// LibTorch modules have no forward hooks, so a group cannot gather its parameters when its
+// module's forward() starts. Instead, forward() reads the *unsharded* parameter u (a
+// replicated distributed tensor), whose local storage is freed while the group is sharded.
+// Every op on distributed tensors goes through the fallback or the fast path, and both hand
+// an argument with elements but no bytes to on_freed_storage (fallback_hooks.h) before
+// anything reads it: that gathers the owning group (one all-gather for all its parameters).
+// This covers forward, backward (autograd saved u or views of it; they share its storage)
+// and activation recomputation alike.
+//
+// NOTE: [Freeing unsharded parameters]
+// Resharding swaps the data of u's StorageImpl for nothing (nbytes 0) but keeps the
+// StorageImpl, so the views autograd saved still alias it; gathering allocates into the same
+// StorageImpl again. (FSDP2 does the same by resizing the storage to 0.)
+//
+// Forward frees: when forward first touches a group, every other unsharded group that is
+// not an ancestor of it (an enclosing module, still running) and reshards after forward is
+// freed. The last group forward touches stays unsharded for backward, which needs it first.
+// Forward and backward are told apart by the autograd engine's current graph task (set on
+// the threads running backward only): robust to grad mode, no_grad evaluation and re-entrant
+// backward. In backward nothing is freed on touch; a group reshards once its gradients are
+// reduced.
+//
+// Gradients: a post-hook on each u's grad accumulator marks it ready; when all of a group's
+// are, one reduce-scatter (SUM) over the shard dim and one all-reduce per other dim where the
+// gradient is Partial. Tessera's gradients are exact sums over the sharded activations
+// (global means are taken by the loss), so nothing is divided. The first hook of a backward
+// queues an engine final callback that reduces groups whose parameters were only partly used
+// (in group order, identical on every rank) and reshards what is left unsharded.
+#include "fsdp_group.h"
+
+#include <mutex>
+#include <unordered_map>
+
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "../tensor/fallback_hooks.h"
+#include "tessera/comm/collectives.h"
+#include "tessera/tensor/api.h"
+#include "tessera/tensor/dtensor_impl.h"
+
+namespace tessera::detail {
+
+namespace {
+
+struct Registry {
+  std::mutex mu;
+  std::unordered_map<const c10::StorageImpl*, std::weak_ptr<FsdpGroup>> by_storage;
+  std::unordered_map<const void*, std::weak_ptr<FsdpContext>> contexts;  // by root mesh id
+  int live_groups = 0;
+};
+Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+const at::Tensor& local_of(const at::Tensor& t) { return dtensor_impl(t)->local(); }
+c10::StorageImpl* storage_of(const at::Tensor& t) {
+  return local_of(t).storage().unsafeGetStorageImpl();
+}
+
+bool in_backward() { return torch::autograd::get_current_graph_task_exec_info() != nullptr; }
+
+void on_freed_storage(c10::ArrayRef<at::Tensor> locals) {
+  std::vector<std::shared_ptr<FsdpGroup>> touched;
+  bool unknown_freed = false;
+  {
+    auto& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    for (const auto& local : locals) {
+      if (!local.has_storage()) continue;
+      auto it = r.by_storage.find(local.storage().unsafeGetStorageImpl());
+      std::shared_ptr<FsdpGroup> g = it == r.by_storage.end() ? nullptr : it->second.lock();
+      if (!g) {
+        unknown_freed = unknown_freed || (local.numel() > 0 && local.storage().nbytes() == 0);
+        continue;
+      }
+      bool seen = false;
+      for (const auto& t : touched) seen = seen || t == g;
+      if (!seen) touched.push_back(std::move(g));
+    }
+  }
+  TORCH_CHECK(!unknown_freed, "tessera: an op got a distributed tensor whose local storage was ",
+              "freed and that belongs to no live fully_shard group (was its module destroyed?)");
+  bool any_sharded = false;
+  for (const auto& g : touched) any_sharded = any_sharded || !g->unsharded();
+  if (!any_sharded) return;
+  // A group left unsharded across an optimizer step (kept after a forward that no backward
+  // followed, or with reshard_after_backward off) would feed forward old values: drop it so
+  // its next use gathers the new ones.
+  for (const auto& other : touched.front()->context().live())
+    if (other->stale()) other->reshard();
+  if (!in_backward()) {
+    for (const auto& other : touched.front()->context().live()) {
+      if (!other->unsharded() || !other->reshard_after_forward()) continue;
+      bool keep = false;
+      for (const auto& t : touched) keep = keep || t == other || t->has_ancestor(other.get());
+      if (!keep) other->reshard();
+    }
+  }
+  for (const auto& g : touched) g->unshard();
+}
+
+struct GradReadyHook : torch::autograd::FunctionPostHook {
+  GradReadyHook(std::weak_ptr<FsdpGroup> g, size_t i) : group(std::move(g)), index(i) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    if (auto g = group.lock()) g->on_grad_ready(index);
+    return outputs;
+  }
+  std::weak_ptr<FsdpGroup> group;
+  size_t index;
+};
+
+void allocate(c10::StorageImpl* s, size_t bytes) {
+  if (s->nbytes() == bytes) return;
+  s->set_data_ptr_noswap(s->allocator()->allocate(bytes));
+  s->set_nbytes(bytes);
+}
+
+void free_bytes(c10::StorageImpl* s) {
+  s->set_data_ptr_noswap(at::DataPtr(nullptr, s->device()));
+  s->set_nbytes(static_cast<size_t>(0));
+}
+
+at::Tensor flat_bytes(const at::Tensor& t) { return t.contiguous().view({-1}).view(at::kByte); }
+
+}  // namespace
+
+std::shared_ptr<FsdpContext> context_of(const DeviceMesh& root) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto& slot = r.contexts[root.id()];
+  auto ctx = slot.lock();
+  if (!ctx) {
+    ctx = std::make_shared<FsdpContext>();
+    slot = ctx;
+  }
+  return ctx;
+}
+
+void FsdpGroup::activate(const std::shared_ptr<FsdpGroup>& group) {
+  for (size_t i = 0; i < group->params.size(); ++i) {
+    auto& p = group->params[i];
+    if (!p.unsharded.requires_grad()) continue;
+    p.accumulator = torch::autograd::impl::grad_accumulator(p.unsharded);
+    p.accumulator->add_post_hook(std::make_unique<GradReadyHook>(group, i));
+    ++group->requiring_grad_;
+  }
+  group->unsharded_ = true;
+  group->reshard();
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  for (const auto& p : group->params) r.by_storage[storage_of(p.unsharded)] = group;
+}
+
+std::vector<std::shared_ptr<FsdpGroup>> FsdpContext::live() const {
+  std::vector<std::shared_ptr<FsdpGroup>> out;
+  for (const auto& w : groups)
+    if (auto g = w.lock()) out.push_back(std::move(g));
+  return out;
+}
+
+void FsdpContext::queue_final_callback() {
+  if (callback_queued_) return;
+  callback_queued_ = true;
+  // The context outlives the callback: live groups hold it, and it runs within this backward.
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_backward(); });
+}
+
+void FsdpContext::finish_backward() {
+  callback_queued_ = false;
+  auto all = live();
+  for (const auto& g : all)
+    if (g->any_ready()) g->finish_gradients();
+  for (const auto& g : all)
+    if (g->unsharded() && g->reshard_after_backward) g->reshard();
+}
+
+FsdpGroup::FsdpGroup(const torch::nn::Module& module, DeviceMesh mesh, FullyShardOptions opts,
+                     std::shared_ptr<FsdpContext> context)
+    : options(std::move(opts)),
+      module_(&module),
+      module_name_(module.name()),
+      mesh_(std::move(mesh)),
+      root_(mesh_.root()),
+      shard_dim_(mesh_.dims_in_root().back()),
+      context_(std::move(context)) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (r.live_groups++ == 0) set_freed_storage_handler(&on_freed_storage);
+}
+
+FsdpGroup::~FsdpGroup() {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  for (const auto& p : params) {
+    if (!p.unsharded.defined()) continue;
+    auto it = r.by_storage.find(storage_of(p.unsharded));
+    if (it != r.by_storage.end() && it->second.expired()) r.by_storage.erase(it);
+  }
+  if (--r.live_groups == 0) set_freed_storage_handler(nullptr);
+}
+
+c10::ScalarType FsdpGroup::compute_dtype(const at::Tensor& original) const {
+  return options.mp_policy().param_dtype.value_or(original.scalar_type());
+}
+
+bool FsdpGroup::is_root() const {
+  for (const auto& a : ancestors)
+    if (!a.expired()) return false;
+  return true;
+}
+
+bool FsdpGroup::reshard_after_forward() const {
+  return options.reshard_after_forward().value_or(!is_root());
+}
+
+bool FsdpGroup::has_ancestor(const FsdpGroup* other) const {
+  for (const auto& a : ancestors)
+    if (auto g = a.lock(); g.get() == other) return true;
+  return false;
+}
+
+void FsdpGroup::unshard() {
+  if (stale()) reshard();
+  if (unsharded_) return;
+  at::NoGradGuard no_grad;
+  const auto pg = root_.group(shard_dim_);
+  const int64_t n = root_.size(shard_dim_);
+  // One flat byte buffer per rank: its rows of every parameter, in the compute dtype. Rank
+  // r's segment is sum_j rows_j[r] * row_bytes_j long, so uneven and empty shards need no
+  // padding.
+  std::vector<at::Tensor> mine;
+  std::vector<int64_t> segment(n, 0);
+  for (auto& p : params) {
+    const at::Tensor& u = local_of(p.unsharded);
+    allocate(storage_of(p.unsharded), static_cast<size_t>(u.numel()) * u.element_size());
+    mine.push_back(flat_bytes(local_of(p.sharded).to(u.scalar_type())));
+    p.gathered_version = p.sharded._version();
+    for (int64_t r = 0; r < n; ++r) segment[r] += p.rows[r] * p.row_numel * u.element_size();
+  }
+  at::Tensor flat = at::cat(mine);
+  at::Tensor gathered = n == 1 ? flat : comm::all_gather(pg, flat, 0, segment);
+  int64_t pos = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    for (auto& p : params) {
+      const at::Tensor& u = local_of(p.unsharded);
+      const int64_t row_bytes = p.row_numel * u.element_size();
+      const int64_t len = p.rows[r] * row_bytes;
+      if (len > 0)
+        u.view({-1}).view(at::kByte).narrow(0, p.row_offsets[r] * row_bytes, len)
+            .copy_(gathered.narrow(0, pos, len));
+      pos += len;
+    }
+  }
+  unsharded_ = true;
+}
+
+bool FsdpGroup::stale() const {
+  if (!unsharded_) return false;
+  for (const auto& p : params)
+    if (p.sharded._version() != p.gathered_version) return true;
+  return false;
+}
+
+void FsdpGroup::reshard() {
+  if (!unsharded_) return;
+  for (auto& p : params) free_bytes(storage_of(p.unsharded));
+  unsharded_ = false;
+}
+
+void FsdpGroup::on_grad_ready(size_t index) {
+  context_->queue_final_callback();
+  auto& p = params.at(index);
+  if (!p.ready) {
+    p.ready = true;
+    ++ready_;
+  }
+  if (ready_ == requiring_grad_) finish_gradients();
+}
+
+void FsdpGroup::finish_gradients() {
+  std::vector<size_t> ready;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].ready && params[i].unsharded.grad().defined()) ready.push_back(i);
+    params[i].ready = false;
+  }
+  ready_ = 0;
+  // No sync: the unsharded gradients stay and keep accumulating (torch's no_sync).
+  if (requires_gradient_sync && !ready.empty()) reduce(ready);
+  if (reshard_after_backward) reshard();
+}
+
+void FsdpGroup::reduce(const std::vector<size_t>& ready) {
+  at::NoGradGuard no_grad;
+  const int64_t n = root_.size(shard_dim_);
+  const int64_t me = root_.local_rank(shard_dim_);
+  // The gradient of each: Partial(sum) or Replicate on every root dim (anything else, e.g. a
+  // rule that left it sharded, is redistributed to Replicate first).
+  struct Item {
+    size_t index;
+    at::Tensor full;   // local, reduce dtype, flat
+    at::Tensor shard;  // this rank's rows, flat
+    Placements placements;
+  };
+  std::vector<Item> items;
+  c10::ScalarType reduce_dtype = c10::ScalarType::Undefined;
+  for (size_t i : ready) {
+    at::Tensor g = params[i].unsharded.grad();
+    const auto& s = spec(g);
+    Placements target;
+    bool convert = false;
+    for (int64_t d = 0; d < root_.ndim(); ++d) {
+      const Placement& pl = s.placement(d);
+      if (pl.is_partial() && pl.reduce_op() == PartialOp::Sum) {
+        target.push_back(pl);
+      } else {
+        target.push_back(Replicate());
+        convert = convert || !pl.is_replicate();
+      }
+    }
+    if (convert) g = redistribute(g, target);
+    reduce_dtype = reduce_dtype == c10::ScalarType::Undefined
+                       ? g.scalar_type() : at::promote_types(reduce_dtype, g.scalar_type());
+    items.push_back({i, local_of(g), {}, target});
+  }
+  reduce_dtype = options.mp_policy().reduce_dtype.value_or(reduce_dtype);
+  for (auto& it : items) it.full = it.full.to(reduce_dtype).contiguous().view({-1});
+  auto rows_of = [&](const Item& it, int64_t r) {
+    const auto& p = params[it.index];
+    return it.full.narrow(0, p.row_offsets[r] * p.row_numel, p.rows[r] * p.row_numel);
+  };
+  // Shard dim: one reduce-scatter of the gradients that are sums there; rank r's segment is
+  // its rows of each, back to back.
+  std::vector<at::Tensor> to_scatter;
+  std::vector<int64_t> segment(n, 0);
+  for (int64_t r = 0; r < n; ++r)
+    for (auto& it : items) {
+      if (n == 1 || !it.placements[shard_dim_].is_partial()) continue;
+      to_scatter.push_back(rows_of(it, r));
+      segment[r] += to_scatter.back().numel();
+    }
+  at::Tensor scattered;
+  if (!to_scatter.empty())
+    scattered = comm::reduce_scatter(root_.group(shard_dim_), at::cat(to_scatter), 0, segment,
+                                     PartialOp::Sum);
+  int64_t pos = 0;
+  for (auto& it : items) {
+    if (n > 1 && it.placements[shard_dim_].is_partial()) {
+      it.shard = scattered.narrow(0, pos, rows_of(it, me).numel());
+      pos += it.shard.numel();
+    } else {
+      it.shard = rows_of(it, me);
+    }
+  }
+  // Every other dim where the gradient is a sum (HSDP's replicate dim, domain dims): one
+  // all-reduce of the shards.
+  for (int64_t d = 0; d < root_.ndim(); ++d) {
+    if (d == shard_dim_ || root_.size(d) == 1) continue;
+    std::vector<Item*> partial;
+    for (auto& it : items)
+      if (it.placements[d].is_partial()) partial.push_back(&it);
+    if (partial.empty()) continue;
+    std::vector<at::Tensor> parts;
+    for (auto* it : partial) parts.push_back(it->shard);
+    at::Tensor summed = comm::all_reduce(root_.group(d), at::cat(parts), PartialOp::Sum);
+    int64_t off = 0;
+    for (auto* it : partial) {
+      it->shard = summed.narrow(0, off, it->shard.numel());
+      off += it->shard.numel();
+    }
+  }
+  for (auto& it : items) {
+    auto& p = params[it.index];
+    const DTensorImpl* sharded = dtensor_impl(p.sharded);
+    at::Tensor local = it.shard.to(sharded->local().scalar_type()).view(sharded->local().sizes());
+    at::Tensor grad = make_dtensor(local.clone(at::MemoryFormat::Contiguous), sharded->spec_ptr());
+    if (p.sharded.grad().defined()) p.sharded.mutable_grad().add_(grad);
+    else p.sharded.mutable_grad() = grad;
+    p.unsharded.mutable_grad() = at::Tensor();
+  }
+}
+
+}  // namespace tessera::detail

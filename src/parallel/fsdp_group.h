@@ -1,0 +1,111 @@
+#pragma once
+// One fully_shard parameter group (internal). See NOTE: [Gather on first touch] in
+// fsdp_group.cpp.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/nn/module.h>
+
+#include "tessera/mesh/device_mesh.h"
+#include "tessera/parallel/fully_shard.h"
+
+namespace tessera::detail {
+
+struct FsdpParam {
+  // Where it is registered: (module, name) pairs, more than one for a tied parameter.
+  std::vector<std::pair<torch::nn::Module*, std::string>> owners;
+  std::string fqn;          // qualified from the fully_shard module (first owner)
+  at::Tensor sharded;       // registered: Shard(0) over the shard dim, the optimizer's
+  at::Tensor unsharded;     // read by forward(): replicated over the data-parallel dims
+  std::shared_ptr<torch::autograd::Node> accumulator;  // unsharded's; held so the hook lives
+  std::vector<int64_t> rows;  // dim-0 rows of every shard-dim rank (torch.chunk)
+  std::vector<int64_t> row_offsets;
+  int64_t row_numel = 1;      // elements per dim-0 row
+  bool ready = false;         // gradient accumulated in this backward
+  int64_t gathered_version = 0;  // the sharded parameter's version when last gathered
+};
+
+class FsdpContext;
+
+class FsdpGroup {
+ public:
+  FsdpGroup(const torch::nn::Module& module, DeviceMesh mesh, FullyShardOptions options,
+            std::shared_ptr<FsdpContext> context);
+  ~FsdpGroup();
+  FsdpGroup(const FsdpGroup&) = delete;
+  FsdpGroup& operator=(const FsdpGroup&) = delete;
+
+  void unshard();  // collective over the shard dim; no-op when unsharded
+  void reshard();  // local
+  bool unsharded() const { return unsharded_; }
+  // Unsharded, but a sharded parameter changed since (an optimizer step, a load).
+  bool stale() const;
+
+  // The grad-accumulator hook of params[index].
+  void on_grad_ready(size_t index);
+  // Reduces the gradients accumulated so far (sync on), resets readiness, reshards if set.
+  void finish_gradients();
+  bool any_ready() const { return ready_ > 0; }
+
+  bool is_root() const;  // no live group encloses this one
+  bool reshard_after_forward() const;
+  bool reshard_after_backward = true;
+  bool requires_gradient_sync = true;
+  bool has_ancestor(const FsdpGroup* other) const;
+
+  const torch::nn::Module* module() const { return module_; }
+  const std::string& module_name() const { return module_name_; }
+  const DeviceMesh& mesh() const { return mesh_; }
+  const DeviceMesh& root() const { return root_; }
+  FsdpContext& context() const { return *context_; }
+
+  std::vector<FsdpParam> params;
+  std::vector<std::weak_ptr<FsdpGroup>> ancestors;  // groups of enclosing modules
+  // The parameters as they were before fully_shard: weak, so their memory goes, but their
+  // addresses are never reused while the group lives (tied-parameter checks).
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> originals;
+  FullyShardOptions options;
+
+ private:
+  void reduce(const std::vector<size_t>& ready);
+  c10::ScalarType compute_dtype(const at::Tensor& original) const;
+
+  const torch::nn::Module* module_;
+  std::string module_name_;
+  DeviceMesh mesh_, root_;
+  int64_t shard_dim_;  // in the root mesh
+  std::shared_ptr<FsdpContext> context_;
+  bool unsharded_ = false;
+  size_t ready_ = 0;
+  size_t requiring_grad_ = 0;
+
+
+ public:
+  // After the parameters are added and swapped in: installs the gradient hooks, frees the
+  // unsharded storage (groups start sharded) and registers it with the freed-storage handler.
+  static void activate(const std::shared_ptr<FsdpGroup>& group);
+  c10::ScalarType compute_dtype_of(const at::Tensor& original) const {
+    return compute_dtype(original);
+  }
+};
+
+// Every group of this rank on one root mesh, in creation (bottom-up) order.
+class FsdpContext {
+ public:
+  std::vector<std::weak_ptr<FsdpGroup>> groups;
+  std::vector<std::shared_ptr<FsdpGroup>> live() const;
+  // Once per backward, on its first gradient: the engine's final callback (finish_backward).
+  void queue_final_callback();
+  void finish_backward();
+
+ private:
+  bool callback_queued_ = false;
+};
+
+// The context of `root` on this rank (created on first use).
+std::shared_ptr<FsdpContext> context_of(const DeviceMesh& root);
+
+}  // namespace tessera::detail

@@ -1,0 +1,382 @@
+// fully_shard's modes against one device: HSDP on a 2x2 mesh, dp x domain (batch over "dp",
+// height over "domain"), mixed precision, no_sync micro-batches, state dicts, the memory a
+// rank holds after a step, and errors raised identically on every rank.
+#include <torch/nn/modules/container/parameterlist.h>
+
+#include "fully_shard_helpers.h"
+
+using namespace tessera;
+using namespace tessera::fsdp_test;
+
+namespace {
+
+std::vector<std::shared_ptr<FSDPModule>> shard_mlp(MlpImpl& m, const DeviceMesh& mesh,
+                                                   FullyShardOptions options = {}) {
+  return {fully_shard(m.l0, mesh, options), fully_shard(m.l1, mesh, options),
+          fully_shard(m.l2, mesh, options), fully_shard(m, mesh, options)};
+}
+
+int64_t local_bytes(const at::Tensor& t) {
+  if (!t.defined()) return 0;
+  const at::Tensor local = is_dtensor(t) ? to_local(t.detach()) : t;
+  return local.numel() * local.element_size();
+}
+
+// Parameters, gradients and AdamW's two moments, as this rank holds them.
+int64_t training_state_bytes(torch::nn::Module& model, torch::optim::Optimizer& opt) {
+  int64_t bytes = 0;
+  for (const auto& p : model.parameters()) bytes += local_bytes(p) + local_bytes(p.grad());
+  for (const auto& kv : opt.state()) {
+    auto& s = static_cast<torch::optim::AdamWParamState&>(*kv.second);
+    bytes += local_bytes(s.exp_avg()) + local_bytes(s.exp_avg_sq());
+  }
+  return bytes;
+}
+
+// A module whose forward reads its own member (tied across instances when given one tensor).
+struct SharedWeightImpl : torch::nn::Module {
+  at::Tensor w;
+  explicit SharedWeightImpl(at::Tensor shared) { w = register_parameter("w", shared); }
+  at::Tensor forward(const at::Tensor& x) { return at::linear(x, w); }
+};
+struct TwoSharedImpl : torch::nn::Module {
+  std::shared_ptr<SharedWeightImpl> a, b;
+  explicit TwoSharedImpl(at::Tensor shared) {
+    a = register_module("a", std::make_shared<SharedWeightImpl>(shared));
+    b = register_module("b", std::make_shared<SharedWeightImpl>(shared));
+  }
+};
+
+}  // namespace
+
+TEST(FullyShard, HsdpOnTwoByTwoMeshTrainsLikeOneDevice) {
+  const auto proto = make_mlp();
+  const auto x = test::randn({10, 15}, 71, at::kDouble), y = test::randn({10, 2}, 72, at::kDouble);
+  auto ref = clone_of(proto);
+  const auto expected = train(*ref, Opt::AdamW, x, y, 8);
+  tessera::testing::run_ranks(4, [&](int) {
+    at::set_num_threads(1);
+    auto mesh = init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
+    auto model = clone_of(proto);
+    const auto groups = shard_mlp(*model, mesh);
+    // The batch is split over both dims (every rank is a data-parallel rank), unevenly.
+    const ShardSizes rows = ShardSizes::Given(0, {4, 3, 0, 3});
+    const Placements batch = {Shard(0), Shard(0)};
+    const auto dx = distribute_tensor(x, mesh, batch, std::nullopt, rows);
+    const auto dy = distribute_tensor(y, mesh, batch, std::nullopt, rows);
+    {
+      CommDebugMode comm;
+      auto loss = at::mse_loss(model->forward(dx), dy);
+      comm.reset();
+      loss.backward();
+      auto counts = comm.get_comm_counts();
+      EXPECT_EQ(counts["reduce_scatter"], static_cast<int64_t>(groups.size()));
+      EXPECT_EQ(counts["all_reduce"], static_cast<int64_t>(groups.size()))
+          << "one all-reduce per group over the replicate dim";
+      for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+    }
+    const auto losses = train(*model, Opt::AdamW, dx, dy, 8);
+    expect_losses(losses, expected, "hsdp");
+    expect_parameters(*model, *ref, 2, mesh.coordinate()[1], "hsdp");
+  }, {std::chrono::seconds(120)});
+}
+
+TEST(FullyShard, DataTimesDomainConvNetTrainsLikeOneDevice) {
+  // A fully convolutional head so the output keeps the spatial split.
+  struct NetImpl : torch::nn::Cloneable<NetImpl> {
+    torch::nn::Conv2d c1{nullptr}, c2{nullptr};
+    torch::nn::GroupNorm norm{nullptr};
+    NetImpl() { reset(); }
+    void reset() override {
+      c1 = register_module("c1", torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3).padding(1)));
+      norm = register_module("norm", torch::nn::GroupNorm(2, 4));
+      c2 = register_module("c2", torch::nn::Conv2d(torch::nn::Conv2dOptions(4, 1, 3).padding(1)));
+    }
+    at::Tensor forward(const at::Tensor& x) { return c2(at::relu(norm(c1(x)))); }
+  };
+  torch::manual_seed(10);
+  auto net = std::make_shared<NetImpl>();
+  net->to(at::kDouble);
+  const auto x = test::randn({4, 2, 8, 6}, 81, at::kDouble), y = test::randn({4, 1, 8, 6}, 82, at::kDouble);
+  auto ref = clone_of(net);
+  const auto expected = train(*ref, Opt::AdamW, x, y, 6);
+  tessera::testing::run_ranks(4, [&](int) {
+    at::set_num_threads(1);
+    auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "domain"});
+    auto model = clone_of(net);
+    fully_shard(model->c1, mesh["dp"]);
+    fully_shard(*model, mesh["dp"]);
+    const Placements layout = {Shard(0), Shard(2)};
+    const ShardSizes sizes = ShardSizes::Given({{3, 1}, {}, {5, 3}, {}});
+    const auto dx = distribute_tensor(x, mesh, layout, std::nullopt, sizes);
+    const auto dy = distribute_tensor(y, mesh, layout, std::nullopt, sizes);
+    const auto losses = train(*model, Opt::AdamW, dx, dy, 6);
+    expect_losses(losses, expected, "dp x domain");
+    expect_parameters(*model, *ref, 2, mesh.coordinate()[0], "dp x domain");
+    for (const auto& p : model->parameters())
+      EXPECT_TRUE(placements(p)[0].is_shard(0) && placements(p)[1].is_replicate())
+          << spec(p).str();
+  }, {std::chrono::seconds(120)});
+}
+
+// reduce_dtype float64 reduces the float32 gradients in float64: twice the reduce-scatter
+// bytes, and the same training within float32's precision.
+TEST(FullyShard, MixedPrecisionFloat32ComputeWithFloat64MasterWeights) {
+  const auto proto = make_mlp();
+  const auto x = test::randn({10, 15}, 91), y = test::randn({10, 2}, 92);  // float32
+  // One device applying the same casts: compute on a float32 copy, step the float64 master.
+  auto ref = clone_of(proto);
+  std::vector<double> expected;
+  {
+    auto opt = make_optimizer(Opt::AdamW, ref->parameters());
+    for (int s = 0; s < 6; ++s) {
+      opt->zero_grad();
+      auto work = clone_of(ref);
+      work->to(at::kFloat);
+      auto loss = at::mse_loss(work->forward(x), y);
+      loss.backward();
+      auto master = ref->parameters(), compute = work->parameters();
+      for (size_t i = 0; i < master.size(); ++i)
+        master[i].mutable_grad() = compute[i].grad().to(at::kDouble);
+      opt->step();
+      expected.push_back(loss.item<double>());
+    }
+  }
+  int64_t reduced_bytes[2] = {0, 0};
+  for (int wide_reduce : {0, 1}) {
+    tessera::testing::run_ranks(3, [&](int rank) {
+      at::set_num_threads(1);
+      auto mesh = init_device_mesh("cpu", {3}, {"dp"});
+      auto model = clone_of(proto);
+      MixedPrecisionPolicy mp;
+      mp.param_dtype = at::kFloat;
+      if (wide_reduce) mp.reduce_dtype = at::kDouble;
+      const auto groups = shard_mlp(*model, mesh, FullyShardOptions().mp_policy(mp));
+      const ShardTable rows = {5, 1, 4};
+      const auto dx = local_batch(x, mesh, rows), dy = local_batch(y, mesh, rows);
+      {
+        auto loss = at::mse_loss(model->forward(dx), dy);
+        CommDebugMode comm;
+        loss.backward();
+        if (rank == 0) reduced_bytes[wide_reduce] = comm.stats(comm::CollectiveKind::ReduceScatter).bytes_sent;
+        for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+      }
+      const auto losses = train(*model, Opt::AdamW, dx, dy, 6);
+      const std::string ctx = wide_reduce ? "mixed precision, float64 reduce" : "mixed precision";
+      expect_losses(losses, expected, ctx, 1e-4);
+      expect_parameters(*model, *ref, 3, rank, ctx, {1e-4, 1e-5});
+      for (const auto& p : model->parameters()) EXPECT_EQ(p.scalar_type(), at::kDouble);
+      for (const auto& g : groups)
+        for (const auto& u : g->unsharded_parameters()) EXPECT_EQ(u.scalar_type(), at::kFloat);
+    }, {std::chrono::seconds(120)});
+  }
+  EXPECT_GT(reduced_bytes[0], 0);
+  EXPECT_EQ(reduced_bytes[1], 2 * reduced_bytes[0]) << "reduce_dtype float64 doubles the bytes";
+}
+
+TEST(FullyShard, NoSyncAccumulatesMicroBatchesLikeOneDevice) {
+  const auto proto = make_mlp();
+  const auto x = test::randn({10, 15}, 101, at::kDouble), y = test::randn({10, 2}, 102, at::kDouble);
+  const auto x1 = x.narrow(0, 0, 6), x2 = x.narrow(0, 6, 4);
+  const auto y1 = y.narrow(0, 0, 6), y2 = y.narrow(0, 6, 4);
+  auto ref = clone_of(proto);
+  std::vector<double> expected;
+  {
+    auto opt = make_optimizer(Opt::AdamW, ref->parameters());
+    for (int s = 0; s < 4; ++s) {
+      opt->zero_grad();
+      auto l1 = at::mse_loss(ref->forward(x1), y1);
+      l1.backward();
+      auto l2 = at::mse_loss(ref->forward(x2), y2);
+      l2.backward();
+      opt->step();
+      expected.push_back(l1.item<double>() + l2.item<double>());
+    }
+  }
+  tessera::testing::run_ranks(3, [&](int rank) {
+    at::set_num_threads(1);
+    auto mesh = init_device_mesh("cpu", {3}, {"dp"});
+    auto model = clone_of(proto);
+    const auto groups = shard_mlp(*model, mesh);
+    auto opt = make_optimizer(Opt::AdamW, model->parameters());
+    const auto dx1 = local_batch(x1, mesh, {3, 0, 3}), dy1 = local_batch(y1, mesh, {3, 0, 3});
+    const auto dx2 = local_batch(x2, mesh, {1, 2, 1}), dy2 = local_batch(y2, mesh, {1, 2, 1});
+    std::vector<double> losses;
+    for (int s = 0; s < 4; ++s) {
+      opt->zero_grad();
+      for (const auto& g : groups) g->set_requires_gradient_sync(false);
+      CommDebugMode comm;
+      auto l1 = at::mse_loss(model->forward(dx1), dy1);
+      l1.backward();
+      EXPECT_EQ(comm.get_comm_counts()["reduce_scatter"], 0) << "no_sync must not reduce";
+      for (const auto& g : groups) g->set_requires_gradient_sync(true);
+      auto l2 = at::mse_loss(model->forward(dx2), dy2);
+      l2.backward();
+      opt->step();
+      losses.push_back(l1.item<double>() + l2.item<double>());
+    }
+    expect_losses(losses, expected, "no_sync");
+    expect_parameters(*model, *ref, 3, rank, "no_sync");
+  }, {std::chrono::seconds(120)});
+}
+
+TEST(FullyShard, StateDictsShareStorageAndGatherToTheReference) {
+  const auto proto = make_mlp();
+  const auto x = test::randn({10, 15}, 111, at::kDouble), y = test::randn({10, 2}, 112, at::kDouble);
+  auto ref = clone_of(proto);
+  train(*ref, Opt::Sgd, x, y, 3);
+  tessera::testing::run_ranks(4, [&](int) {
+    at::set_num_threads(1);
+    auto mesh = init_device_mesh("cpu", {4}, {"dp"});
+    auto model = clone_of(proto);
+    const auto groups = shard_mlp(*model, mesh);
+    auto opt = make_optimizer(Opt::Sgd, model->parameters());
+    const ShardTable rows = {4, 3, 0, 3};
+    const auto dx = local_batch(x, mesh, rows), dy = local_batch(y, mesh, rows);
+    for (int s = 0; s < 3; ++s) {
+      opt->zero_grad();
+      at::mse_loss(model->forward(dx), dy).backward();
+      opt->step();
+    }
+    const auto named = model->named_parameters();
+    const auto& stepped = opt->param_groups().at(0).params();
+    ASSERT_EQ(named.size(), stepped.size());
+    for (size_t i = 0; i < named.size(); ++i) {
+      EXPECT_TRUE(is_dtensor(named[i].value())) << named[i].key();
+      EXPECT_EQ(named[i].value().unsafeGetTensorImpl(), stepped[i].unsafeGetTensorImpl())
+          << named[i].key() << ": the registered parameter is the one the optimizer steps";
+    }
+    const auto full = full_state_dict(*model);
+    const auto want = ref->named_parameters();
+    ASSERT_EQ(full.size(), want.size());
+    for (const auto& item : want) {
+      const at::Tensor* got = full.find(item.key());
+      ASSERT_TRUE(got && !is_dtensor(*got)) << item.key();
+      EXPECT_TRUE(test::matches(*got, item.value().detach(), {1e-9, 1e-10})) << item.key();
+    }
+    std::vector<std::string> names;
+    for (const auto& g : groups)
+      for (const auto& n : g->parameter_names()) names.push_back(n);
+    EXPECT_EQ(names.size(), want.size()) << "every parameter in exactly one group";
+  }, {std::chrono::seconds(60)});
+}
+
+// After a step (unsharded storage freed), a rank holds about 1/P of one device's parameters,
+// gradients and optimizer state: measured by summing local bytes.
+TEST(FullyShard, ShardedTrainingStateIsOnePthOfOneDevice) {
+  constexpr int world = 4;
+  const auto proto = make_mlp();
+  const auto x = test::randn({10, 15}, 121, at::kDouble), y = test::randn({10, 2}, 122, at::kDouble);
+  auto ref = clone_of(proto);
+  auto ref_opt = make_optimizer(Opt::AdamW, ref->parameters());
+  at::mse_loss(ref->forward(x), y).backward();
+  ref_opt->step();
+  const int64_t one_device = training_state_bytes(*ref, *ref_opt);
+  int64_t row_rounding = 0;  // one row per parameter, for each of the four tensors kept
+  for (const auto& p : ref->parameters())
+    row_rounding += 4 * (p.numel() / p.size(0)) * p.element_size();
+  tessera::testing::run_ranks(world, [&](int) {
+    at::set_num_threads(1);
+    auto mesh = init_device_mesh("cpu", {world}, {"dp"});
+    auto model = clone_of(proto);
+    const auto groups = shard_mlp(*model, mesh);
+    auto opt = make_optimizer(Opt::AdamW, model->parameters());
+    at::mse_loss(model->forward(local_batch(x, mesh, {4, 3, 0, 3})),
+                 local_batch(y, mesh, {4, 3, 0, 3})).backward();
+    opt->step();
+    int64_t unsharded = 0;
+    for (const auto& g : groups)
+      for (const auto& u : g->unsharded_parameters())
+        unsharded += static_cast<int64_t>(to_local(u.detach()).storage().nbytes()) +
+                     local_bytes(u.grad());
+    EXPECT_EQ(unsharded, 0) << "unsharded parameters and their gradients must be freed";
+    const int64_t mine = training_state_bytes(*model, *opt) + unsharded;
+    EXPECT_LE(mine, one_device / world * 105 / 100 + row_rounding)
+        << "one device holds " << one_device << " bytes";
+    EXPECT_GT(mine, 0);
+  }, {std::chrono::seconds(60)});
+}
+
+TEST(FullyShard, ErrorsAreRaisedOnEveryRank) {
+  register_member_accessor<SharedWeightImpl>(
+      [](SharedWeightImpl& m, const std::string& name) { return name == "w" ? &m.w : nullptr; });
+  auto expect_error = [](const std::function<void()>& fn, const std::string& needle) {
+    try {
+      fn();
+      ADD_FAILURE() << "expected an error containing \"" << needle << "\"";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  tessera::testing::run_ranks(2, [&](int) {
+    at::set_num_threads(1);
+    auto mesh = init_device_mesh("cpu", {2}, {"dp"});
+    expect_error([&] {
+      auto m = std::make_shared<torch::nn::Module>();
+      m->register_module("list", torch::nn::ParameterList(torch::ones({4}), torch::ones({2})));
+      fully_shard(*m, mesh);
+    }, "reads the registry");
+    expect_error([&] {
+      auto m = std::make_shared<SharedWeightImpl>(torch::ones({}));
+      fully_shard(*m, mesh);
+    }, "is a scalar");
+    expect_error([&] {
+      auto m = std::make_shared<torch::nn::LinearImpl>(4, 3);
+      distribute_parameter(*m, "weight", mesh, {Shard(0)});
+      fully_shard(*m, mesh);
+    }, "already distributed");
+    expect_error([&] {
+      auto m = std::make_shared<TwoSharedImpl>(torch::ones({3, 2}));
+      fully_shard(*m->a, mesh);
+      fully_shard(*m, mesh);
+    }, "tied parameter");
+    expect_error([&] {
+      auto m = std::make_shared<torch::nn::LinearImpl>(4, 3);
+      fully_shard(*m, mesh);
+      fully_shard(*m, mesh);
+    }, "already applied");
+    expect_error([&] {
+      auto cube = init_device_mesh("cpu", {2, 1, 1});
+      auto m = std::make_shared<torch::nn::LinearImpl>(4, 3);
+      fully_shard(*m, cube);
+    }, "1-D mesh");
+  }, {std::chrono::seconds(60)});
+}
+
+// A parameter two modules share is one entry of one group: gathered once, its gradient the
+// sum over both uses, as on one device.
+TEST(FullyShard, TiedParameterInOneGroupTrainsLikeOneDevice) {
+  register_member_accessor<SharedWeightImpl>(
+      [](SharedWeightImpl& m, const std::string& name) { return name == "w" ? &m.w : nullptr; });
+  const at::Tensor init = test::randn({4, 4}, 161, at::kDouble) * 0.5;
+  const auto x = test::randn({7, 4}, 162, at::kDouble), y = test::randn({7, 4}, 163, at::kDouble);
+  auto run = [&](TwoSharedImpl& m, const at::Tensor& dx, const at::Tensor& dy) {
+    // The registered (sharded) tensor, once: parameters() lists it under both names.
+    torch::optim::AdamW opt({m.named_parameters()["a.w"]}, torch::optim::AdamWOptions(0.01));
+    std::vector<double> losses;
+    for (int s = 0; s < 4; ++s) {
+      opt.zero_grad();
+      auto loss = at::mse_loss(m.b->forward(at::tanh(m.a->forward(dx))), dy);
+      loss.backward();
+      opt.step();
+      losses.push_back(loss.item<double>());
+    }
+    return losses;
+  };
+  TwoSharedImpl ref(init.clone());
+  const auto expected = run(ref, x, y);
+  tessera::testing::run_ranks(3, [&](int rank) {
+    at::set_num_threads(1);
+    auto mesh = init_device_mesh("cpu", {3}, {"dp"});
+    auto model = std::make_shared<TwoSharedImpl>(init.clone());
+    auto handle = fully_shard(*model, mesh);
+    ASSERT_EQ(handle->parameter_names().size(), 1u);
+    ASSERT_EQ(model->a->w.unsafeGetTensorImpl(), model->b->w.unsafeGetTensorImpl());
+    const ShardTable rows = {3, 0, 4};
+    const auto losses = run(*model, local_batch(x, mesh, rows), local_batch(y, mesh, rows));
+    expect_losses(losses, expected, "tied");
+    const auto named = model->named_parameters();
+    ASSERT_EQ(named["a.w"].unsafeGetTensorImpl(), named["b.w"].unsafeGetTensorImpl());
+    expect_parameters(*model, ref, 3, rank, "tied");
+  }, {std::chrono::seconds(60)});
+}
