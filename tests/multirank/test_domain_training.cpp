@@ -15,6 +15,7 @@
 #include <torch/optim/adam.h>
 
 #include "helpers.h"
+#include "support/small_unet.h"
 
 using namespace tessera;
 namespace nn = torch::nn;
@@ -22,30 +23,8 @@ namespace F = torch::nn::functional;
 
 namespace {
 
-struct UNetImpl : torch::nn::Cloneable<UNetImpl> {
-  torch::nn::detail::conv_padding_mode_t mode;
-  torch::nn::Conv2d enc1{nullptr}, enc2{nullptr}, dec{nullptr}, head{nullptr};
-  torch::nn::ConvTranspose2d up2{nullptr};
-  torch::nn::GroupNorm norm1{nullptr}, norm2{nullptr};
-  explicit UNetImpl(torch::nn::detail::conv_padding_mode_t m) : mode(m) { reset(); }
-  void reset() override {
-    enc1 = register_module("enc1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3).padding(1).padding_mode(mode)));
-    norm1 = register_module("norm1", torch::nn::GroupNorm(2, 4));
-    enc2 = register_module("enc2", torch::nn::Conv2d(torch::nn::Conv2dOptions(4, 8, 3).padding(1).padding_mode(mode)));
-    norm2 = register_module("norm2", torch::nn::GroupNorm(4, 8));
-    up2 = register_module("up2", torch::nn::ConvTranspose2d(torch::nn::ConvTranspose2dOptions(8, 4, 2).stride(2)));
-    dec = register_module("dec", torch::nn::Conv2d(torch::nn::Conv2dOptions(12, 4, 3).padding(1).padding_mode(mode)));
-    head = register_module("head", torch::nn::Conv2d(torch::nn::Conv2dOptions(4, 1, 1)));
-  }
-  at::Tensor forward(const at::Tensor& x) {
-    at::Tensor skip = at::relu(norm1(enc1(x)));
-    at::Tensor low = at::relu(norm2(enc2(at::max_pool2d(skip, {2, 2}))));
-    at::Tensor up = F::interpolate(low, F::InterpolateFuncOptions().scale_factor(std::vector<double>{2, 2}).mode(torch::kNearest));
-    at::Tensor both = at::cat({up + up2(low).sum(1, true), skip}, 1);
-    return head(at::relu(dec(both)));
-  }
-};
-TORCH_MODULE(UNet);
+using UNetImpl = test::SmallUNetImpl;
+using UNet = test::SmallUNet;
 
 std::shared_ptr<UNetImpl> clone_of(const UNet& m) {
   return std::dynamic_pointer_cast<UNetImpl>(m->clone());
