@@ -7,7 +7,12 @@
 // sequences modulo the vocabulary), shows the collectives of one step and checks the final
 // loss and parameters against the same training on one device.
 //
+// With --dp N the ranks form an N x (ranks / N) mesh ("dp", "tp"): the plan runs on "tp",
+// each batch is split over "dp", and fully_shard over "dp" (each block, then the root) keeps
+// 1/N of every tensor-parallel shard per rank, gathered for use.
+//
 //   tessera-run -n 4 ./build/examples/tp_transformer [--steps 40] [--no-sequence-parallel]
+//   tessera-run -n 4 ./build/examples/tp_transformer --dp 2
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -48,7 +53,7 @@ double train_step(Transformer& model, torch::optim::AdamW& opt, const Batch& b) 
                                                    b.targets.reshape({-1}));
   loss.backward();
   opt.step();
-  return loss.item<double>();
+  return is_dtensor(loss) ? full_tensor(loss.detach()).item<double>() : loss.item<double>();
 }
 
 }  // namespace
@@ -63,7 +68,7 @@ int run(int argc, char** argv) {
   c.n_heads = 6;
   c.ffn_hidden = 256;
   c.max_seq_len = 64;
-  int64_t batch = 8, seq = 31;
+  int64_t batch = 8, seq = 31, dp = 1;
   double lr = 1e-2;
   bool no_sp = false;
   app.add_option("--steps", steps, "training steps")->capture_default_str()->check(CLI::PositiveNumber);
@@ -76,6 +81,8 @@ int run(int argc, char** argv) {
   app.add_option("--vocab", c.vocab_size, "vocabulary size")->capture_default_str()->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
   app.add_option("--lr", lr, "AdamW learning rate")->capture_default_str();
   app.add_flag("--no-sequence-parallel", no_sp, "tensor parallel only: norms replicated, all-reduces");
+  app.add_option("--dp", dp, "data-parallel size: batch split and fully_shard over it")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   if (c.dim % c.n_heads != 0 || (c.dim / c.n_heads) % 2 != 0) {
     std::fprintf(stderr, "--dim must split into --heads heads of an even size\n");
@@ -86,7 +93,11 @@ int run(int argc, char** argv) {
   const auto started = std::chrono::steady_clock::now();
   init_process_group();
   const int rank = get_rank(), world = get_world_size();
-  auto mesh = init_device_mesh("cpu", {world}, {"tp"});
+  if (world % dp != 0) {
+    if (rank == 0) std::fprintf(stderr, "--dp %lld does not divide %d ranks\n", static_cast<long long>(dp), world);
+    return 2;
+  }
+  auto mesh = init_device_mesh("cpu", {dp, world / dp}, {"dp", "tp"});
 
   // The hand-written RMSNorm's parameter handle, so Tessera can swap in a distributed one.
   register_member_accessor<llama::RMSNormImpl>(
@@ -103,17 +114,28 @@ int run(int argc, char** argv) {
   llama::PlanOptions plan;
   plan.sequence_parallel = !no_sp;
   plan.head_dim = c.head_dim();  // whole heads per rank, even when they do not divide
+  // A batch split over "dp" stays a distributed tensor through the blocks (the attention's
+  // reshapes read its global batch size), so the projections keep distributed outputs.
+  plan.local_output = dp == 1;
   parallelize_module(model, mesh["tp"], llama::tensor_parallel_plan(plan));
+  if (dp > 1) {
+    for (const auto& layer : *model->layers) fully_shard(*layer, mesh["dp"]);
+    fully_shard(*model, mesh["dp"]);
+  }
   if (rank == 0) {
-    std::printf("%lld-layer transformer, dim %lld, %lld heads, vocab %lld on %d ranks (%s)\n",
+    std::printf("%lld-layer transformer, dim %lld, %lld heads, vocab %lld on %d ranks: %lld x %lld (dp x tp, %s%s)\n",
                 static_cast<long long>(c.n_layers), static_cast<long long>(c.dim),
                 static_cast<long long>(c.n_heads), static_cast<long long>(c.vocab_size), world,
-                no_sp ? "tensor parallel" : "tensor + sequence parallel");
-    const auto wq = model->layers[0]->as<llama::TransformerBlock>()->attention->wq->weight;
+                static_cast<long long>(dp), static_cast<long long>(world / dp),
+                no_sp ? "tensor parallel" : "tensor + sequence parallel",
+                dp > 1 ? ", fully_shard over dp" : "");
+    // The parameters the optimizer steps (with fully_shard: this rank's rows of its shard).
+    const auto params = model->named_parameters();
+    const auto& wq = params["layers.0.attention.wq.weight"];
+    const auto& emb = params["tok_embeddings.weight"];
     std::printf("rank 0 holds wq %s of %s, tok_embeddings %s of %s\n",
                 shape_str(spec(wq).local_sizes()).c_str(), shape_str(wq.sizes().vec()).c_str(),
-                shape_str(spec(model->tok_embeddings->weight).local_sizes()).c_str(),
-                shape_str(model->tok_embeddings->weight.sizes().vec()).c_str());
+                shape_str(spec(emb).local_sizes()).c_str(), shape_str(emb.sizes().vec()).c_str());
   }
 
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(lr).weight_decay(0.01));
@@ -121,7 +143,12 @@ int run(int argc, char** argv) {
   const int print_every = std::max(1, steps / 8);
   double loss = 0, training_seconds = 0;
   for (int step = 1; step <= steps; ++step) {
-    const Batch b = make_batch(batch, seq, c.vocab_size, 1000 + step);
+    Batch b = make_batch(batch, seq, c.vocab_size, 1000 + step);
+    if (dp > 1) {  // rows over "dp": the loss is the mean over the whole batch
+      const Placements rows = {Shard(0), Replicate()};
+      b = {distribute_tensor(b.tokens, mesh, rows, std::nullopt),
+           distribute_tensor(b.targets, mesh, rows, std::nullopt)};
+    }
     const auto t0 = std::chrono::steady_clock::now();
     if (step == 2) {
       CommDebugMode comm;  // a steady-state step

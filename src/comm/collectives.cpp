@@ -279,6 +279,67 @@ PendingAllReduce::~PendingAllReduce() {
   }
 }
 
+PendingAllGather all_gather_start(const Group& pg, const at::Tensor& x,
+                                  const std::vector<int64_t>& sizes) {
+  const int n = pg->getSize();
+  const int me = pg->getRank();
+  TORCH_INTERNAL_ASSERT(x.dim() == 1 && static_cast<int>(sizes.size()) == n &&
+                        sizes[me] == x.numel());
+  const int64_t most = *std::max_element(sizes.begin(), sizes.end());
+  const int64_t block = most * static_cast<int64_t>(x.element_size());
+  if (n > 1) record({CollectiveKind::AllGather, (n - 1) * block, (n - 1) * block, n});
+  PendingAllGather p;
+  p.sizes_ = sizes;
+  if (n == 1 || most == 0) {
+    p.blocks_.assign(n, at::empty({0}, x.options()));
+    p.blocks_[me] = x;
+    return p;
+  }
+  at::Tensor mine = x;
+  if (x.numel() < most) {
+    mine = at::zeros({most}, x.options());  // zeros: no uninitialised bytes on the wire
+    mine.narrow(0, 0, x.numel()).copy_(x);
+  }
+  std::vector<at::Tensor> in{mine.contiguous()};
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int i = 0; i < n; ++i) out[0].push_back(at::empty({most}, x.options()));
+  p.work_ = pg->allgather(out, in);
+  p.blocks_ = std::move(out[0]);
+  return p;
+}
+
+std::vector<at::Tensor> PendingAllGather::wait() {
+  if (work_.defined()) {
+    auto work = std::move(work_);
+    work_.reset();
+    work->wait();
+  }
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < blocks_.size(); ++i) out.push_back(blocks_[i].narrow(0, 0, sizes_[i]));
+  blocks_.clear();
+  return out;
+}
+
+PendingAllGather& PendingAllGather::operator=(PendingAllGather&& o) {
+  if (this != &o) {
+    if (work_.defined()) work_->wait();
+    work_ = std::move(o.work_);
+    blocks_ = std::move(o.blocks_);
+    sizes_ = std::move(o.sizes_);
+  }
+  return *this;
+}
+
+PendingAllGather::~PendingAllGather() {
+  // The backend writes into blocks_ until the work finishes: never let them go earlier.
+  if (work_.defined()) {
+    try {
+      work_->wait();
+    } catch (...) {
+    }
+  }
+}
+
 at::Tensor reduce_scatter(const Group& pg, const at::Tensor& x, int64_t dim,
                           const std::vector<int64_t>& sizes, PartialOp op) {
   const int n = pg->getSize();

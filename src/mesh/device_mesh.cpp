@@ -188,6 +188,25 @@ DeviceMesh DeviceMesh::operator[](const std::vector<std::string>& names) const {
   if (dims.size() == m.shape.size()) return *this;
   TORCH_CHECK(contains_this_rank(), "tessera: cannot slice ", str(),
               " on a rank outside it");
+  return sub(dims);
+}
+
+DeviceMesh DeviceMesh::permute(const std::vector<int64_t>& dims) const {
+  const auto& m = impl();
+  const int64_t nd = static_cast<int64_t>(m.shape.size());
+  std::vector<int64_t> sorted = dims;
+  std::sort(sorted.begin(), sorted.end());
+  std::vector<int64_t> identity(nd);
+  std::iota(identity.begin(), identity.end(), int64_t{0});
+  TORCH_CHECK(sorted == identity, "tessera: DeviceMesh::permute", shape_str(dims), " of ", str(),
+              ": give every mesh dim exactly once");
+  if (dims == identity) return *this;
+  TORCH_CHECK(contains_this_rank(), "tessera: cannot permute ", str(), " on a rank outside it");
+  return sub(dims);
+}
+
+DeviceMesh DeviceMesh::sub(const std::vector<int64_t>& dims) const {
+  const auto& m = impl();
   std::lock_guard<std::mutex> lock(impl_->mu);
   auto& cached = impl_->submeshes[dims];
   if (!cached) {

@@ -9,13 +9,14 @@
 // NOTE: [Normalising sharded activations]
 // group_norm and batch_norm take [N, C, *spatial] activations that may stay sharded on the
 // batch dim and on any spatial dim (domain parallelism: uneven and empty shards included).
-// Their statistics span dims that are sharded, so the local kernels compute local sums and
-// all-reduce them over the mesh dims that shard those dims, dividing by *global* counts:
-//   group_norm: per (n, group) over channels-in-group x spatial: all-reduce over the mesh
-//     dims sharding spatial dims (a sample's statistics never cross batch shards).
+// Their statistics span dims that are sharded, so the local kernels compute local moments
+// and combine them over the mesh dims that shard those dims, dividing by *global* counts:
+//   group_norm: per (n, group) over channels-in-group x spatial: every shard's (count, mean,
+//     variance) all-gathered over the mesh dims sharding spatial dims (a sample's statistics
+//     never cross batch shards), one collective per dim, combined locally.
 //   batch_norm: per channel over batch x spatial: all-reduce over the mesh dims sharding the
 //     batch or a spatial dim.
-// Mean first, then the sum of squared deviations (two passes: as accurate as one device).
+// Mean first, then the sum of squared deviations about it (as accurate as one device).
 // The backward all-reduces the two per-statistic gradient sums in one message; weight/bias
 // gradients come out of those sums already reduced (Replicate) where the input gradient
 // needed them, and as local Partial(sum) terms otherwise. Partial inputs and a sharded
@@ -175,8 +176,10 @@ OpPlan group_norm_rule(const OpCall& call) {
     const double eps = kc.arg<double>("eps");
     const int64_t n = x.size(0), c = x.size(1), d = c / group;
     const int64_t local = d * spatial_numel(x.sizes());  // elements per (sample, group) here
-    // One pass for the local moments, then the shards' moments combine exactly: the global
-    // mean first, then every shard's squared deviations about it.
+    // One pass for the local moments. Every shard's (elements, mean, variance) then travels
+    // in one all-gather per spatial mesh dim (latency-bound: one collective instead of a sum
+    // of means followed by a sum of deviations), and the shards combine exactly here: the
+    // global mean first, then every shard's squared deviations about it.
     at::Tensor lmean, lvar;
     if (local > 0 && n > 0) {
       std::tie(lvar, lmean) = at::var_mean(x.reshape({n, group, local}), at::IntArrayRef{2},
@@ -185,10 +188,23 @@ OpPlan group_norm_rule(const OpCall& call) {
       lmean = at::zeros({n, group}, x.options());
       lvar = at::zeros({n, group}, x.options());
     }
-    const double weight = static_cast<double>(local);
-    const at::Tensor mean = sum_over(mesh, dims, lmean * weight).div(count);
-    const at::Tensor m2 = sum_over(mesh, dims, (lvar + (lmean - mean).pow(2)) * weight);
-    const at::Tensor rstd = (m2.div(count).clamp_min(0) + eps).rsqrt();
+    // (float at least: a half count would overflow past 65504 elements)
+    const bool reduced = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+    at::Tensor moments = at::stack({at::full_like(lmean, static_cast<double>(local)), lmean, lvar});
+    if (reduced) moments = moments.to(at::kFloat);
+    int64_t shards = 1;
+    for (auto d : dims) {
+      const std::vector<int64_t> one_each(mesh.size(d), 1);
+      moments = comm::all_gather(mesh.group(d), moments.unsqueeze(0), 0, one_each);
+      shards *= mesh.size(d);
+    }
+    moments = moments.reshape({shards, 3, n, group});
+    const at::Tensor elements = moments.select(1, 0), means = moments.select(1, 1);
+    const at::Tensor global_mean = (elements * means).sum(0).div(count);
+    const at::Tensor m2 =
+        (elements * (moments.select(1, 2) + (means - global_mean).pow(2))).sum(0);
+    const at::Tensor mean = global_mean.to(x.scalar_type());
+    const at::Tensor rstd = (m2.div(count).clamp_min(0) + eps).rsqrt().to(x.scalar_type());
     // out = x * scale + shift with one scale and shift per (sample, channel): one pass.
     at::Tensor scale = rstd.unsqueeze(-1).expand({n, group, d}).reshape({n, c});
     if (w.defined()) scale = scale * w.view({1, c});

@@ -27,6 +27,18 @@
 // (global means are taken by the loss), so nothing is divided. The first hook of a backward
 // queues an engine final callback that reduces groups whose parameters were only partly used
 // (in group order, identical on every rank) and reshards what is left unsharded.
+//
+// NOTE: [Prefetch]
+// Each direction (forward, backward) records the order its touches gathered groups in. When
+// a touch gathers group g as the k-th of this pass and g was also the k-th of the previous
+// pass, the all-gather of the previous pass's (k+1)-th group is started at once (or of the
+// groups set_modules_to_*_prefetch named): it runs on the backend's threads while g
+// computes, and the touch that needs it only waits. Its storage stays empty until then, so
+// that touch still comes through on_freed_storage. The orders are identical on every rank
+// (the same module code runs everywhere), so every rank starts the same collectives in the
+// same order. Backward recording its own order means it prefetches only what it gathered
+// last time (not a weight backward never reads), and a changed control flow costs at most
+// one useless all-gather, never a wrong value.
 #include "fsdp_group.h"
 
 #include <mutex>
@@ -90,12 +102,13 @@ void on_freed_storage(c10::ArrayRef<at::Tensor> locals) {
   bool any_sharded = false;
   for (const auto& g : touched) any_sharded = any_sharded || !g->unsharded();
   if (!any_sharded) return;
+  const bool backward = in_backward();
   // A group left unsharded across an optimizer step (kept after a forward that no backward
   // followed, or with reshard_after_backward off) would feed forward old values: drop it so
   // its next use gathers the new ones.
   for (const auto& other : touched.front()->context().live())
     if (other->stale()) other->reshard();
-  if (!in_backward()) {
+  if (!backward) {
     for (const auto& other : touched.front()->context().live()) {
       if (!other->unsharded() || !other->reshard_after_forward()) continue;
       bool keep = false;
@@ -103,7 +116,11 @@ void on_freed_storage(c10::ArrayRef<at::Tensor> locals) {
       if (!keep) other->reshard();
     }
   }
-  for (const auto& g : touched) g->unshard();
+  for (const auto& g : touched) {
+    if (g->unsharded()) continue;
+    g->unshard();
+    g->context().on_gathered(g, backward);
+  }
 }
 
 struct GradReadyHook : torch::autograd::FunctionPostHook {
@@ -179,7 +196,35 @@ void FsdpContext::finish_backward() {
   for (const auto& g : all)
     if (g->any_ready()) g->finish_gradients();
   for (const auto& g : all)
-    if (g->unsharded() && g->reshard_after_backward) g->reshard();
+    if ((g->unsharded() || g->gathering()) && g->reshard_after_backward) g->reshard();
+  forward_.roll();
+  backward_.roll();
+}
+
+void FsdpContext::on_gathered(const std::shared_ptr<FsdpGroup>& g, bool backward) {
+  Order& order = backward ? backward_ : forward_;
+  // Forward passes without a backward between them (evaluation): a group gathered twice
+  // starts a new pass.
+  for (const auto& w : order.current)
+    if (w.lock() == g) {
+      order.roll();
+      break;
+    }
+  order.current.push_back(g);
+  // Prefetch what came next last time (or what the user named). Every rank gathers in the
+  // same order, so every rank starts the same all-gathers in the same order.
+  std::vector<std::shared_ptr<FsdpGroup>> next;
+  const auto& chosen = backward ? g->backward_prefetch : g->forward_prefetch;
+  if (chosen) {
+    for (const auto& w : *chosen)
+      if (auto n = w.lock()) next.push_back(std::move(n));
+  } else {
+    const size_t k = order.current.size() - 1;
+    if (k + 1 < order.last.size() && order.last[k].lock() == g)
+      if (auto n = order.last[k + 1].lock()) next.push_back(std::move(n));
+  }
+  for (const auto& n : next)
+    if (n != g) n->unshard_start();
 }
 
 FsdpGroup::FsdpGroup(const torch::nn::Module& module, DeviceMesh mesh, FullyShardOptions opts,
@@ -227,35 +272,45 @@ bool FsdpGroup::has_ancestor(const FsdpGroup* other) const {
   return false;
 }
 
-void FsdpGroup::unshard() {
+void FsdpGroup::unshard_start() {
   if (stale()) reshard();
-  if (unsharded_) return;
+  if (unsharded_ || gathering_) return;
   at::NoGradGuard no_grad;
-  const auto pg = root_.group(shard_dim_);
   const int64_t n = root_.size(shard_dim_);
   // One flat byte buffer per rank: its rows of every parameter, in the compute dtype. Rank
-  // r's segment is sum_j rows_j[r] * row_bytes_j long, so uneven and empty shards need no
-  // padding.
+  // r's piece is sum_j rows_j[r] * row_bytes_j long. The unsharded storage stays empty until
+  // the all-gather is finished, so a touch in between still comes here to wait for it.
   std::vector<at::Tensor> mine;
-  std::vector<int64_t> segment(n, 0);
+  std::vector<int64_t> piece(n, 0);
+  for (auto& p : params) {
+    const at::Tensor& u = local_of(p.unsharded);
+    mine.push_back(flat_bytes(local_of(p.sharded).to(u.scalar_type())));
+    p.gathered_version = p.sharded._version();
+    for (int64_t r = 0; r < n; ++r) piece[r] += p.rows[r] * p.row_numel * u.element_size();
+  }
+  gather_ = comm::all_gather_start(root_.group(shard_dim_), at::cat(mine), piece);
+  gathering_ = true;
+}
+
+void FsdpGroup::unshard() {
+  unshard_start();
+  if (unsharded_) return;
+  at::NoGradGuard no_grad;
+  const std::vector<at::Tensor> pieces = gather_.wait();
+  gathering_ = false;
   for (auto& p : params) {
     const at::Tensor& u = local_of(p.unsharded);
     allocate(storage_of(p.unsharded), static_cast<size_t>(u.numel()) * u.element_size());
-    mine.push_back(flat_bytes(local_of(p.sharded).to(u.scalar_type())));
-    p.gathered_version = p.sharded._version();
-    for (int64_t r = 0; r < n; ++r) segment[r] += p.rows[r] * p.row_numel * u.element_size();
   }
-  at::Tensor flat = at::cat(mine);
-  at::Tensor gathered = n == 1 ? flat : comm::all_gather(pg, flat, 0, segment);
-  int64_t pos = 0;
-  for (int64_t r = 0; r < n; ++r) {
+  for (size_t r = 0; r < pieces.size(); ++r) {
+    int64_t pos = 0;
     for (auto& p : params) {
       const at::Tensor& u = local_of(p.unsharded);
       const int64_t row_bytes = p.row_numel * u.element_size();
       const int64_t len = p.rows[r] * row_bytes;
       if (len > 0)
         u.view({-1}).view(at::kByte).narrow(0, p.row_offsets[r] * row_bytes, len)
-            .copy_(gathered.narrow(0, pos, len));
+            .copy_(pieces[r].narrow(0, pos, len));
       pos += len;
     }
   }
@@ -263,13 +318,17 @@ void FsdpGroup::unshard() {
 }
 
 bool FsdpGroup::stale() const {
-  if (!unsharded_) return false;
+  if (!unsharded_ && !gathering_) return false;
   for (const auto& p : params)
     if (p.sharded._version() != p.gathered_version) return true;
   return false;
 }
 
 void FsdpGroup::reshard() {
+  if (gathering_) {
+    gather_.wait();  // the backend may still write into its buffers
+    gathering_ = false;
+  }
   if (!unsharded_) return;
   for (auto& p : params) free_bytes(storage_of(p.unsharded));
   unsharded_ = false;
@@ -314,18 +373,18 @@ void FsdpGroup::reduce(const std::vector<size_t>& ready) {
   for (size_t i : ready) {
     at::Tensor g = params[i].unsharded.grad();
     const auto& s = spec(g);
+    // The parameter's own layout (replicated over the data-parallel dims, tensor-parallel
+    // shards kept), a sum wherever the gradient is one and the parameter is replicated.
+    const DTensorSpec& like = spec(params[i].unsharded);
     Placements target;
-    bool convert = false;
     for (int64_t d = 0; d < root_.ndim(); ++d) {
       const Placement& pl = s.placement(d);
-      if (pl.is_partial() && pl.reduce_op() == PartialOp::Sum) {
-        target.push_back(pl);
-      } else {
-        target.push_back(Replicate());
-        convert = convert || !pl.is_replicate();
-      }
+      const bool sum = pl.is_partial() && pl.reduce_op() == PartialOp::Sum;
+      target.push_back(sum && like.placement(d).is_replicate() ? pl : like.placement(d));
     }
-    if (convert) g = redistribute(g, target);
+    auto target_spec = std::make_shared<const DTensorSpec>(root_, target, like.sizes(),
+                                                           g.scalar_type(), like.shard_tables());
+    if (s != *target_spec) g = redistribute(g, target_spec);
     reduce_dtype = reduce_dtype == c10::ScalarType::Undefined
                        ? g.scalar_type() : at::promote_types(reduce_dtype, g.scalar_type());
     items.push_back({i, local_of(g), {}, target});

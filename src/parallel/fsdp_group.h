@@ -2,6 +2,7 @@
 // One fully_shard parameter group (internal). See NOTE: [Gather on first touch] in
 // fsdp_group.cpp.
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -9,6 +10,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/nn/module.h>
 
+#include "tessera/comm/collectives.h"
 #include "tessera/mesh/device_mesh.h"
 #include "tessera/parallel/fully_shard.h"
 
@@ -20,8 +22,9 @@ struct FsdpParam {
   std::string fqn;          // qualified from the fully_shard module (first owner)
   at::Tensor sharded;       // registered: Shard(0) over the shard dim, the optimizer's
   at::Tensor unsharded;     // read by forward(): replicated over the data-parallel dims
+                            // (tensor-parallel shards kept)
   std::shared_ptr<torch::autograd::Node> accumulator;  // unsharded's; held so the hook lives
-  std::vector<int64_t> rows;  // dim-0 rows of every shard-dim rank (torch.chunk)
+  std::vector<int64_t> rows;  // dim-0 rows of the unsharded local, per shard-dim rank (chunk)
   std::vector<int64_t> row_offsets;
   int64_t row_numel = 1;      // elements per dim-0 row
   bool ready = false;         // gradient accumulated in this backward
@@ -39,8 +42,11 @@ class FsdpGroup {
   FsdpGroup& operator=(const FsdpGroup&) = delete;
 
   void unshard();  // collective over the shard dim; no-op when unsharded
-  void reshard();  // local
+  // Starts the all-gather and returns (prefetch); unshard() or a touch finishes it.
+  void unshard_start();
+  void reshard();  // local; drops a started all-gather
   bool unsharded() const { return unsharded_; }
+  bool gathering() const { return gathering_; }
   // Unsharded, but a sharded parameter changed since (an optimizer step, a load).
   bool stale() const;
 
@@ -64,6 +70,8 @@ class FsdpGroup {
 
   std::vector<FsdpParam> params;
   std::vector<std::weak_ptr<FsdpGroup>> ancestors;  // groups of enclosing modules
+  // set_modules_to_{forward,backward}_prefetch: replace the recorded order when set.
+  std::optional<std::vector<std::weak_ptr<FsdpGroup>>> forward_prefetch, backward_prefetch;
   // The parameters as they were before fully_shard: weak, so their memory goes, but their
   // addresses are never reused while the group lives (tied-parameter checks).
   std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> originals;
@@ -79,6 +87,8 @@ class FsdpGroup {
   int64_t shard_dim_;  // in the root mesh
   std::shared_ptr<FsdpContext> context_;
   bool unsharded_ = false;
+  bool gathering_ = false;
+  comm::PendingAllGather gather_;
   size_t ready_ = 0;
   size_t requiring_grad_ = 0;
 
@@ -100,8 +110,19 @@ class FsdpContext {
   // Once per backward, on its first gradient: the engine's final callback (finish_backward).
   void queue_final_callback();
   void finish_backward();
+  // A touch gathered `g` (forward or backward): record the order, start the prefetches.
+  void on_gathered(const std::shared_ptr<FsdpGroup>& g, bool backward);
 
  private:
+  // The order groups were gathered in, this pass and the previous one, per direction.
+  struct Order {
+    std::vector<std::weak_ptr<FsdpGroup>> last, current;
+    void roll() {
+      if (!current.empty()) last = std::move(current);
+      current.clear();
+    }
+  };
+  Order forward_, backward_;
   bool callback_queued_ = false;
 };
 

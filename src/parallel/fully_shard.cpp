@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "fsdp_group.h"
+#include "tp_boundary.h"
 #include "tessera/parallel/module.h"
 #include "tessera/tensor/api.h"
 #include "tessera/tensor/dtensor_impl.h"
@@ -58,6 +59,35 @@ std::string qualified(const std::string& prefix, const std::string& name) {
   return prefix.empty() ? name : prefix + "." + name;
 }
 
+// The optimizer's parameter: `like` (a parameter's layout on the root mesh, Replicate over
+// `shard_dim`) with dim 0 also cut over `shard_dim`, innermost: rank r along shard_dim holds
+// torch.chunk's piece r of the rows it would hold under `like`. Without other cuts of dim 0
+// that is Shard(0) on the root. With them (a tensor-parallel Shard(0)), the rows nest inside
+// those shards; shards of one dim nest in mesh-dim order (NOTE: [Shard tables]), so the
+// parameter lives on the root permuted to put shard_dim last.
+SpecPtr sharded_spec_of(const DTensorSpec& like, int64_t shard_dim) {
+  const DeviceMesh& root = like.mesh();
+  const int64_t n = root.size(shard_dim);
+  ShardTable rows;
+  for (int64_t piece : like.ndim() > 0 && !like.shard_table(0).empty()
+                           ? like.shard_table(0) : ShardTable{like.sizes().at(0)})
+    for (int64_t r : chunk_sizes(piece, n)) rows.push_back(r);
+  std::vector<int64_t> order;
+  for (int64_t d = 0; d < root.ndim(); ++d)
+    if (d != shard_dim && like.placement(d).is_shard(0)) order.push_back(d);
+  const bool nested = !order.empty();
+  order.clear();
+  for (int64_t d = 0; d < root.ndim(); ++d)
+    if (d != shard_dim || !nested) order.push_back(d);
+  if (nested) order.push_back(shard_dim);
+  Placements placements;
+  for (int64_t d : order) placements.push_back(d == shard_dim ? Shard(0) : like.placement(d));
+  auto tables = like.shard_tables();
+  tables.at(0) = rows;
+  return std::make_shared<const DTensorSpec>(root.permute(order), std::move(placements),
+                                             like.sizes(), like.dtype(), std::move(tables));
+}
+
 struct Candidate {
   torch::nn::Module* owner;
   std::string name, fqn;
@@ -82,6 +112,7 @@ std::shared_ptr<FSDPModule> fully_shard(torch::nn::Module& module, const DeviceM
                 ": already applied to this module; apply it once per module, bottom-up");
   }
   const DeviceMesh root = mesh.root();
+  const std::vector<int64_t> dp_dims = mesh.dims_in_root();
   auto context = detail::context_of(root);
   const auto existing = context->live();
   auto owned_by_group = [&](const at::Tensor& t) -> std::shared_ptr<FsdpGroup> {
@@ -116,9 +147,15 @@ std::shared_ptr<FSDPModule> fully_shard(torch::nn::Module& module, const DeviceM
                   "shards dim 0. Keep it in a module left out of fully_shard, or make it 1-D");
       if (is_dtensor(t)) {
         const auto& s = spec(t);
-        TORCH_CHECK(s.is_replicated(), where, ": parameter \"", fqn, "\" is already distributed ",
-                    "as ", s.str(), "; fully_shard takes plain or replicated parameters (sharding ",
-                    "a tensor-parallel or domain-sharded parameter again is not supported yet)");
+        TORCH_CHECK(s.mesh() == root, where, ": parameter \"", fqn, "\" lives on ",
+                    s.mesh().str(), ", not on ", root.str(), " (the root of the mesh given); ",
+                    "apply tensor parallelism and fully_shard to slices of one mesh");
+        bool ok = !s.has_partial();
+        for (int64_t d : dp_dims) ok = ok && s.placement(d).is_replicate();
+        TORCH_CHECK(ok, where, ": parameter \"", fqn, "\" is distributed as ", s.str(),
+                    "; fully_shard shards parameters that are Replicate over its mesh dims ",
+                    shape_str(dp_dims), " and not Partial (tensor-parallel shards on other dims ",
+                    "are kept)");
       }
       check_splittable(owner, param.key());
       candidates.push_back({&owner, param.key(), fqn, t});
@@ -126,10 +163,7 @@ std::shared_ptr<FSDPModule> fully_shard(torch::nn::Module& module, const DeviceM
   }
 
   auto group = std::make_shared<FsdpGroup>(module, mesh, std::move(options), context);
-  const int64_t shard_dim = mesh.dims_in_root().back();
-  Placements sharded_placements(root.ndim(), Replicate());
-  sharded_placements[shard_dim] = Shard(0);
-  const Placements replicated(root.ndim(), Replicate());
+  const int64_t shard_dim = dp_dims.back();
   const int64_t n = root.size(shard_dim);
   const int64_t me = root.local_rank(shard_dim);
   for (const auto& c : candidates) {
@@ -142,26 +176,35 @@ std::shared_ptr<FSDPModule> fully_shard(torch::nn::Module& module, const DeviceM
     }
     if (tied) continue;
     at::NoGradGuard no_grad;
-    const at::Tensor full = (is_dtensor(c.value) ? to_local(c.value) : c.value).detach();
+    // What forward reads: the parameter's own layout (replicated, or a tensor-parallel
+    // shard), gathered from the data-parallel rows of this rank's local tensor.
+    const at::Tensor local = (is_dtensor(c.value) ? to_local(c.value) : c.value).detach();
+    const DTensorSpec like = is_dtensor(c.value)
+                                 ? spec(c.value)
+                                 : DTensorSpec(root, Placements(root.ndim(), Replicate()),
+                                               local.sizes().vec(), local.scalar_type());
     FsdpParam p;
     p.owners.emplace_back(c.owner, c.name);
     p.fqn = c.fqn;
-    p.rows = chunk_sizes(full.size(0), n);
+    p.rows = chunk_sizes(local.size(0), n);
     int64_t off = 0;
     for (int64_t r : p.rows) p.row_offsets.push_back(off), off += r;
-    p.row_numel = full.size(0) == 0 ? 0 : full.numel() / full.size(0);
-    auto sharded_spec = std::make_shared<const DTensorSpec>(
-        root, sharded_placements, full.sizes().vec(), full.scalar_type());
+    p.row_numel = local.size(0) == 0 ? 0 : local.numel() / local.size(0);
     // A copy of this rank's rows, so the full value's memory goes with the original.
-    p.sharded = make_dtensor(full.narrow(0, p.row_offsets[me], p.rows[me]).clone(),
-                             sharded_spec)
+    p.sharded = make_dtensor(local.narrow(0, p.row_offsets[me], p.rows[me]).clone(),
+                             sharded_spec_of(like, shard_dim))
                     .requires_grad_(c.value.requires_grad());
-    const auto compute = group->compute_dtype_of(full);
-    auto unsharded_spec = std::make_shared<const DTensorSpec>(root, replicated,
-                                                              full.sizes().vec(), compute);
-    p.unsharded = make_dtensor(at::empty(full.sizes(), full.options().dtype(compute)),
+    const auto compute = group->compute_dtype_of(local);
+    auto unsharded_spec = std::make_shared<const DTensorSpec>(
+        root, like.placements(), like.sizes(), compute, like.shard_tables());
+    p.unsharded = make_dtensor(at::empty(local.sizes(), local.options().dtype(compute)),
                                unsharded_spec)
                       .requires_grad_(c.value.requires_grad());
+    // A tensor-parallel module finds its boundary through the parameter its forward reads
+    // (NOTE: [Module boundaries without hooks]): that is now the unsharded one, whose
+    // StorageImpl survives resharding.
+    if (auto boundary = tp::detail::boundary_of(c.value))
+      tp::detail::tag_parameter(p.unsharded, std::move(boundary));
     group->originals.emplace_back(c.value.getIntrusivePtr());
     group->params.push_back(std::move(p));
   }
@@ -212,6 +255,26 @@ void FSDPModule::set_reshard_after_forward(bool reshard) {
 }
 void FSDPModule::set_reshard_after_backward(bool reshard) {
   group_->reshard_after_backward = reshard;
+}
+namespace {
+std::vector<std::weak_ptr<FsdpGroup>> groups_of(
+    const std::vector<std::shared_ptr<FSDPModule>>& modules) {
+  std::vector<std::weak_ptr<FsdpGroup>> out;
+  for (const auto& m : modules) {
+    TORCH_CHECK(m, "tessera: set_modules_to_*_prefetch: a null FSDPModule");
+    out.push_back(m->group());
+  }
+  return out;
+}
+}  // namespace
+
+void FSDPModule::set_modules_to_forward_prefetch(
+    const std::vector<std::shared_ptr<FSDPModule>>& modules) {
+  group_->forward_prefetch = groups_of(modules);
+}
+void FSDPModule::set_modules_to_backward_prefetch(
+    const std::vector<std::shared_ptr<FSDPModule>>& modules) {
+  group_->backward_prefetch = groups_of(modules);
 }
 const DeviceMesh& FSDPModule::mesh() const { return group_->mesh(); }
 std::vector<std::string> FSDPModule::parameter_names() const {

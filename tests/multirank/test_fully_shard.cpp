@@ -1,6 +1,6 @@
 // fully_shard trained end to end against one device: an MLP with uneven and empty shards
 // (1..4 ranks, uneven per-rank batches, SGD and AdamW), an embedding whose every row updates,
-// a small CNN; the collectives per step; each sharded parameter's local rows. Modes (HSDP,
+// a small CNN; the collectives per step; prefetching; each sharded parameter's local rows. Modes (HSDP,
 // dp x domain, mixed precision, no_sync, state dicts, memory, errors) are in
 // test_fully_shard_modes.cpp.
 #include "fully_shard_helpers.h"
@@ -151,6 +151,62 @@ TEST(FullyShard, CollectivesPerStepAreOnePerGroup) {
       }, {std::chrono::seconds(60)});
     }
   }
+}
+
+// From the second step on, gathering a group starts the all-gather of the group that came
+// next last time: after l0's forward two all-gathers have been started (l0's and l1's), and
+// l1 is not yet unsharded; in backward, by the time l1's output gradient exists (l2's
+// backward done, l1's not begun) l1's all-gather has been started too. Explicit lists replace
+// the guess. Training still equals one device's.
+TEST(FullyShard, PrefetchStartsTheNextGroupsAllGather) {
+  const auto proto = make_mlp();
+  const auto x = test::randn({10, 15}, 141, at::kDouble), y = test::randn({10, 2}, 142, at::kDouble);
+  constexpr int kSteps = 5;
+  auto ref = clone_of(proto);
+  const auto expected = train(*ref, Opt::AdamW, x, y, kSteps);
+  tessera::testing::run_ranks(3, [&](int rank) {
+    at::set_num_threads(1);
+    auto mesh = init_device_mesh("cpu", {3}, {"dp"});
+    auto model = clone_of(proto);
+    const auto groups = shard_mlp(*model, mesh);
+    const ShardTable rows = {4, 0, 6};
+    const auto dx = local_batch(x, mesh, rows), dy = local_batch(y, mesh, rows);
+    auto opt = make_optimizer(Opt::AdamW, model->parameters());
+    std::vector<double> losses;
+    for (int step = 0; step < kSteps; ++step) {
+      const std::string ctx = "step " + std::to_string(step);
+      if (step == 3) groups[0]->set_modules_to_forward_prefetch({});
+      if (step == 4) groups[0]->set_modules_to_forward_prefetch({groups[1], groups[2]});
+      opt->zero_grad();
+      CommDebugMode forward;
+      auto h = model->l0(dx);
+      const int64_t after_l0 = forward.get_comm_counts()["all_gather"];
+      const bool l1_gathered = groups[1]->is_unsharded();
+      h = model->l1(at::relu(h));
+      auto out = model->head(at::tanh(model->l2(at::relu(h))));
+      auto loss = at::mse_loss(out, dy);
+      const int64_t forward_gathers = forward.get_comm_counts()["all_gather"];
+      CommDebugMode backward;
+      int64_t before_l1_backward = -1;
+      h.register_hook([&](const at::Tensor& g) {
+        before_l1_backward = backward.get_comm_counts()["all_gather"];
+        return g;
+      });
+      loss.backward();
+      opt->step();
+      losses.push_back(loss.item<double>());
+      EXPECT_EQ(forward_gathers, 4) << ctx << ": one all-gather per group, prefetched or not";
+      EXPECT_FALSE(l1_gathered) << ctx << ": a prefetch leaves the storage empty until a touch";
+      const int64_t expect_after_l0 = step == 0 ? 1 : step == 3 ? 1 : step == 4 ? 3 : 2;
+      EXPECT_EQ(after_l0, expect_after_l0) << ctx;
+      // Backward gathers l2 and l1 (not l0: its input needs no gradient); l1's is started as
+      // soon as l2 is gathered, from the second backward on.
+      EXPECT_EQ(backward.get_comm_counts()["all_gather"], 2) << ctx;
+      EXPECT_EQ(before_l1_backward, step == 0 ? 1 : 2) << ctx;
+    }
+    expect_losses(losses, expected, "prefetch");
+    expect_parameters(*model, *ref, 3, rank, "prefetch");
+  }, {std::chrono::seconds(120)});
 }
 
 // A forward that no backward follows (evaluation) leaves the root gathered; an optimizer step

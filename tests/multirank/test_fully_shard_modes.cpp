@@ -1,5 +1,5 @@
 // fully_shard's modes against one device: HSDP on a 2x2 mesh, dp x domain (batch over "dp",
-// height over "domain"), mixed precision, no_sync micro-batches, state dicts, the memory a
+// height over "domain"), dp x domain x tp, mixed precision, no_sync micro-batches, state dicts, the memory a
 // rank holds after a step, and errors raised identically on every rank.
 #include <torch/nn/modules/container/parameterlist.h>
 
@@ -117,6 +117,77 @@ TEST(FullyShard, DataTimesDomainConvNetTrainsLikeOneDevice) {
       EXPECT_TRUE(placements(p)[0].is_shard(0) && placements(p)[1].is_replicate())
           << spec(p).str();
   }, {std::chrono::seconds(120)});
+}
+
+// All three: batch over "dp", height over "domain" (a convolution and a group norm with
+// halos), and a Colwise / Rowwise MLP over "tp" on the channels; fully_shard over "dp" on
+// every module. The tensor-parallel weights' data-parallel rows nest inside their
+// tensor-parallel shards (a Colwise weight is cut twice along dim 0), the convolution's are
+// plain Shard(0). Uneven everywhere: 3 samples (2 + 1), 7 rows (4 + 3), a hidden width of 9
+// (5 + 4, then 3 + 2 and 2 + 2).
+TEST(FullyShard, DataDomainAndTensorParallelTrainLikeOneDevice) {
+  struct NetImpl : torch::nn::Cloneable<NetImpl> {
+    torch::nn::Conv2d conv{nullptr};
+    torch::nn::GroupNorm norm{nullptr};
+    torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+    NetImpl() { reset(); }
+    void reset() override {
+      conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3).padding(1)));
+      norm = register_module("norm", torch::nn::GroupNorm(2, 4));
+      fc1 = register_module("fc1", torch::nn::Linear(4, 9));
+      fc2 = register_module("fc2", torch::nn::Linear(9, 3));
+    }
+    at::Tensor forward(const at::Tensor& x) {
+      const at::Tensor h = at::relu(norm(conv(x))).permute({0, 2, 3, 1});  // [B, H, W, C]
+      return fc2(at::gelu(fc1(h)));
+    }
+  };
+  torch::manual_seed(11);
+  auto net = std::make_shared<NetImpl>();
+  net->to(at::kDouble);
+  const auto x = test::randn({3, 2, 7, 5}, 91, at::kDouble), y = test::randn({3, 7, 5, 3}, 92, at::kDouble);
+  auto ref = clone_of(net);
+  const auto expected = train(*ref, Opt::AdamW, x, y, 6);
+  for (const std::vector<int64_t>& shape :
+       {std::vector<int64_t>{2, 1, 2}, std::vector<int64_t>{1, 2, 2}, std::vector<int64_t>{2, 2, 2}}) {
+    const std::string ctx = "dp x domain x tp " + shape_str(shape);
+    const int world = static_cast<int>(shape[0] * shape[1] * shape[2]);
+    tessera::testing::run_ranks(world, [&](int) {
+      at::set_num_threads(1);
+      auto mesh = init_device_mesh("cpu", shape, {"dp", "domain", "tp"});
+      auto model = clone_of(net);
+      parallelize_module(*model, mesh["tp"],
+                         {{"fc1", ColwiseParallel().use_local_output(false)},
+                          {"fc2", RowwiseParallel().use_local_output(false)}});
+      for (auto* m : std::vector<torch::nn::Module*>{model->conv.get(), model->fc1.get(),
+                                                     model->fc2.get(), model.get()})
+        fully_shard(*m, mesh["dp"]);
+      const ShardTable batch = shape[0] == 2 ? ShardTable{2, 1} : ShardTable{3};
+      const ShardTable height = shape[1] == 2 ? ShardTable{4, 3} : ShardTable{7};
+      const ShardSizes xs = ShardSizes::Given({batch, {}, height, {}});
+      const ShardSizes ys = ShardSizes::Given({batch, height, {}, {}});
+      const auto dx = distribute_tensor(x, mesh, {Shard(0), Shard(2), Replicate()}, std::nullopt, xs);
+      const auto dy = distribute_tensor(y, mesh, {Shard(0), Shard(1), Replicate()}, std::nullopt, ys);
+      const auto losses = train(*model, Opt::AdamW, dx, dy, 6);
+      expect_losses(losses, expected, ctx);
+      const auto want = ref->named_parameters();
+      const int64_t dp = mesh.coordinate()[0], tp = mesh.coordinate()[2];
+      for (const auto& item : model->named_parameters()) {
+        const at::Tensor& p = item.value();
+        const at::Tensor e = want[item.key()].detach();
+        ASSERT_TRUE(test::full_matches(p, e, {1e-9, 1e-10})) << ctx << " " << item.key();
+        // This rank's rows: torch.chunk over "dp" of its tensor-parallel shard.
+        at::Tensor shard = e;
+        if (item.key().rfind("fc1.", 0) == 0) shard = e.chunk(shape[2], 0)[tp];
+        if (item.key() == "fc2.weight") shard = e.chunk(shape[2], 1)[tp];
+        const auto rows = shard.chunk(shape[0], 0);
+        const at::Tensor mine = dp < static_cast<int64_t>(rows.size())
+                                    ? rows[dp] : shard.narrow(0, shard.size(0), 0);
+        ASSERT_TRUE(test::matches(to_local(p.detach()), mine, {1e-9, 1e-10}))
+            << ctx << " " << item.key() << " " << spec(p).str();
+      }
+    }, {std::chrono::seconds(300)});
+  }
 }
 
 // reduce_dtype float64 reduces the float32 gradients in float64: twice the reduce-scatter
@@ -324,7 +395,13 @@ TEST(FullyShard, ErrorsAreRaisedOnEveryRank) {
       auto m = std::make_shared<torch::nn::LinearImpl>(4, 3);
       distribute_parameter(*m, "weight", mesh, {Shard(0)});
       fully_shard(*m, mesh);
-    }, "already distributed");
+    }, "Replicate over its mesh dims [0]");
+    expect_error([&] {
+      auto other = init_device_mesh("cpu", {2}, {"tp"});
+      auto m = std::make_shared<torch::nn::LinearImpl>(4, 3);
+      distribute_parameter(*m, "weight", other, {Shard(0)});
+      fully_shard(*m, mesh);
+    }, "slices of one mesh");
     expect_error([&] {
       auto m = std::make_shared<TwoSharedImpl>(torch::ones({3, 2}));
       fully_shard(*m->a, mesh);

@@ -6,7 +6,9 @@
 //    that do not divide (6 heads on 4 ranks in whole heads, vocabulary 4N+1, a SwiGLU
 //    width and a sequence length that split unevenly);
 //  * a 2x2 data x tensor parallel mesh: the plan on mesh["tp"], the batch a distributed
-//    tensor sharded over "dp", the loss a global mean;
+//    tensor sharded over "dp", the loss a global mean; then with replicate or fully_shard
+//    over "dp" on top;
+//  * data parallel alone: replicate and fully_shard on 2 and 3 ranks;
 //  * the collectives of one training step (CommDebugMode) equal the analytic count.
 #include <cstdio>
 #include <map>
@@ -207,6 +209,15 @@ void record(const std::string& what, const Trained& t) {
               str(t.optimizer).c_str(), static_cast<long long>(t.bytes));
 }
 
+// fully_shard on each block, then on the root (embedding, final norm, output): returns the
+// number of groups.
+int64_t shard_llama(Transformer& model, const DeviceMesh& dp) {
+  int64_t groups = 0;
+  for (const auto& layer : *model->layers) fully_shard(*layer, dp), ++groups;
+  fully_shard(*model, dp);
+  return groups + 1;
+}
+
 void tensor_parallel_case(bool sequence_parallel) {
   register_rmsnorm_member();
   const auto c = uneven_config();
@@ -270,7 +281,7 @@ TEST(TpLlama, DataAndTensorParallelTwoByTwo) {
   const Reference ref = reference_run(c, task, 23);
   for (bool sequence_parallel : {false, true}) {
     const std::string what = std::string("dp x ") + (sequence_parallel ? "tp+sp" : "tp") + " on 2x2";
-    std::vector<Trained> per_rank(4), bucketed(4);
+    std::vector<Trained> per_rank(4), bucketed(4), fsdp(4);
     tessera::testing::run_ranks(
         4,
         [&](int rank) {
@@ -294,6 +305,18 @@ TEST(TpLlama, DataAndTensorParallelTwoByTwo) {
           auto ddp = replicate(again, mesh["dp"]);
           bucketed[rank] = train(again, tokens, targets);
           expect_same(ref, bucketed[rank], again, what + " with replicate");
+          // And with fully_shard over "dp" on each block and the root: the tensor-parallel
+          // parameters' data-parallel rows nest inside their tensor-parallel shards.
+          auto sharded = copy_of(ref.initial);
+          parallelize_module(sharded, mesh["tp"], llama::tensor_parallel_plan(o));
+          const int64_t groups = shard_llama(sharded, mesh["dp"]);
+          fsdp[rank] = train(sharded, tokens, targets);
+          expect_same(ref, fsdp[rank], sharded, what + " with fully_shard");
+          // One reduce-scatter per group on top of the tensor-parallel ones, and no
+          // data-parallel all-reduce of a gradient is left for the optimizer.
+          EXPECT_EQ(fsdp[rank].backward["reduce_scatter"],
+                    per_rank[rank].backward["reduce_scatter"] + groups) << what;
+          EXPECT_EQ(fsdp[rank].optimizer["all_reduce"], 0) << what;
           const auto buckets = static_cast<int64_t>(ddp->bucket_parameter_names().size());
           EXPECT_LE(buckets, 2) << what;
           // No gradient is left for the optimizer's reads to reduce, and backward sums fewer.
@@ -305,6 +328,46 @@ TEST(TpLlama, DataAndTensorParallelTwoByTwo) {
         {std::chrono::seconds(600)});
     record(what, per_rank[0]);
     record(what + " with replicate", bucketed[0]);
+    record(what + " with fully_shard", fsdp[0]);
+  }
+}
+
+// Data parallel alone, on 2 and 3 ranks with a batch of 3 rows (2 + 1; 1 + 1 + 1): replicate
+// (gradients summed in buckets) and fully_shard (each block, then the root; vocabulary 65
+// rows in uneven shards) train like one device, with one all-gather per group in forward and
+// one reduce-scatter per group in backward.
+TEST(TpLlama, ReplicateAndFullyShardMatchOneDevice) {
+  register_rmsnorm_member();
+  const auto c = uneven_config();
+  const Task task = make_task(/*batch=*/3, /*seq=*/7, c.vocab_size, 12);
+  const Reference ref = reference_run(c, task, 31);
+  for (int world : {2, 3}) {
+    const std::string what = "dp " + std::to_string(world);
+    std::vector<Trained> ddp(world), fsdp(world);
+    tessera::testing::run_ranks(
+        world,
+        [&](int rank) {
+          auto mesh = init_device_mesh("cpu", {world}, {"dp"});
+          const auto tokens = distribute_tensor(task.tokens, mesh, {Shard(0)}, std::nullopt);
+          const auto targets = distribute_tensor(task.targets, mesh, {Shard(0)}, std::nullopt);
+          auto replicated = copy_of(ref.initial);
+          auto handle = replicate(replicated, mesh);
+          ddp[rank] = train(replicated, tokens, targets);
+          expect_same(ref, ddp[rank], replicated, what + " replicate");
+          EXPECT_EQ(ddp[rank].optimizer["all_reduce"], 0) << what;
+
+          auto sharded = copy_of(ref.initial);
+          const int64_t groups = shard_llama(sharded, mesh);
+          fsdp[rank] = train(sharded, tokens, targets);
+          expect_same(ref, fsdp[rank], sharded, what + " fully_shard");
+          EXPECT_EQ(fsdp[rank].forward["all_gather"], groups) << what;
+          EXPECT_EQ(fsdp[rank].backward["reduce_scatter"], groups) << what;
+          EXPECT_EQ(fsdp[rank].optimizer["all_reduce"] + fsdp[rank].optimizer["all_gather"], 0)
+              << what;
+        },
+        {std::chrono::seconds(600)});
+    record(what + " replicate", ddp[0]);
+    record(what + " fully_shard", fsdp[0]);
   }
 }
 

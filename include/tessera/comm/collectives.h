@@ -50,6 +50,31 @@ class PendingAllReduce {
 };
 PendingAllReduce all_reduce_start(const Group& pg, at::Tensor buffer, PartialOp op);
 
+// Every member's 1-D `x` (member i's has sizes[i] elements), left running on the backend's own
+// threads; wait() returns the n pieces in member order (fully_shard's prefetch: the next
+// group's parameters arrive while this one computes). Uneven pieces travel padded to the
+// largest, as the backend's all-gather wants equal blocks: sends (n-1)*max, receives
+// (n-1)*max elements (fully_shard's pieces differ by at most a row per parameter). A pending
+// all-gather that is never waited for is waited for by its destructor. Accounted when started.
+class PendingAllGather {
+ public:
+  PendingAllGather() = default;
+  PendingAllGather(PendingAllGather&&) = default;
+  PendingAllGather& operator=(PendingAllGather&&);
+  ~PendingAllGather();
+  std::vector<at::Tensor> wait();
+  bool pending() const { return work_.defined() || !blocks_.empty(); }
+
+ private:
+  friend PendingAllGather all_gather_start(const Group&, const at::Tensor&,
+                                           const std::vector<int64_t>&);
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::vector<at::Tensor> blocks_;  // padded, one per member (the member's own: its input)
+  std::vector<int64_t> sizes_;
+};
+PendingAllGather all_gather_start(const Group& pg, const at::Tensor& x,
+                                  const std::vector<int64_t>& sizes);
+
 // Member i gets piece i (sizes[i] along `dim`) of op over every member's x.
 // Sends B - own piece; receives (n-1) * own piece. One all-to-all-v + a local reduction.
 at::Tensor reduce_scatter(const Group& pg, const at::Tensor& x, int64_t dim,

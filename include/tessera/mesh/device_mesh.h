@@ -56,6 +56,13 @@ class DeviceMesh {
     return (*this)[std::vector<std::string>(names)];
   }
 
+  // The same ranks and groups with the dims reordered: dim i of the result is dim dims[i] of
+  // this mesh. Shards of one tensor dim over several mesh dims nest in mesh-dim order (NOTE:
+  // [Shard tables]), so a permuted mesh states another nesting: fully_shard keeps a
+  // tensor-parallel shard outermost and nests its data-parallel rows inside it this way.
+  // Cached like slices; root() and dims_in_root() see through it. Local.
+  DeviceMesh permute(const std::vector<int64_t>& dims) const;
+
   // The mesh this one was sliced from, followed to the top (itself when not a slice), and
   // the root's dim behind each of this mesh's dims. Tensor parallelism on mesh["tp"] lays
   // parameters out on the root, replicated over its other dims, so they meet activations
@@ -84,6 +91,8 @@ class DeviceMesh {
  private:
   explicit DeviceMesh(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
   const Impl& impl() const;
+  // The mesh over `dims` of this one, in that order (slices and permutations), cached.
+  DeviceMesh sub(const std::vector<int64_t>& dims) const;
   std::shared_ptr<Impl> impl_;
 };
 

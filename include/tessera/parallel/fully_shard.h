@@ -62,6 +62,15 @@ class FSDPModule {
   // call reshard() before the optimizer steps, or forward would read stale values.
   void set_reshard_after_backward(bool reshard);
 
+  // Prefetching (torch's FSDPModule methods of the same names). By default, when forward (or
+  // backward) gathers this group, the all-gather of the group that came next in the previous
+  // iteration's forward (backward) is started at once and runs on the backend's threads
+  // while this group computes. These replace that guess for this group: the groups of
+  // `modules` (each one fully_shard was applied to) are started instead; an empty list turns
+  // prefetching off here. Every rank must set the same lists.
+  void set_modules_to_forward_prefetch(const std::vector<std::shared_ptr<FSDPModule>>& modules);
+  void set_modules_to_backward_prefetch(const std::vector<std::shared_ptr<FSDPModule>>& modules);
+
   const DeviceMesh& mesh() const;  // the mesh fully_shard was given
   // The group's parameters, qualified from the module fully_shard was applied to.
   std::vector<std::string> parameter_names() const;
@@ -80,7 +89,9 @@ class FSDPModule {
 // FSDP, each parameter Shard(0) (torch.chunk layout: uneven and empty shards allowed) over
 // it; 2-D (replicate, shard) -> HSDP. Parameters live on mesh.root(), replicated over the
 // root's other dims, so they meet activations sharded over those dims (e.g. "domain") in one
-// op. Afterwards module.parameters() are the sharded parameters (give those to the
+// op. Tensor-parallel parameters (parallelize_module on another dim of the same root, before
+// fully_shard) keep their tensor-parallel layout when gathered; the data-parallel rows nest
+// inside the tensor-parallel shard (see docs/fsdp.md, "FSDP over tensor parallel"). Afterwards module.parameters() are the sharded parameters (give those to the
 // optimizer); forward() reads unsharded ones, gathered on first use. Every rank must call it
 // with the same module structure and the same initial values (nothing is broadcast).
 std::shared_ptr<FSDPModule> fully_shard(torch::nn::Module& module, const DeviceMesh& mesh,
