@@ -276,11 +276,12 @@ class LiveBytesAllocator final : public c10::Allocator {
 // ranks, every rank on its own share of the global batch:
 //   replicate        tessera::replicate, distributed inputs (batch Shard(0), summed gradients);
 //   replicate local  tessera::replicate with local_batches(true) (plain batches, averaged);
+//   fully_shard      tessera::fully_shard on each Linear, then the root, unsharded from
+//                    forward to backward (as FSDP2 in dtensor_dp.py), distributed inputs;
 //   plain            the model alone on one rank's share, no communication (scale).
 // Per variant: step time, the collectives of one step, and the CPU allocator's peak during
 // the third step above the live bytes before the variant was built (as peak_step_bytes in
-// dtensor_dp.py counts PyTorch's). Tessera's fully_shard gets its row here once it exists
-// (compare.py prints "not yet" until then).
+// dtensor_dp.py counts PyTorch's).
 void data_parallel(int iters) {
   at::set_num_threads(1);
   const int world = get_world_size(), rank = get_rank();
@@ -292,18 +293,28 @@ void data_parallel(int iters) {
     at::Tensor x = at::randn({kBatch, kIn}), y = at::randn({kBatch, kOut});
     return std::make_pair(x.slice(0, lo, hi).clone(), y.slice(0, lo, hi).clone());
   };
-  const std::vector<std::string> variants = {"plain", "replicate", "replicate local"};
+  const std::vector<std::string> variants = {"plain", "replicate", "replicate local",
+                                              "fully_shard"};
   for (const auto& variant : variants) {
     // Memory, then time, each on a model of its own (the first is gone before the second).
     auto run = [&](bool count_memory) {
       const int64_t live_before = LiveBytesAllocator::live();
       auto model = mlp();
       std::shared_ptr<ReplicatedModule> ddp;
-      if (variant != "plain")
+      if (variant == "replicate" || variant == "replicate local")
         ddp = replicate(model, mesh, ReplicateOptions().local_batches(variant == "replicate local"));
+      if (variant == "fully_shard") {
+        // Bottom-up, as dtensor_dp.py's FSDP2: one group per Linear, the root owns none.
+        // Unsharded from forward to backward, as FSDP2_OPTIONS there (which CPU needs), so
+        // both sides gather each parameter once per step.
+        const auto opts = FullyShardOptions().reshard_after_forward(false);
+        for (const auto& child : model->children())
+          if (child->as<torch::nn::Linear>()) fully_shard(*child, mesh, opts);
+        fully_shard(*model, mesh, opts);
+      }
       at::Tensor x, y;
       std::tie(x, y) = local_batch();
-      if (variant == "replicate") {
+      if (variant == "replicate" || variant == "fully_shard") {
         x = from_local(x, mesh, {Shard(0)});
         y = from_local(y, mesh, {Shard(0)});
       }
