@@ -210,7 +210,7 @@ SUITES = [
                                                                   "--iters", str(a.iters)])(a)),
           over_tp_sizes(lambda a, n: tessera_multi("tp", n)(a)),
           lambda t, r: comm_table(t, r, variants=("plain", "tp", "tp+sp"))),
-    Suite("dp", "Data-parallel MLP step, DDP / FSDP2 vs Tessera replicate (1, 2 and --ranks "
+    Suite("dp", "Data-parallel MLP step, DDP / FSDP2 vs Tessera replicate / fully_shard (1, 2 and --ranks "
           "processes, Gloo)",
           over_dp_sizes(lambda a, n: py("dtensor_dp.py", lambda a: ["--ranks", str(n),
                                                                   "--iters", str(a.iters)])(a)),
