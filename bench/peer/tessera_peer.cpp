@@ -28,6 +28,7 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 
+#include "counting_allocator.h"
 #include "llama_plan.h"
 #include "tessera/tessera.h"
 
@@ -232,45 +233,8 @@ void train(int iters) {
 
 
 // Live and peak bytes of the CPU allocator, every thread of the process (the dp suite's
-// memory column). A header in front of the data remembers the size for the free, and makes a
-// working raw_deleter (oneDNN allocates through raw_allocate / raw_deleter).
-class LiveBytesAllocator final : public c10::Allocator {
- public:
-  explicit LiveBytesAllocator(c10::Allocator* base) {
-    base_ = base;
-    base_free_ = base->raw_deleter();
-  }
-  c10::DataPtr allocate(size_t n) TESSERA_ALLOCATE_CONST override {
-    void* raw = base_->raw_allocate(n + kHeader);
-    *static_cast<int64_t*>(raw) = static_cast<int64_t>(n);
-    const int64_t now = live_.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
-    for (int64_t p = peak_.load(); now > p && !peak_.compare_exchange_weak(p, now);) {
-    }
-    void* data = static_cast<char*>(raw) + kHeader;
-    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &release; }
-#if TESSERA_ALLOCATOR_HAS_COPY_DATA
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-#endif
-  static int64_t live() { return live_.load(); }
-  static int64_t peak() { return peak_.load(); }
-  static void reset_peak() { peak_.store(live_.load()); }
-
- private:
-  static constexpr size_t kHeader = 64;  // keeps the data 64-byte aligned
-  static void release(void* data) {
-    if (!data) return;
-    void* raw = static_cast<char*>(data) - kHeader;
-    live_.fetch_sub(*static_cast<int64_t*>(raw));
-    base_free_(raw);
-  }
-  static inline c10::Allocator* base_ = nullptr;
-  static inline c10::DeleterFnPtr base_free_ = nullptr;
-  static inline std::atomic<int64_t> live_{0}, peak_{0};
-};
+// memory column; counted by bench::ProcessCountingAllocator, installed in main).
+bench::LiveBytes& g_bytes = bench::process_bytes();
 
 // Data parallelism (same in dtensor_dp.py): one training step of the peer MLP on 1, 2 or 4
 // ranks, every rank on its own share of the global batch:
@@ -298,7 +262,7 @@ void data_parallel(int iters) {
   for (const auto& variant : variants) {
     // Memory, then time, each on a model of its own (the first is gone before the second).
     auto run = [&](bool count_memory) {
-      const int64_t live_before = LiveBytesAllocator::live();
+      const int64_t live_before = g_bytes.live.load();
       auto model = mlp();
       std::shared_ptr<ReplicatedModule> ddp;
       if (variant == "replicate" || variant == "replicate local")
@@ -327,10 +291,10 @@ void data_parallel(int iters) {
       if (count_memory) {
         step();
         step();
-        const int64_t start = LiveBytesAllocator::live() - live_before;
-        LiveBytesAllocator::reset_peak();
+        const int64_t start = g_bytes.live.load() - live_before;
+        g_bytes.reset_peak();
         step();
-        return json{{"mem_peak", LiveBytesAllocator::peak() - live_before}, {"mem_start", start}};
+        return json{{"mem_peak", g_bytes.peak.load() - live_before}, {"mem_start", start}};
       }
       const auto [us, comm] = time_training_step(step, iters, pg);
       json rec = comm;
@@ -423,12 +387,12 @@ int main(int argc, char** argv) {
   auto* redist_cmd = app.add_subcommand("redistribute", "redistribute on every rank");
   auto* train_cmd = app.add_subcommand("train", "one data-parallel MLP step");
   auto* tp_cmd = app.add_subcommand("tp", "one tensor-parallel Llama step (torchtitan's plan)");
-  auto* dp_cmd = app.add_subcommand("dp", "one data-parallel MLP step: replicate, time and memory");
+  auto* dp_cmd = app.add_subcommand("dp", "one data-parallel MLP step: replicate, fully_shard; time and memory");
   for (auto* c : {redist_cmd, train_cmd, tp_cmd, dp_cmd}) c->add_option("--iters", iters, "timed iterations");
   CLI11_PARSE(app, argc, argv);
   // Before any tensor exists, and only here: the other suites time the default allocator.
   if (*dp_cmd) {
-    static LiveBytesAllocator counting(c10::GetDefaultCPUAllocator());
+    static bench::ProcessCountingAllocator counting(c10::GetDefaultCPUAllocator());
     c10::SetCPUAllocator(&counting, /*priority=*/100);
   }
   init_process_group();
