@@ -37,6 +37,7 @@
 
 #include "heat_net.h"
 #include "bench_main.h"
+#include "counting_allocator.h"
 #include "tessera/tessera.h"
 
 using namespace tessera;
@@ -146,45 +147,9 @@ std::string op_path(const std::vector<std::string>& ops) {
   return out.empty() ? "(no op)" : out;
 }
 
-class CountingAllocator final : public c10::Allocator {
- public:
-  explicit CountingAllocator(c10::Allocator* base) {
-    base_ = base;
-    base_free_ = base->raw_deleter();
-  }
-  c10::DataPtr allocate(size_t n) TESSERA_ALLOCATE_CONST override {
-    MemCounter* c = t_counter ? t_counter : &g_untracked;
-    void* raw = base_->raw_allocate(n + kHeader);
-    auto* h = static_cast<Header*>(raw);
-    h->bytes = static_cast<int64_t>(n);
-    h->counter = c;
-    c->add(h->bytes);
-    void* data = static_cast<char*>(raw) + kHeader;
-    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &release; }
-#if TESSERA_ALLOCATOR_HAS_COPY_DATA
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-#endif
-
- private:
-  struct Header {
-    int64_t bytes;
-    MemCounter* counter;
-  };
-  static constexpr size_t kHeader = 64;  // keeps the data 64-byte aligned
-  static void release(void* data) {
-    if (!data) return;
-    void* raw = static_cast<char*>(data) - kHeader;
-    auto* h = static_cast<Header*>(raw);
-    h->counter->sub(h->bytes);
-    base_free_(raw);
-  }
-  static inline c10::Allocator* base_ = nullptr;
-  static inline c10::DeleterFnPtr base_free_ = nullptr;
-};
+// Charges each allocation to the allocating thread's counter (the rank's, in the P=4 runs).
+MemCounter* charged_counter() { return t_counter ? t_counter : &g_untracked; }
+using CountingAllocator = bench::CountingAllocator<MemCounter, &charged_counter>;
 
 // ---------------------------------------------------------------------------------------
 // Every collective record of one thread, in order (CommDebugMode keeps totals per kind;

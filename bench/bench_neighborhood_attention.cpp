@@ -34,6 +34,7 @@
 
 #include "tessera/nn/neighborhood_attention.h"
 #include "bench_main.h"
+#include "counting_allocator.h"
 #include "tessera/tessera.h"
 
 using Clock = std::chrono::steady_clock;
@@ -41,48 +42,9 @@ namespace naf = tessera::nn::functional;
 
 namespace {
 
-// ---------------------------------------------------------------------------------------
-// Peak bytes through the CPU allocator, process-wide (part a runs on one thread; the Gloo
-// threads allocate nothing then). Each block carries its size in a header in front of the
-// data, so frees on any thread are credited correctly and raw_deleter works (oneDNN uses it).
-std::atomic<int64_t> g_live{0}, g_peak{0};
-
-class PeakAllocator final : public c10::Allocator {
- public:
-  explicit PeakAllocator(c10::Allocator* base) {
-    base_ = base;
-    base_free_ = base->raw_deleter();
-  }
-  c10::DataPtr allocate(size_t n) TESSERA_ALLOCATE_CONST override {
-    void* raw = base_->raw_allocate(n + kHeader);
-    *static_cast<int64_t*>(raw) = static_cast<int64_t>(n);
-    const int64_t now = g_live.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
-    int64_t p = g_peak.load();
-    while (now > p && !g_peak.compare_exchange_weak(p, now)) {
-    }
-    void* data = static_cast<char*>(raw) + kHeader;
-    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &release; }
-#if TESSERA_ALLOCATOR_HAS_COPY_DATA
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-#endif
-
- private:
-  static constexpr size_t kHeader = 64;  // keeps the data 64-byte aligned
-  static void release(void* data) {
-    if (!data) return;
-    void* raw = static_cast<char*>(data) - kHeader;
-    g_live.fetch_sub(*static_cast<int64_t*>(raw));
-    base_free_(raw);
-  }
-  static inline c10::Allocator* base_ = nullptr;
-  static inline c10::DeleterFnPtr base_free_ = nullptr;
-};
-
-void reset_peak() { g_peak.store(g_live.load()); }
+// Peak bytes through the CPU allocator, process-wide (bench::ProcessCountingAllocator; part
+// a runs on one thread, the Gloo threads allocate nothing then).
+bench::LiveBytes& g_bytes = bench::process_bytes();
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -172,14 +134,14 @@ LocalResult time_local(Inputs& in, F&& attention, int warmup, int reps) {
   }
   r.seconds = median(t);
   clear_grads(in);
-  const int64_t base = g_live.load();
-  reset_peak();
+  const int64_t base = g_bytes.live.load();
+  g_bytes.reset_peak();
   {
     auto out = attention(in.q, in.k, in.v);
     out.backward(in.g);
     r.out = out.detach();
   }
-  r.peak = g_peak.load() - base;
+  r.peak = g_bytes.peak.load() - base;
   r.dq = in.q.grad();
   r.dk = in.k.grad();
   r.dv = in.v.grad();
@@ -485,5 +447,5 @@ int run(int argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
-  return counting_bench_main<PeakAllocator>("bench_neighborhood_attention", run, argc, argv);
+  return counting_bench_main<bench::ProcessCountingAllocator>("bench_neighborhood_attention", run, argc, argv);
 }

@@ -130,7 +130,7 @@ def comm_table(title, recs, variants=("dist",)):
 
 
 # The dp suite's rows per rank count: (impl, variant, label, the PyTorch row it is compared
-# with). A row nobody reported is printed as "not yet" (Tessera's fully_shard is being built).
+# with). A row nobody reported (a side that failed or was not run) is printed as "missing".
 DP_ROWS = [
     ("pytorch", "plain", "PyTorch plain (local batch, no comm)", None),
     ("pytorch", "ddp", "PyTorch DDP", None),
@@ -138,7 +138,7 @@ DP_ROWS = [
     ("tessera", "plain", "Tessera plain (local batch, no comm)", "plain"),
     ("tessera", "replicate", "Tessera replicate, distributed inputs", "ddp"),
     ("tessera", "replicate local", "Tessera replicate, local_batches(true)", "ddp"),
-    ("tessera", "fully_shard", "Tessera fully_shard", "fsdp2"),
+    ("tessera", "fully_shard", "Tessera fully_shard, distributed inputs", "fsdp2"),
 ]
 
 
@@ -156,7 +156,7 @@ def dp_table(title, recs):
         for impl, variant, label, against in DP_ROWS:
             r = pick(recs, impl, case, variant)
             if not r:
-                rows.append(f"| {ranks} | {label} | not yet | - | not yet | - | - | - | - |")
+                rows.append(f"| {ranks} | {label} | missing | - | missing | - | - | - | - |")
                 continue
             p = pick(recs, "pytorch", case, against) if against else None
             rows.append(
@@ -210,7 +210,7 @@ SUITES = [
                                                                   "--iters", str(a.iters)])(a)),
           over_tp_sizes(lambda a, n: tessera_multi("tp", n)(a)),
           lambda t, r: comm_table(t, r, variants=("plain", "tp", "tp+sp"))),
-    Suite("dp", "Data-parallel MLP step, DDP / FSDP2 vs Tessera replicate (1, 2 and --ranks "
+    Suite("dp", "Data-parallel MLP step, DDP / FSDP2 vs Tessera replicate / fully_shard (1, 2 and --ranks "
           "processes, Gloo)",
           over_dp_sizes(lambda a, n: py("dtensor_dp.py", lambda a: ["--ranks", str(n),
                                                                   "--iters", str(a.iters)])(a)),

@@ -28,6 +28,7 @@
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 
+#include "counting_allocator.h"
 #include "llama_plan.h"
 #include "tessera/tessera.h"
 
@@ -232,55 +233,19 @@ void train(int iters) {
 
 
 // Live and peak bytes of the CPU allocator, every thread of the process (the dp suite's
-// memory column). A header in front of the data remembers the size for the free, and makes a
-// working raw_deleter (oneDNN allocates through raw_allocate / raw_deleter).
-class LiveBytesAllocator final : public c10::Allocator {
- public:
-  explicit LiveBytesAllocator(c10::Allocator* base) {
-    base_ = base;
-    base_free_ = base->raw_deleter();
-  }
-  c10::DataPtr allocate(size_t n) TESSERA_ALLOCATE_CONST override {
-    void* raw = base_->raw_allocate(n + kHeader);
-    *static_cast<int64_t*>(raw) = static_cast<int64_t>(n);
-    const int64_t now = live_.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
-    for (int64_t p = peak_.load(); now > p && !peak_.compare_exchange_weak(p, now);) {
-    }
-    void* data = static_cast<char*>(raw) + kHeader;
-    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &release; }
-#if TESSERA_ALLOCATOR_HAS_COPY_DATA
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-#endif
-  static int64_t live() { return live_.load(); }
-  static int64_t peak() { return peak_.load(); }
-  static void reset_peak() { peak_.store(live_.load()); }
-
- private:
-  static constexpr size_t kHeader = 64;  // keeps the data 64-byte aligned
-  static void release(void* data) {
-    if (!data) return;
-    void* raw = static_cast<char*>(data) - kHeader;
-    live_.fetch_sub(*static_cast<int64_t*>(raw));
-    base_free_(raw);
-  }
-  static inline c10::Allocator* base_ = nullptr;
-  static inline c10::DeleterFnPtr base_free_ = nullptr;
-  static inline std::atomic<int64_t> live_{0}, peak_{0};
-};
+// memory column; counted by bench::ProcessCountingAllocator, installed in main).
+bench::LiveBytes& g_bytes = bench::process_bytes();
 
 // Data parallelism (same in dtensor_dp.py): one training step of the peer MLP on 1, 2 or 4
 // ranks, every rank on its own share of the global batch:
 //   replicate        tessera::replicate, distributed inputs (batch Shard(0), summed gradients);
 //   replicate local  tessera::replicate with local_batches(true) (plain batches, averaged);
+//   fully_shard      tessera::fully_shard on each Linear, then the root, unsharded from
+//                    forward to backward (as FSDP2 in dtensor_dp.py), distributed inputs;
 //   plain            the model alone on one rank's share, no communication (scale).
 // Per variant: step time, the collectives of one step, and the CPU allocator's peak during
 // the third step above the live bytes before the variant was built (as peak_step_bytes in
-// dtensor_dp.py counts PyTorch's). Tessera's fully_shard gets its row here once it exists
-// (compare.py prints "not yet" until then).
+// dtensor_dp.py counts PyTorch's).
 void data_parallel(int iters) {
   at::set_num_threads(1);
   const int world = get_world_size(), rank = get_rank();
@@ -292,18 +257,28 @@ void data_parallel(int iters) {
     at::Tensor x = at::randn({kBatch, kIn}), y = at::randn({kBatch, kOut});
     return std::make_pair(x.slice(0, lo, hi).clone(), y.slice(0, lo, hi).clone());
   };
-  const std::vector<std::string> variants = {"plain", "replicate", "replicate local"};
+  const std::vector<std::string> variants = {"plain", "replicate", "replicate local",
+                                              "fully_shard"};
   for (const auto& variant : variants) {
     // Memory, then time, each on a model of its own (the first is gone before the second).
     auto run = [&](bool count_memory) {
-      const int64_t live_before = LiveBytesAllocator::live();
+      const int64_t live_before = g_bytes.live.load();
       auto model = mlp();
       std::shared_ptr<ReplicatedModule> ddp;
-      if (variant != "plain")
+      if (variant == "replicate" || variant == "replicate local")
         ddp = replicate(model, mesh, ReplicateOptions().local_batches(variant == "replicate local"));
+      if (variant == "fully_shard") {
+        // Bottom-up, as dtensor_dp.py's FSDP2: one group per Linear, the root owns none.
+        // Unsharded from forward to backward, as FSDP2_OPTIONS there (which CPU needs), so
+        // both sides gather each parameter once per step.
+        const auto opts = FullyShardOptions().reshard_after_forward(false);
+        for (const auto& child : model->children())
+          if (child->as<torch::nn::Linear>()) fully_shard(*child, mesh, opts);
+        fully_shard(*model, mesh, opts);
+      }
       at::Tensor x, y;
       std::tie(x, y) = local_batch();
-      if (variant == "replicate") {
+      if (variant == "replicate" || variant == "fully_shard") {
         x = from_local(x, mesh, {Shard(0)});
         y = from_local(y, mesh, {Shard(0)});
       }
@@ -316,10 +291,10 @@ void data_parallel(int iters) {
       if (count_memory) {
         step();
         step();
-        const int64_t start = LiveBytesAllocator::live() - live_before;
-        LiveBytesAllocator::reset_peak();
+        const int64_t start = g_bytes.live.load() - live_before;
+        g_bytes.reset_peak();
         step();
-        return json{{"mem_peak", LiveBytesAllocator::peak() - live_before}, {"mem_start", start}};
+        return json{{"mem_peak", g_bytes.peak.load() - live_before}, {"mem_start", start}};
       }
       const auto [us, comm] = time_training_step(step, iters, pg);
       json rec = comm;
@@ -412,12 +387,12 @@ int main(int argc, char** argv) {
   auto* redist_cmd = app.add_subcommand("redistribute", "redistribute on every rank");
   auto* train_cmd = app.add_subcommand("train", "one data-parallel MLP step");
   auto* tp_cmd = app.add_subcommand("tp", "one tensor-parallel Llama step (torchtitan's plan)");
-  auto* dp_cmd = app.add_subcommand("dp", "one data-parallel MLP step: replicate, time and memory");
+  auto* dp_cmd = app.add_subcommand("dp", "one data-parallel MLP step: replicate, fully_shard; time and memory");
   for (auto* c : {redist_cmd, train_cmd, tp_cmd, dp_cmd}) c->add_option("--iters", iters, "timed iterations");
   CLI11_PARSE(app, argc, argv);
   // Before any tensor exists, and only here: the other suites time the default allocator.
   if (*dp_cmd) {
-    static LiveBytesAllocator counting(c10::GetDefaultCPUAllocator());
+    static bench::ProcessCountingAllocator counting(c10::GetDefaultCPUAllocator());
     c10::SetCPUAllocator(&counting, /*priority=*/100);
   }
   init_process_group();

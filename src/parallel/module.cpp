@@ -355,7 +355,10 @@ void split_parameter(torch::nn::Module& module, const std::string& name, at::Ten
                      at::Tensor member) {
   check_splittable(module, name);
   *parameter_registry(module).find(name) = std::move(registered);
-  for (at::Tensor* handle : *member_handles(module, name)) *handle = member;
+  // In a variable: in `for (h : *member_handles(...))` the optional is a temporary destroyed
+  // before the loop body runs (before C++23), leaving the loop a dangling range.
+  const std::optional<Handles> members = member_handles(module, name);
+  for (at::Tensor* handle : *members) *handle = member;
 }
 
 void distribute_module(torch::nn::Module& module, const DeviceMesh& mesh,
