@@ -296,7 +296,7 @@ void FsdpGroup::unshard() {
   unshard_start();
   if (unsharded_) return;
   at::NoGradGuard no_grad;
-  const std::vector<at::Tensor> pieces = gather_.wait();
+  std::vector<at::Tensor> pieces = gather_.wait();
   gathering_ = false;
   for (auto& p : params) {
     const at::Tensor& u = local_of(p.unsharded);
@@ -313,6 +313,7 @@ void FsdpGroup::unshard() {
             .copy_(pieces[r].narrow(0, pos, len));
       pos += len;
     }
+    pieces[r] = at::Tensor();  // each received block goes as soon as it is copied out
   }
   unsharded_ = true;
 }

@@ -156,6 +156,37 @@ TEST(MeshSlice, SubmeshesAreCachedAndShareGroups) {
   });
 }
 
+// permute: the same ranks and groups, dims reordered; two mesh dims sharding one tensor dim
+// then nest in the permuted order (the inner one splits each piece of the outer one).
+TEST(MeshSlice, PermutedMeshReordersDimsAndNesting) {
+  tessera::testing::run_ranks(6, [](int rank) {
+    auto mesh = init_device_mesh("cpu", {2, 3}, {"dp", "tp"});
+    const int64_t dp = rank / 3, tp = rank % 3;
+    auto t = mesh.permute({1, 0});
+    EXPECT_EQ(t.shape(), (Shape{3, 2}));
+    EXPECT_EQ(t.dim_names(), (std::vector<std::string>{"tp", "dp"}));
+    EXPECT_EQ(t.coordinate(), (Shape{tp, dp}));
+    EXPECT_EQ(t.ranks(), (Ranks{0, 3, 1, 4, 2, 5}));
+    EXPECT_TRUE(t.group(0) == mesh.group(1) && t.group(1) == mesh.group(0));
+    EXPECT_TRUE(t.root() == mesh);
+    EXPECT_EQ(t.dims_in_root(), (Shape{1, 0}));
+    EXPECT_TRUE(mesh.permute({1, 0}) == t);  // cached
+    EXPECT_TRUE(mesh.permute({0, 1}) == mesh);
+    // Rows 0..10 over (tp, dp): tp's chunks [4, 4, 3], each cut in two over dp.
+    const auto full = at::arange(11, at::kDouble).view({11, 1}).repeat({1, 2});
+    const auto d = distribute_tensor(full, t, {Shard(0), Shard(0)}, std::nullopt);
+    const int64_t tp_rows[] = {4, 4, 3}, tp_off[] = {0, 4, 8};
+    const int64_t mine = (tp_rows[tp] + 1 - dp) / 2;  // chunk of the tp piece
+    const int64_t off = tp_off[tp] + (dp == 0 ? 0 : (tp_rows[tp] + 1) / 2);
+    EXPECT_TRUE(at::equal(to_local(d), full.narrow(0, off, mine))) << rank;
+    EXPECT_TRUE(at::equal(full_tensor(d), full));
+    const auto back = redistribute(d, {Shard(0), Replicate()});  // gather over dp only
+    EXPECT_TRUE(at::equal(to_local(back), full.narrow(0, tp_off[tp], tp_rows[tp])));
+    expect_error([&] { mesh.permute({0, 0}); }, "every mesh dim exactly once");
+    expect_error([&] { mesh.permute({1}); }, "every mesh dim exactly once");
+  });
+}
+
 TEST(MeshSlice, SubmeshCollectivesStayInTheirGroup) {
   tessera::testing::run_ranks(4, [](int rank) {
     auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
