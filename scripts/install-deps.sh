@@ -7,7 +7,7 @@ packages=(
   build-essential cmake ninja-build ccache pkg-config
   libtorch-dev libgloo-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libcli11-dev nlohmann-json3-dev libfmt-dev libpng-dev
+  libcli11-dev nlohmann-json3-dev libfmt-dev libpng-dev zlib1g-dev
 )
 
 missing=()

@@ -1,6 +1,11 @@
 #pragma once
 // Every difference between the LibTorch versions Tessera builds against lives here.
 // Supported: Debian 12's LibTorch 1.13, Debian 13's LibTorch 2.6, and pytorch.org LibTorch 2.x.
+#include <sstream>
+#include <string>
+#include <type_traits>
+
+#include <ATen/core/Tensor.h>
 #include <torch/version.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -40,6 +45,19 @@ auto set_tcp_store_libuv(Options& options, bool on, int) -> decltype(options.use
 template <class Options>
 bool set_tcp_store_libuv(Options&, bool, long) {
   return false;  // 1.13: there is only the classic server
+}
+
+// torch::optim::Optimizer::state() is keyed by the parameter's TensorImpl: as a string in
+// 1.13, as the pointer in 2.x. Takes the map, so the key type decides.
+template <class StateMap>
+typename StateMap::key_type optimizer_state_key(const StateMap&, const at::Tensor& parameter) {
+  if constexpr (std::is_same_v<typename StateMap::key_type, std::string>) {
+    std::ostringstream key;  // as 1.13's c10::guts::to_string prints the pointer
+    key << parameter.unsafeGetTensorImpl();
+    return key.str();
+  } else {
+    return parameter.unsafeGetTensorImpl();
+  }
 }
 
 // A c10::Error with no backtrace in what(): 1.13 takes the backtrace as a string, 2.x as a

@@ -21,6 +21,7 @@
 #include "tessera/parallel/loss_parallel.h"
 #include "tessera/parallel/data_parallel.h"
 #include "tessera/parallel/fully_shard.h"
+#include "tessera/checkpoint/checkpoint.h"
 // Neighbourhood attention has its own header, "tessera/nn/neighborhood_attention.h": its
 // tessera::nn namespace would make `nn::` ambiguous in code that uses both `using namespace
 // tessera` and torch::nn.

@@ -226,7 +226,7 @@ void check_plain_operands(const c10::OperatorHandle& op,
 // happens once and autograd sums the gradients before its backward.
 struct Entered {
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> input;
-  uint32_t version = 0;
+  int64_t version = 0;
   at::Tensor converted;
   std::vector<const Boundary*> seen;
   bool matched(const at::Tensor& x) const {
@@ -242,7 +242,7 @@ struct Entered {
 // source tensor (or its next in-place change) and are few.
 struct MemoEntry {
   c10::weak_intrusive_ptr<c10::TensorImpl> source;
-  uint32_t version;
+  int64_t version;
   bool grad_mode;
   SpecPtr target;
   at::Tensor result;
