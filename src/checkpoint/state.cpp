@@ -183,6 +183,26 @@ void restore_optimizer_scalars(const StateDict& state, torch::optim::Optimizer& 
 }
 
 namespace {
+// LRScheduler keeps its step count protected, with no accessor; a pointer to that member,
+// named through a derived class, reads and writes it on any scheduler.
+struct SchedulerAccess : torch::optim::LRScheduler {
+  static constexpr unsigned torch::optim::LRScheduler::*step_count = &SchedulerAccess::step_count_;
+};
+}  // namespace
+
+StateDict scheduler_state(const torch::optim::LRScheduler& scheduler, const std::string& prefix) {
+  StateDict s;
+  s.insert(prefix + "step_count", static_cast<int64_t>(scheduler.*SchedulerAccess::step_count));
+  return s;
+}
+
+void restore_scheduler(const StateDict& state, torch::optim::LRScheduler& scheduler,
+                       const std::string& prefix) {
+  scheduler.*SchedulerAccess::step_count =
+      static_cast<unsigned>(state.integer(prefix + "step_count"));
+}
+
+namespace {
 
 at::Tensor full_value(const at::Tensor& t) {
   return is_dtensor(t) ? full_tensor(t.detach()) : t.detach();

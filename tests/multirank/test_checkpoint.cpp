@@ -9,6 +9,7 @@
 #include <mutex>
 #include <random>
 
+#include <torch/optim/schedulers/step_lr.h>
 #include <torch/serialize.h>
 
 #include "fully_shard_helpers.h"
@@ -228,8 +229,9 @@ TEST(Checkpoint, RandomLayoutsReshardExactly) {
   }
 }
 
-// Saved after step 3 of 6 and resumed in a new model and optimizer: the remaining losses and
-// the final parameters are bit-identical to training without the interruption.
+// Saved after step 3 of 6 and resumed in a new model, optimizer and StepLR schedule (the
+// learning rate halves every 2 steps): the remaining losses and the final parameters are
+// bit-identical to training without the interruption.
 TEST(Checkpoint, ResumedTrainingIsBitIdentical) {
   const auto proto = make_mlp();
   const auto x = test::randn({10, 15}, 211, at::kDouble), y = test::randn({10, 2}, 212, at::kDouble);
@@ -237,32 +239,41 @@ TEST(Checkpoint, ResumedTrainingIsBitIdentical) {
   tessera::testing::run_ranks(2, [&](int) {
     at::set_num_threads(1);
     DeviceMesh mesh;
-    auto step_of = [&](MlpImpl& model, torch::optim::Optimizer& opt, const at::Tensor& dx,
-                       const at::Tensor& dy) {
+    auto step_of = [&](MlpImpl& model, torch::optim::Optimizer& opt, torch::optim::StepLR& lr,
+                       const at::Tensor& dx, const at::Tensor& dy) {
       opt.zero_grad();
       at::Tensor loss = at::mse_loss(model.forward(dx), dy);
       loss.backward();
       opt.step();
+      lr.step();
       return full_value(loss).item<double>();
     };
     auto straight = build(proto, Layout::Fsdp, 2, &mesh);
     const auto dx = local_batch(x, mesh, {6, 4}), dy = local_batch(y, mesh, {6, 4});
     auto opt = make_optimizer(Opt::AdamW, straight->parameters());
+    torch::optim::StepLR lr(*opt, 2, 0.5);
     std::vector<double> expected;
-    for (int s = 0; s < 6; ++s) expected.push_back(step_of(*straight, *opt, dx, dy));
+    for (int s = 0; s < 6; ++s) expected.push_back(step_of(*straight, *opt, lr, dx, dy));
 
     auto first = build(proto, Layout::Fsdp, 2, &mesh);
     auto opt1 = make_optimizer(Opt::AdamW, first->parameters());
-    for (int s = 0; s < 3; ++s) EXPECT_EQ(step_of(*first, *opt1, dx, dy), expected[s]);
-    ckpt::save(training_state(*first, *opt1, 3), dir);
+    torch::optim::StepLR lr1(*opt1, 2, 0.5);
+    for (int s = 0; s < 3; ++s) EXPECT_EQ(step_of(*first, *opt1, lr1, dx, dy), expected[s]);
+    auto saved = training_state(*first, *opt1, 3);
+    saved.merge(ckpt::scheduler_state(lr1));
+    ckpt::save(saved, dir);
 
     auto resumed = build(proto, Layout::Fsdp, 2, &mesh);
     auto opt2 = make_optimizer(Opt::AdamW, resumed->parameters());
+    torch::optim::StepLR lr2(*opt2, 2, 0.5);
     auto state = training_state(*resumed, *opt2, 0);
+    state.merge(ckpt::scheduler_state(lr2));
     ckpt::load(state, dir);
     ckpt::restore_optimizer_scalars(state, *opt2, *resumed);
+    ckpt::restore_scheduler(state, lr2);
     for (int s = static_cast<int>(state.integer("step")); s < 6; ++s)
-      EXPECT_EQ(step_of(*resumed, *opt2, dx, dy), expected[s]) << "step " << s;
+      EXPECT_EQ(step_of(*resumed, *opt2, lr2, dx, dy), expected[s]) << "step " << s;
+    EXPECT_EQ(opt2->param_groups()[0].options().get_lr(), opt->param_groups()[0].options().get_lr());
     const auto want = straight->named_parameters();
     for (const auto& item : resumed->named_parameters())
       EXPECT_TRUE(at::equal(full_value(item.value()), full_value(want[item.key()]))) << item.key();

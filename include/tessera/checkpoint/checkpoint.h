@@ -22,6 +22,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
 
 namespace tessera::checkpoint {
 
@@ -63,6 +64,14 @@ StateDict optimizer_state(torch::optim::Optimizer& optimizer, const torch::nn::M
 void restore_optimizer_scalars(const StateDict& state, torch::optim::Optimizer& optimizer,
                                const torch::nn::Module& module,
                                const std::string& prefix = "optim.");
+
+// An LR scheduler's progress: its step count (the learning rates themselves are the
+// optimizer's, in optimizer_state). After load, restore_scheduler puts it back, so the
+// schedule continues where it stopped.
+StateDict scheduler_state(const torch::optim::LRScheduler& scheduler,
+                          const std::string& prefix = "scheduler.");
+void restore_scheduler(const StateDict& state, torch::optim::LRScheduler& scheduler,
+                       const std::string& prefix = "scheduler.");
 
 struct SaveOptions {
   // Replace an existing checkpoint at the same path (the old one stays intact until the new
