@@ -29,6 +29,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/strides.h>
 
 #include "format.h"
 #include "tessera/runtime/world.h"
@@ -43,12 +44,6 @@ using detail::Chunk;
 using detail::Entry;
 
 namespace {
-
-std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
-  std::vector<int64_t> s(sizes.size(), 1);
-  for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d) s[d] = s[d + 1] * sizes[d + 1];
-  return s;
-}
 
 std::string signature(const StateDict& state) {
   std::string sig;
@@ -333,7 +328,7 @@ at::Tensor read_overlap(int fd, const std::string& file, const Chunk& c, c10::Sc
                         const std::vector<int64_t>& lo, const std::vector<int64_t>& hi,
                         const std::string& name) {
   const int64_t es = static_cast<int64_t>(c10::elementSize(dtype));
-  const auto strides = contiguous_strides(c.sizes);
+  const auto strides = c10::contiguous_strides(c.sizes);
   int64_t first = 0, last = 0;
   std::vector<int64_t> shape;
   for (size_t d = 0; d < lo.size(); ++d) {
@@ -359,8 +354,7 @@ at::Tensor read_overlap(int fd, const std::string& file, const Chunk& c, c10::Sc
                 " at byte ", c.offset + b * detail::kBlockBytes,
                 " (the file is corrupt or was changed after the save)");
   }
-  const std::vector<int64_t> chunk_strides(strides.begin(), strides.end());
-  return buf.narrow(0, begin - start, end - begin).view(dtype).as_strided(shape, chunk_strides);
+  return buf.narrow(0, begin - start, end - begin).view(dtype).as_strided(shape, strides);
 }
 
 }  // namespace

@@ -68,15 +68,12 @@ std::string qualified(const std::string& prefix, const std::string& name) {
 SpecPtr sharded_spec_of(const DTensorSpec& like, int64_t shard_dim) {
   const DeviceMesh& root = like.mesh();
   const int64_t n = root.size(shard_dim);
+  // Other mesh dims already cut dim 0 (shard_dim is Replicate in `like`).
+  const bool nested = !like.mesh_dims_sharding(0).empty();
   ShardTable rows;
-  for (int64_t piece : like.ndim() > 0 && !like.shard_table(0).empty()
-                           ? like.shard_table(0) : ShardTable{like.sizes().at(0)})
+  for (int64_t piece : nested ? like.shard_table(0) : ShardTable{like.sizes().at(0)})
     for (int64_t r : chunk_sizes(piece, n)) rows.push_back(r);
   std::vector<int64_t> order;
-  for (int64_t d = 0; d < root.ndim(); ++d)
-    if (d != shard_dim && like.placement(d).is_shard(0)) order.push_back(d);
-  const bool nested = !order.empty();
-  order.clear();
   for (int64_t d = 0; d < root.ndim(); ++d)
     if (d != shard_dim || !nested) order.push_back(d);
   if (nested) order.push_back(shard_dim);
