@@ -8,6 +8,7 @@ packages=(
   libtorch-dev libgloo-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev libpng-dev zlib1g-dev
+  iproute2  # the multi-host test joins two network namespaces
 )
 
 missing=()

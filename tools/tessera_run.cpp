@@ -1,9 +1,11 @@
 // tessera-run: starts N local copies of a program with torchrun-style
 // rendezvous variables, prefixes their output with the rank, and tears the
-// whole job down as soon as one rank fails.
+// whole job down as soon as one rank fails. With --nnodes > 1, one launcher per
+// host forms one job; the launchers watch one another (node_link.h), so a
+// failure on any host stops every host.
 //
-//   tessera-run -n N [--master-addr A] [--master-port P] [--no-prefix]
-//               [--timeout SECONDS] prog args...
+//   tessera-run -n N [--nnodes M --node-rank K] [--master-addr A] [--master-port P]
+//               [--no-prefix] [--timeout SECONDS] prog args...
 
 #include <CLI/CLI.hpp>
 
@@ -27,6 +29,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <stdexcept>
@@ -35,7 +38,14 @@
 #include <thread>
 #include <vector>
 
+#include "node_link.h"
+
 namespace {
+
+using tessera::launcher::LinkConfig;
+using tessera::launcher::LinkEvent;
+using tessera::launcher::NodeLink;
+using tessera::launcher::RendezvousError;
 
 using Clock = std::chrono::steady_clock;
 
@@ -64,8 +74,10 @@ void write_all(int fd, const char* data, std::size_t size) {
   }
 }
 
+std::string g_me = "tessera-run";  // "tessera-run[node K]" in a multi-node job
+
 void message(const std::string& text) {
-  const std::string line = "tessera-run: " + text + "\n";
+  const std::string line = g_me + ": " + text + "\n";
   write_all(STDERR_FILENO, line.data(), line.size());
 }
 
@@ -141,11 +153,20 @@ struct Rank {
 
 struct Options {
   int nproc = 1;
+  int nnodes = 1;
+  int node_rank = 0;
   std::string master_addr = "127.0.0.1";
   std::optional<int> master_port;
   bool no_prefix = false;
   double timeout = 0;
+  double rdzv_timeout = 300;
+  double heartbeat_timeout = 30;
+  std::string ifname;
+  std::optional<double> collective_timeout;
   std::vector<std::string> command;
+
+  int world_size() const { return nnodes * nproc; }
+  int global_rank(int local) const { return node_rank * nproc + local; }
 };
 
 std::string describe(int status) {
@@ -180,9 +201,17 @@ void make_pipe(int fds[2]) {
 
 void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
-[[noreturn]] void exec_child(const Options& opt, int rank, int port, int out_fd, int err_fd) {
+[[noreturn]] void exec_child(const Options& opt, int rank, int port, int out_fd, int err_fd,
+                            pid_t launcher) {
   // Signals are blocked here (see Launcher::spawn) until the handlers are reset.
   ::setpgid(0, 0);
+#ifdef __linux__
+  // A launcher killed outright (SIGKILL) cannot stop its ranks: the kernel does it instead.
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != launcher) ::_exit(1);  // it died before the line above
+#else
+  (void)launcher;
+#endif
   for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE}) ::signal(sig, SIG_DFL);
   ::close(g_signal_pipe[0]);
   ::close(g_signal_pipe[1]);
@@ -203,13 +232,20 @@ void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NON
   }
 
   const auto set = [](const char* name, const std::string& value) { ::setenv(name, value.c_str(), 1); };
-  set("RANK", std::to_string(rank));
-  set("WORLD_SIZE", std::to_string(opt.nproc));
+  set("RANK", std::to_string(opt.global_rank(rank)));
+  set("WORLD_SIZE", std::to_string(opt.world_size()));
   set("LOCAL_RANK", std::to_string(rank));
   set("LOCAL_WORLD_SIZE", std::to_string(opt.nproc));
+  set("GROUP_RANK", std::to_string(opt.node_rank));
   set("MASTER_ADDR", opt.master_addr);
   set("MASTER_PORT", std::to_string(port));
   set("TESSERA_LAUNCHER", "1");
+  if (!opt.ifname.empty()) set("GLOO_SOCKET_IFNAME", opt.ifname);
+  if (opt.collective_timeout) {
+    std::ostringstream secs;
+    secs << *opt.collective_timeout;
+    set("TESSERA_TIMEOUT", secs.str());
+  }
 
   std::vector<char*> argv;
   for (const auto& a : opt.command) argv.push_back(const_cast<char*>(a.c_str()));
@@ -243,7 +279,32 @@ class Launcher {
 #ifdef __linux__
     ::prctl(PR_SET_CHILD_SUBREAPER, 1);
 #endif
-    const int port = opt_.master_port ? *opt_.master_port : pick_free_port();
+    int port = 0;
+    if (opt_.nnodes > 1) {
+      LinkConfig cfg;
+      cfg.nnodes = opt_.nnodes;
+      cfg.node_rank = opt_.node_rank;
+      cfg.nproc = opt_.nproc;
+      cfg.master_addr = opt_.master_addr;
+      cfg.master_port = opt_.master_port.value_or(29500);
+      cfg.rdzv_timeout = opt_.rdzv_timeout;
+      cfg.heartbeat_timeout = opt_.heartbeat_timeout;
+      link_ = std::make_unique<NodeLink>(cfg);
+      try {
+        port = link_->rendezvous(g_signal_pipe[0]);
+      } catch (const RendezvousError& e) {
+        message(e.what());
+        return 1;
+      }
+      if (port < 0) {
+        unsigned char sig = SIGINT;
+        [[maybe_unused]] ssize_t n = ::read(g_signal_pipe[0], &sig, 1);
+        message("interrupted (signal " + std::to_string(sig) + ") during the rendezvous");
+        return 128 + sig;
+      }
+    } else {
+      port = opt_.master_port ? *opt_.master_port : pick_free_port();
+    }
     ranks_.resize(static_cast<std::size_t>(opt_.nproc));
     for (int r = 0; r < opt_.nproc; ++r) {
       if (!spawn(r, port)) {
@@ -258,6 +319,20 @@ class Launcher {
     }
     loop();
     cleanup();
+    if (link_) link_->flush(std::chrono::seconds(2));
+    const bool failed_job = failed_rank_ >= 0 || remote_failure_ || timed_out_ ||
+                            interrupt_signal_ != 0 || spawn_failed_;
+    if (failed_job && kill_at_ && last_exit_) {
+      // How long the stop took: from the first stop signal to the last rank's exit.
+      const auto began = *kill_at_ - kKillGrace;
+      const double secs =
+          std::chrono::duration<double>(std::max(*last_exit_, began) - began).count();
+      std::ostringstream text;
+      text.precision(2);
+      text << std::fixed << "all " << opt_.nproc << " local ranks stopped " << secs
+           << " s after the stop began";
+      message(text.str());
+    }
     if (interrupt_signal_ != 0) return 128 + interrupt_signal_;
     if (timed_out_) return 124;
     if (spawn_failed_) return 1;
@@ -265,6 +340,7 @@ class Launcher {
       const int status = ranks_[static_cast<std::size_t>(failed_rank_)].status;
       return (WIFEXITED(status) && WEXITSTATUS(status) != 0) ? WEXITSTATUS(status) : 1;
     }
+    if (remote_failure_) return 1;
     return 0;
   }
 
@@ -308,13 +384,13 @@ class Launcher {
       rk.exited = true;
       return false;
     }
-    if (pid == 0) exec_child(opt_, r, port, out[1], err[1]);
+    if (pid == 0) exec_child(opt_, r, port, out[1], err[1], launcher_pid_);
     ::setpgid(pid, pid);  // also done by the child; whichever runs first wins
     rk.pid = pid;
     if (!opt_.no_prefix) {
       ::close(out[1]);
       ::close(err[1]);
-      const std::string prefix = "[rank " + std::to_string(r) + "] ";
+      const std::string prefix = "[rank " + std::to_string(opt_.global_rank(r)) + "] ";
       rk.out = Stream{out[0], STDOUT_FILENO, prefix, {}};
       rk.err = Stream{err[0], STDERR_FILENO, prefix, {}};
       set_nonblocking(out[0]);
@@ -356,6 +432,8 @@ class Launcher {
         if (interrupt_signal_ == 0) {
           interrupt_signal_ = sig;
           begin_stop(sig);
+          stop_other_nodes(-1, "the launcher of node " + std::to_string(opt_.node_rank) +
+                                   " got signal " + std::to_string(sig));
         } else {
           signal_all(SIGKILL);  // asked twice: stop waiting
         }
@@ -374,6 +452,7 @@ class Launcher {
         if (rk.pid == pid && !rk.exited) {
           rk.exited = true;
           rk.status = status;
+          last_exit_ = Clock::now();
           if (failed(status)) newly_failed.push_back(rk.rank);
         }
       }
@@ -386,13 +465,67 @@ class Launcher {
       for (Stream* s : {&bad.out, &bad.err}) {
         if (s->fd >= 0) s->on_readable();
       }
-      message("rank " + std::to_string(failed_rank_) + " failed (" +
-              describe(ranks_[static_cast<std::size_t>(failed_rank_)].status) +
-              "); stopping the other ranks");
+      const int global = opt_.global_rank(failed_rank_);
+      const std::string what = describe(ranks_[static_cast<std::size_t>(failed_rank_)].status);
+      message("rank " + std::to_string(global) + " failed (" + what + "); stopping the other ranks" +
+              (link_ ? std::string(" on every node") : std::string()));
       begin_stop(SIGTERM);
+      stop_other_nodes(global, "rank " + std::to_string(global) + " on node " +
+                                   std::to_string(opt_.node_rank) + " failed (" + what + ")");
     }
-    if (all_exited() && !stopping()) begin_stop(SIGTERM);  // stray descendants only
+    if (all_exited() && !stopping()) {
+      begin_stop(SIGTERM);  // stray descendants only
+      // Every local rank exited 0: this node is done; node 0 ends the job once all are.
+      if (link_ && failed_rank_ < 0 && !remote_failure_) link_->report_done();
+    }
   }
+
+  // Node 0 stops every other node; another node tells node 0, which does.
+  void stop_other_nodes(int rank, const std::string& why) {
+    if (!link_) return;
+    if (opt_.node_rank == 0) link_->stop_all(why);
+    else link_->report_failure(rank, why);
+  }
+
+  void on_link_events() {
+    if (!link_) return;
+    for (const LinkEvent& e : link_->take_events()) {
+      switch (e.kind) {
+        case LinkEvent::RankFailed: {
+          const std::string why = e.text;  // names the rank and its node
+          if (!stopping()) message(why + "; stopping the job");
+          remote_failure_ = true;
+          begin_stop(SIGTERM);
+          link_->stop_all(why, e.node);
+          break;
+        }
+        case LinkEvent::NodeLost: {
+          const std::string who = e.node == 0 ? "node 0 (the launcher at " + opt_.master_addr + ")"
+                                              : "node " + std::to_string(e.node);
+          const std::string why = "lost " + who + ": " + e.text;
+          if (!stopping()) message(why + "; stopping the job");
+          remote_failure_ = true;
+          begin_stop(SIGTERM);
+          link_->stop_all(why, e.node);
+          break;
+        }
+        case LinkEvent::Stop:
+          if (!stopping()) message("node 0 stopped the job: " + e.text);
+          remote_failure_ = true;
+          begin_stop(SIGTERM);
+          break;
+        case LinkEvent::NodeDone:
+        case LinkEvent::End: break;
+      }
+    }
+    // Node 0 ends the job once its ranks and every other node are done.
+    if (opt_.node_rank == 0 && !link_->finished() && all_exited() && failed_rank_ < 0 &&
+        !remote_failure_ && interrupt_signal_ == 0 && !timed_out_ && link_->all_nodes_done())
+      link_->end_all();
+  }
+
+  // The job may need the link after the local ranks are gone: to learn whether it ended well.
+  bool link_settled() const { return !link_ || link_->finished(); }
 
   void check_deadlines() {
     const auto now = Clock::now();
@@ -407,6 +540,7 @@ class Launcher {
               "; killing them");
       timed_out_ = true;
       begin_stop(SIGTERM);
+      stop_other_nodes(-1, "the --timeout of node " + std::to_string(opt_.node_rank) + " expired");
     }
     if (kill_at_ && !killed_ && now >= *kill_at_) {
       signal_all(SIGKILL);
@@ -430,7 +564,7 @@ class Launcher {
     if (!stopping()) consider(deadline_);
     if (!killed_) consider(kill_at_);
     consider(abandon_at_);
-    long ms = 1000;  // periodic wake-up as a safety net
+    long ms = link_ ? std::min<long>(1000, link_->ms_until_due()) : 1000;  // also a safety net
     if (next) {
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*next - Clock::now()).count();
       ms = std::clamp<long>(left + 1, 0, ms);
@@ -444,12 +578,20 @@ class Launcher {
     for (;;) {
       reap();
       check_deadlines();
-      if (all_exited() && all_streams_closed()) return;
+      if (link_) link_->tick();
+      on_link_events();
+      if (all_exited() && all_streams_closed() && link_settled()) return;
 
       fds.clear();
       streams.clear();
       fds.push_back({g_signal_pipe[0], POLLIN, 0});
       streams.push_back(nullptr);
+      const std::size_t link_first = fds.size();
+      if (link_) {
+        link_->add_pollfds(fds);
+        streams.resize(fds.size(), nullptr);
+      }
+      const std::size_t link_end = fds.size();
       for (Rank& rk : ranks_) {
         for (Stream* s : {&rk.out, &rk.err}) {
           if (s->fd >= 0) {
@@ -467,7 +609,8 @@ class Launcher {
       }
       if (n <= 0) continue;
       if (fds[0].revents != 0) handle_signals();
-      for (std::size_t i = 1; i < fds.size(); ++i) {
+      if (link_) link_->on_poll(fds.data() + link_first, link_end - link_first);
+      for (std::size_t i = link_end; i < fds.size(); ++i) {
         if (fds[i].revents != 0) streams[i]->on_readable();
       }
     }
@@ -490,8 +633,12 @@ class Launcher {
   }
 
   Options opt_;
+  pid_t launcher_pid_ = ::getpid();
+  std::unique_ptr<NodeLink> link_;  // multi-node jobs only
+  bool remote_failure_ = false;     // another node failed or was lost
   std::vector<Rank> ranks_;
   std::optional<Clock::time_point> deadline_;    // --timeout
+  std::optional<Clock::time_point> last_exit_;   // when a rank last exited
   std::optional<Clock::time_point> kill_at_;     // SIGKILL escalation, set once stopping
   std::optional<Clock::time_point> abandon_at_;  // give up on pipes held by strangers
   bool killed_ = false;
@@ -505,22 +652,52 @@ class Launcher {
 
 int main(int argc, char** argv) {
   CLI::App app{"tessera-run -n N [OPTIONS] prog [args...]\n"
-               "Starts N local ranks of a program with torchrun-style rendezvous variables.",
+               "Starts N local ranks of a program with torchrun-style rendezvous variables.\n"
+               "Many hosts: run one launcher per host with --nnodes M --node-rank K and node 0's\n"
+               "--master-addr / --master-port; ranks are numbered K*N + local rank.",
                "tessera-run"};
   app.prefix_command();
   app.footer(
-      "Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and\n"
-      "TESSERA_LAUNCHER=1. Everything from the program name on is passed to the program unparsed.\n"
-      "Exit status: 0 on success, the failed rank's exit code (or 1), 124 on timeout.");
+      "Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,\n"
+      "MASTER_PORT and TESSERA_LAUNCHER=1. Everything from the program name on is passed to the\n"
+      "program unparsed. In a multi-node job the launchers meet on --master-port of node 0 and\n"
+      "the ranks' store gets a port node 0 picks; a failed rank, a lost launcher or a silent\n"
+      "host (--heartbeat-timeout) stops every node.\n"
+      "Exit status: 0 on success, the failed rank's exit code (or 1, also when another node\n"
+      "failed), 124 on timeout.");
 
   Options opt;
   app.add_option("-n,--nproc,--nproc-per-node", opt.nproc, "number of ranks to start")
       ->required()
       ->check(CLI::Range(1, 4096));
-  app.add_option("--master-addr", opt.master_addr, "MASTER_ADDR given to the ranks")->capture_default_str();
+  app.add_option("--nnodes", opt.nnodes, "number of hosts (one launcher each)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65536));
+  app.add_option("--node-rank", opt.node_rank, "this host's index in [0, nnodes)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--master-addr", opt.master_addr,
+                 "node 0's address as the other hosts reach it (MASTER_ADDR of the ranks)")
+      ->capture_default_str();
   app.add_option("--master-port", opt.master_port,
-                 "MASTER_PORT given to the ranks (default: a free port on 127.0.0.1)")
+                 "one node: MASTER_PORT given to the ranks (default: a free port); several: the "
+                 "port node 0's launcher listens on (default 29500)")
       ->check(CLI::Range(1, 65535));
+  app.add_option("--rdzv-timeout", opt.rdzv_timeout,
+                 "seconds the launchers wait for one another at the start")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--heartbeat-timeout", opt.heartbeat_timeout,
+                 "seconds without news from another node's launcher before the job stops")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--ifname", opt.ifname,
+                 "network interface(s) the ranks' Gloo connections use (GLOO_SOCKET_IFNAME; "
+                 "default: loopback on one node, else the interface that routes to the master)");
+  app.add_option("--collective-timeout", opt.collective_timeout,
+                 "seconds a collective waits for a peer before it fails (TESSERA_TIMEOUT; "
+                 "default: the program's, 3 minutes unless it sets another)")
+      ->check(CLI::PositiveNumber);
   app.add_flag("--no-prefix", opt.no_prefix, "let the ranks write to the terminal directly");
   app.add_option("--timeout", opt.timeout, "kill the job after this many seconds (0: never)")
       ->check(CLI::NonNegativeNumber);
@@ -542,6 +719,13 @@ int main(int argc, char** argv) {
                  opt.command.front().c_str());
     return 2;
   }
+
+  if (opt.node_rank >= opt.nnodes) {
+    std::fprintf(stderr, "tessera-run: --node-rank %d is out of range for --nnodes %d\n", opt.node_rank,
+                 opt.nnodes);
+    return 2;
+  }
+  if (opt.nnodes > 1) g_me = "tessera-run[node " + std::to_string(opt.node_rank) + "]";
 
   try {
     return Launcher(std::move(opt)).run();

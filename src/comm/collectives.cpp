@@ -11,6 +11,8 @@
 #include <c10/util/Exception.h>
 #include <c10/util/strides.h>
 
+#include "wait.h"
+
 namespace tessera::comm {
 
 namespace {
@@ -108,7 +110,7 @@ std::vector<at::Tensor> exchange(const Group& pg, const std::vector<at::Tensor>&
     // The backend takes the split vectors by reference and may consume them: pass copies.
     auto out_arg = out_splits;
     auto in_arg = in_splits;
-    pg->alltoall_base(flat_out, flat_in, out_arg, in_arg)->wait();
+    detail::wait(pg->alltoall_base(flat_out, flat_in, out_arg, in_arg), "all_to_all");
   }
   std::vector<at::Tensor> out;
   int64_t off = 0;
@@ -192,13 +194,13 @@ at::Tensor all_gather(const Group& pg, const at::Tensor& x, int64_t dim,
       // Shards gathered back to back along the first non-trivial dim are the result.
       auto in = as_bytes(x);
       auto flat = at::empty({n * in.numel()}, in.options());
-      if (try_flat(pg, FlatOp::AllGather, [&] { pg->_allgather_base(flat, in)->wait(); }))
+      if (try_flat(pg, FlatOp::AllGather, [&] { detail::wait(pg->_allgather_base(flat, in), "all_gather"); }))
         return flat.view(x.scalar_type()).view(shape);
     }
     std::vector<at::Tensor> in{as_bytes(x)};
     std::vector<std::vector<at::Tensor>> out(1);
     for (int i = 0; i < n; ++i) out[0].push_back(at::empty_like(in[0]));
-    pg->allgather(out, in)->wait();
+    detail::wait(pg->allgather(out, in), "all_gather");
     std::vector<at::Tensor> blocks;
     auto block_shape = x.sizes().vec();
     for (auto& b : out[0]) blocks.push_back(b.view(x.scalar_type()).view(block_shape));
@@ -222,7 +224,7 @@ at::Tensor all_reduce(const Group& pg, const at::Tensor& x, PartialOp op) {
   std::vector<at::Tensor> buf{x.contiguous().clone()};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
-  pg->allreduce(buf, opts)->wait();
+  detail::wait(pg->allreduce(buf, opts), "all_reduce");
   if (op == PartialOp::Avg) {
     if (at::isIntegralType(buf[0].scalar_type(), /*includeBool=*/true))
       return buf[0].div(n, "floor");
@@ -252,7 +254,7 @@ at::Tensor PendingAllReduce::wait() {
   if (work_.defined()) {
     auto work = std::move(work_);
     work_.reset();
-    work->wait();
+    detail::wait(work, "all_reduce");
     if (op_ == PartialOp::Avg) buffer_.div_(group_size_);
   }
   return buffer_;
@@ -312,7 +314,7 @@ std::vector<at::Tensor> PendingAllGather::wait() {
   if (work_.defined()) {
     auto work = std::move(work_);
     work_.reset();
-    work->wait();
+    detail::wait(work, "all_gather");
   }
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < blocks_.size(); ++i) out.push_back(blocks_[i].narrow(0, 0, sizes_[i]));
@@ -360,7 +362,7 @@ at::Tensor reduce_scatter(const Group& pg, const at::Tensor& x, int64_t dim,
     opts.reduceOp = c10d::ReduceOp::SUM;
     const int64_t b = nbytes(x);
     bool done = try_flat(pg, FlatOp::ReduceScatter,
-                         [&] { pg->_reduce_scatter_base(out, in, opts)->wait(); });
+                         [&] { detail::wait(pg->_reduce_scatter_base(out, in, opts), "reduce_scatter"); });
     if (done) {
       record({CollectiveKind::ReduceScatter, b - b / n, b - b / n, n});
       return out.view(mine);
@@ -422,7 +424,7 @@ at::Tensor broadcast(const Group& pg, const at::Tensor& x, int root) {
   std::vector<at::Tensor> buf{as_bytes(x).clone()};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  pg->broadcast(buf, opts)->wait();
+  detail::wait(pg->broadcast(buf, opts), "broadcast");
   return buf[0].view(x.scalar_type()).view(x.sizes());
 }
 
@@ -435,7 +437,7 @@ std::vector<std::vector<int64_t>> all_gather_ints(const Group& pg, const std::ve
   std::vector<at::Tensor> in{t};
   std::vector<std::vector<at::Tensor>> out(1);
   for (int i = 0; i < n; ++i) out[0].push_back(at::empty_like(t));
-  pg->allgather(out, in)->wait();
+  detail::wait(pg->allgather(out, in), "all_gather (shapes and checks)");
   std::vector<std::vector<int64_t>> res;
   for (auto& o : out[0]) {
     auto p = o.data_ptr<int64_t>();

@@ -9,6 +9,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "wait.h"
+
 namespace tessera::comm {
 
 namespace {
@@ -150,14 +152,14 @@ InFlight start_rows(const Group& pg, const at::Tensor& src, int64_t dim,
     if (send[m].numel() == 0) continue;
     std::vector<at::Tensor> t{send[m]};
     auto work = pg->send(t, static_cast<int>(m), tag);
-    f.waits.emplace_back([work, keep = send[m]]() mutable { work->wait(); });
+    f.waits.emplace_back([work, keep = send[m]]() mutable { detail::wait(work, "halo send"); });
   }
   for (int64_t m = 0; m < n; ++m) {
     f.blocks[m] = at::empty(recv_shapes[m], src.options());
     if (f.blocks[m].numel() == 0) continue;
     std::vector<at::Tensor> t{f.blocks[m]};
     auto work = pg->recv(t, static_cast<int>(m), tag);
-    f.waits.emplace_back([work]() mutable { work->wait(); });
+    f.waits.emplace_back([work]() mutable { detail::wait(work, "halo recv"); });
   }
   return f;
 }

@@ -1,6 +1,11 @@
 #include "tessera/runtime/world.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cstdlib>
+#include <sstream>
 #include <string>
 
 #include <c10/util/Exception.h>
@@ -27,7 +32,85 @@ std::string join(const std::vector<int>& v) {
   for (size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
   return s;
 }
+
+std::vector<std::string> split_list(const std::string& list) {
+  std::vector<std::string> items;
+  std::stringstream in(list);
+  std::string item;
+  while (std::getline(in, item, ','))
+    if (!item.empty()) items.push_back(item);
+  return items;
+}
+
+// The local address the kernel would send from to reach `host`: the interface peers on other
+// hosts reach this one by. A UDP "connect" sends nothing; it only picks the route.
+std::string local_address_towards(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return "";
+  std::string address;
+  for (addrinfo* ai = found; ai && address.empty(); ai = ai->ai_next) {
+    const int fd = ::socket(ai->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof local;
+    char text[NI_MAXHOST];
+    if (::connect(fd, ai->ai_addr, ai->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
+        ::getnameinfo(reinterpret_cast<sockaddr*>(&local), len, text, sizeof text, nullptr, 0,
+                      NI_NUMERICHOST) == 0)
+      address = text;
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  return address;
+}
+
+std::string message_of(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e))
+    return c10_error->what_without_backtrace();
+  return e.what();
+}
+
+std::chrono::milliseconds timeout_from_env(std::chrono::milliseconds fallback) {
+  const char* text = std::getenv("TESSERA_TIMEOUT");
+  if (!text || !*text) return fallback;
+  char* end = nullptr;
+  const double seconds = std::strtod(text, &end);
+  TORCH_CHECK(end && *end == '\0' && seconds > 0, "tessera: TESSERA_TIMEOUT=\"", text,
+              "\" is not a positive number of seconds");
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+std::vector<std::shared_ptr<::gloo::transport::Device>> gloo_devices(const World& w) {
+  std::vector<std::shared_ptr<::gloo::transport::Device>> devices;
+  const std::string what = !w.gloo_interfaces().empty() ? "interface"
+                           : !w.gloo_hostname().empty() ? "address" : "loopback address";
+  const std::string where = !w.gloo_interfaces().empty() ? w.gloo_interfaces()
+                            : !w.gloo_hostname().empty() ? w.gloo_hostname() : "127.0.0.1";
+  try {
+    if (!w.gloo_interfaces().empty()) {
+      for (const auto& name : split_list(w.gloo_interfaces()))
+        devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
+    } else {
+      devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(where));
+    }
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "tessera: rank ", w.rank(), " cannot listen for Gloo connections on ",
+                what, " \"", where, "\": ", message_of(e), ". Name an interface this host has with ",
+                "GLOO_SOCKET_IFNAME (see `ip -brief address`), or an address with ",
+                "TESSERA_GLOO_HOSTNAME");
+  }
+  return devices;
+}
 }  // namespace
+
+void World::set_gloo_address(std::string interfaces, std::string hostname) {
+  gloo_interfaces_ = std::move(interfaces);
+  gloo_hostname_ = std::move(hostname);
+}
 
 World::World(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
               std::chrono::milliseconds timeout)
@@ -60,10 +143,7 @@ compat::BackendPtr World::new_group(const std::vector<int>& ranks, const std::st
 #endif
   }
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout_);
-  opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  if (const char* ifname = std::getenv("TESSERA_GLOO_HOSTNAME")) {
-    opts->devices.back() = c10d::ProcessGroupGloo::createDeviceForHostname(ifname);
-  }
+  opts->devices = gloo_devices(*this);
   opts->threads = 1;
   auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, group_rank, group_size, opts);
   // Gloo's constructor returns once this member's side of the full mesh is connected; a peer
@@ -79,10 +159,10 @@ void init_process_group(const InitOptions& options) {
   TORCH_CHECK(!g_world, "tessera: init_process_group() called twice; call "
               "destroy_process_group() first");
   auto info = runtime::rendezvous_from_env();
+  const auto timeout = timeout_from_env(options.timeout);
   if (!info) {
     // No launcher: a world of one, so single-process programs need no set-up.
-    g_world = std::make_shared<World>(c10::make_intrusive<c10d::HashStore>(), 0, 1,
-                                      options.timeout);
+    g_world = std::make_shared<World>(c10::make_intrusive<c10d::HashStore>(), 0, 1, timeout);
     return;
   }
   c10d::TCPStoreOptions sopts;
@@ -90,20 +170,45 @@ void init_process_group(const InitOptions& options) {
   sopts.isServer = info->rank == 0;
   sopts.numWorkers = info->world_size;
   sopts.waitWorkers = true;
-  sopts.timeout = options.timeout;
+  sopts.timeout = timeout;
   // USE_LIBUV=0 (PyTorch's switch) asks for the classic server; otherwise LibTorch's default is
   // tried first, and the classic server taken where LibTorch was built without libuv.
   const char* use_libuv = std::getenv("USE_LIBUV");
   if (use_libuv && std::string(use_libuv) == "0") compat::set_tcp_store_libuv(sopts, false, 0);
   c10::intrusive_ptr<c10d::TCPStore> store;
+  const auto connect = [&] { store = c10::make_intrusive<c10d::TCPStore>(info->master_addr, sopts); };
   try {
-    store = c10::make_intrusive<c10d::TCPStore>(info->master_addr, sopts);
-  } catch (const c10::Error& e) {
-    const bool no_libuv = std::string(e.what()).find("without libuv") != std::string::npos;
-    if (!no_libuv || !compat::set_tcp_store_libuv(sopts, false, 0)) throw;
-    store = c10::make_intrusive<c10d::TCPStore>(info->master_addr, sopts);
+    try {
+      connect();
+    } catch (const c10::Error& e) {
+      const bool no_libuv = std::string(e.what()).find("without libuv") != std::string::npos;
+      if (!no_libuv || !compat::set_tcp_store_libuv(sopts, false, 0)) throw;
+      connect();
+    }
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "tessera: init_process_group: rank ", info->rank, " of ",
+                info->world_size, (info->rank == 0 ? " could not serve" : " could not reach"),
+                " the rendezvous store at ", info->master_addr, ":", info->master_port,
+                " within ", timeout.count() / 1000.0, " s (", info->source, " variables): ",
+                message_of(e), ". Check MASTER_ADDR and MASTER_PORT, that rank 0 ",
+                "has started and that the port is open between the hosts; TESSERA_TIMEOUT ",
+                "(seconds) sets how long to wait");
   }
-  g_world = std::make_shared<World>(store, info->rank, info->world_size, options.timeout);
+  g_world = std::make_shared<World>(store, info->rank, info->world_size, timeout);
+  // Ranks all on this host talk over loopback; across hosts, over the interface that routes
+  // to the master unless the user names one.
+  std::string interfaces, hostname;
+  if (const char* v = std::getenv("GLOO_SOCKET_IFNAME")) interfaces = v;
+  if (const char* v = std::getenv("TESSERA_GLOO_HOSTNAME")) hostname = v;
+  if (interfaces.empty() && hostname.empty() && info->local_world_size < info->world_size) {
+    hostname = local_address_towards(info->master_addr, info->master_port);
+    if (hostname.empty()) {
+      char name[256] = {};
+      ::gethostname(name, sizeof name - 1);
+      hostname = name;
+    }
+  }
+  g_world->set_gloo_address(interfaces, hostname);
 }
 
 void destroy_process_group() {

@@ -35,6 +35,13 @@ class World {
   // names them identically everywhere.
   int64_t next_mesh_id();
 
+  // Where this rank's Gloo connections listen. An interface list ("eth0" or "eth0,eth1": one
+  // Gloo device each) wins over a host name or address; both empty means the loopback
+  // interface (every rank on one host). init_process_group chooses (see InitOptions).
+  void set_gloo_address(std::string interfaces, std::string hostname);
+  const std::string& gloo_interfaces() const { return gloo_interfaces_; }
+  const std::string& gloo_hostname() const { return gloo_hostname_; }
+
  private:
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;
@@ -42,17 +49,27 @@ class World {
   std::chrono::milliseconds timeout_;
   std::mutex mu_;
   int64_t mesh_seq_ = 0;
+  std::string gloo_interfaces_;
+  std::string gloo_hostname_;
 };
 
 struct InitOptions {
   // "auto": NCCL when the default device is CUDA and NCCL was compiled in, else Gloo.
   std::string backend = "auto";
-  std::chrono::milliseconds timeout = std::chrono::minutes(10);
+  // How long a collective (and the rendezvous) may wait for a peer before it fails with an
+  // error naming the ranks that did not arrive. TESSERA_TIMEOUT=<seconds> in the environment
+  // overrides it, so a job's launcher can set it without rebuilding the program.
+  std::chrono::milliseconds timeout = std::chrono::minutes(3);
 };
 
 // Reads the launcher's variables (torchrun, mpirun, Slurm), rendezvous over a TCPStore on the
 // master, and installs the process-wide world. A process without launcher variables becomes
 // a single-rank world.
+//
+// Gloo listens on, in order of precedence: the interfaces in GLOO_SOCKET_IFNAME (PyTorch's
+// variable; comma-separated), the host or address in TESSERA_GLOO_HOSTNAME, the loopback
+// interface when every rank runs on this host, else the local address of the route to
+// MASTER_ADDR (the interface peers on other hosts can reach this one by).
 void init_process_group(const InitOptions& options = {});
 void destroy_process_group();
 bool is_initialized();

@@ -1,0 +1,23 @@
+#pragma once
+// Waiting for c10d work with errors that say what failed and who is missing.
+#include <exception>
+
+namespace tessera::comm::detail {
+
+// Rethrows the exception being handled as a c10::Error naming `op` and this rank. After a
+// transport failure (a timeout, a peer gone) it first asks the world's store which ranks also
+// got stuck in a collective and names those that stayed silent: hung, dead or still busy
+// outside any collective. Call from inside a catch block.
+[[noreturn]] void rethrow_collective_failure(const char* op);
+
+// work->wait(), with failures reported as above.
+template <class WorkPtr>
+void wait(const WorkPtr& work, const char* op) {
+  try {
+    work->wait();
+  } catch (const std::exception&) {
+    rethrow_collective_failure(op);
+  }
+}
+
+}  // namespace tessera::comm::detail
