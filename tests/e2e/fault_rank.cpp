@@ -3,19 +3,33 @@
 //   fault_rank kill  R PIDDIR   rank R SIGKILLs itself while the ranks are in an all-reduce
 //   fault_rank hang  R PIDDIR   rank R sleeps instead of joining a collective
 //   fault_rank loop  - PIDDIR   no fault here: the test kills a launcher or cuts a link
-// Every rank writes PIDDIR/rank<R>.pid first, so the test can check that none survives.
+// Every rank writes PIDDIR/rank<R>.pid first, so the test can check that none survives;
+// the faulty rank writes PIDDIR/fault.time (seconds since the epoch) as the fault happens, so
+// the test can time the stop from the fault itself.
 #include <unistd.h>
 
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <iomanip>
 #include <string>
 #include <thread>
 
 #include "tessera/tessera.h"
 
 using namespace tessera;
+
+namespace {
+
+void note_fault_time(const std::string& dir) {
+  const auto now = std::chrono::system_clock::now().time_since_epoch();
+  std::ofstream(dir + "/fault.time")
+      << std::fixed << std::setprecision(6)
+      << std::chrono::duration_cast<std::chrono::microseconds>(now).count() / 1e6 << "\n";
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   if (argc != 4) {
@@ -33,12 +47,14 @@ int main(int argc, char** argv) {
     if (step == 3 && rank == target) {
       if (mode == "kill") {
         // From another thread, so the main thread is inside the all-reduce when it lands.
-        std::thread([] {
+        std::thread([dir = std::string(argv[3])] {
           std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          note_fault_time(dir);
           std::raise(SIGKILL);
         }).detach();
       } else if (mode == "hang") {
         std::fprintf(stderr, "rank %d: sleeping instead of joining the collective\n", rank);
+        note_fault_time(argv[3]);
         std::this_thread::sleep_for(std::chrono::hours(1));
       }
     }

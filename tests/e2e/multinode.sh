@@ -75,6 +75,7 @@ t0=$(now)
 launch kill 1 "$fault" kill 3 "$work/kill"; p1=$!
 launch kill 0 "$fault" kill 3 "$work/kill"; p0=$!
 wait "$p0"; rc=$?
+[ -s "$work/kill/fault.time" ] && t0=$(cat "$work/kill/fault.time")  # time from the fault
 secs=$(since "$t0")
 wait "$p1"; rc1=$?
 grep -h "tessera-run" "$work"/kill.*.out
