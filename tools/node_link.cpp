@@ -70,25 +70,6 @@ void write_line_blocking(int fd, const std::string& line, int limit_ms) {
   }
 }
 
-// A port the kernel considers free on every interface of this host (for the ranks' store,
-// which rank 0 serves on node 0's host).
-int pick_free_port_any() {
-  const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (s < 0) throw RendezvousError("socket: " + errno_text());
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  socklen_t len = sizeof addr;
-  if (::bind(s, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::getsockname(s, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const int e = errno;
-    ::close(s);
-    throw RendezvousError("cannot pick a port for the ranks' store: " + errno_text(e));
-  }
-  ::close(s);
-  return ntohs(addr.sin_port);
-}
-
 // Reads complete lines from a socket into `buf`; returns false at end of file or error.
 bool read_into(int fd, std::string& buf) {
   char chunk[4096];
@@ -116,6 +97,23 @@ bool pop_line(std::string& buf, std::string& line) {
 bool interrupted(int fd, short revents) { return fd >= 0 && (revents & POLLIN); }
 
 }  // namespace
+
+int pick_free_port(bool any_interface) {
+  const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s < 0) throw std::runtime_error("socket: " + errno_text());
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(any_interface ? INADDR_ANY : INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  if (::bind(s, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::getsockname(s, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    const int e = errno;
+    ::close(s);
+    throw std::runtime_error("cannot pick a free port: " + errno_text(e));
+  }
+  ::close(s);
+  return ntohs(addr.sin_port);
+}
 
 NodeLink::NodeLink(LinkConfig config) : cfg_(std::move(config)) {}
 
@@ -232,7 +230,12 @@ int NodeLink::rendezvous(int interrupt_fd) {
     for (Peer& p : pending) ::close(p.fd);
     ::close(listen_fd_);  // nobody else may join
     listen_fd_ = -1;
-    const int store_port = pick_free_port_any();
+    int store_port = 0;
+    try {
+      store_port = pick_free_port(/*any_interface=*/true);  // rank 0 serves the store on it
+    } catch (const std::runtime_error& e) {
+      throw RendezvousError(std::string("the ranks' store: ") + e.what());
+    }
     for (Peer& p : peers_) send(p, "START " + std::to_string(store_port));
     flush(std::chrono::milliseconds(2000));
     next_ping_ = Clock::now();

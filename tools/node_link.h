@@ -55,6 +55,10 @@ class RendezvousError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Binds port 0 (on every interface, or on loopback only) and returns the port the kernel
+// picked. Throws std::runtime_error.
+int pick_free_port(bool any_interface);
+
 class NodeLink {
  public:
   using Clock = std::chrono::steady_clock;

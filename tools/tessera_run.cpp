@@ -176,25 +176,6 @@ std::string describe(int status) {
 
 bool failed(int status) { return !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
 
-// Binds port 0 on 127.0.0.1 and returns the port the kernel picked.
-int pick_free_port() {
-  const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (s < 0) throw std::runtime_error(std::string("socket: ") + std::strerror(errno));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = 0;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  if (::bind(s, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::getsockname(s, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    const int e = errno;
-    ::close(s);
-    throw std::runtime_error(std::string("cannot pick a free port: ") + std::strerror(e));
-  }
-  ::close(s);
-  return ntohs(addr.sin_port);
-}
-
 void make_pipe(int fds[2]) {
   if (::pipe2(fds, O_CLOEXEC) != 0) throw std::runtime_error(std::string("pipe: ") + std::strerror(errno));
 }
@@ -303,7 +284,7 @@ class Launcher {
         return 128 + sig;
       }
     } else {
-      port = opt_.master_port ? *opt_.master_port : pick_free_port();
+      port = opt_.master_port ? *opt_.master_port : tessera::launcher::pick_free_port(/*any_interface=*/false);
     }
     ranks_.resize(static_cast<std::size_t>(opt_.nproc));
     for (int r = 0; r < opt_.nproc; ++r) {
