@@ -2,7 +2,8 @@
 # Faults on one host, with real processes: a rank SIGKILLed inside a collective, a rank that
 # sleeps instead of joining one, and a node's launcher SIGKILLed in a two-launcher job on
 # loopback. Each job must end non-zero within a bound, name the culprit, and leave no rank
-# behind. Also: the 4-rank multi-node job on two loopback launchers (no root needed).
+# behind. Also: the 4-rank multi-node job on two loopback launchers (no root needed), and an
+# unknown network interface.
 #   faults.sh TESSERA_RUN FAULT_RANK MULTINODE_JOB
 set -u
 run=$1
@@ -72,6 +73,15 @@ if [ "$rc0" -ne 0 ] || [ "$rc1" -ne 0 ] || [ "$(cat "$work"/job*.out | grep -c '
 else
   echo "RESULT [loopback job]: 4 ranks on 2 launchers match one device"
 fi
+
+# 5. A network interface that does not exist: every rank says so instead of hanging.
+mkdir "$work/ifname"
+t0=$(now)
+out=$("$run" -n 2 --timeout 120 --ifname nosuchif0 "$fault" loop - "$work/ifname" 2>&1); rc=$?
+secs=$(since "$t0")
+echo "$out" | grep -m 1 "cannot listen" | cut -c 1-300
+expect_stop "unknown interface" "$rc" "$secs" 60 "$out" \
+  "rank [01] cannot listen for Gloo connections on interface \"nosuchif0\"" || status=1
 
 [ "$status" -eq 0 ] && echo "OK: every fault stopped the job, named its culprit, left no rank"
 exit $status
