@@ -446,6 +446,22 @@ std::vector<std::vector<int64_t>> all_gather_ints(const Group& pg, const std::ve
   return res;
 }
 
+std::vector<std::string> all_gather_strings(const Group& pg, const std::string& s) {
+  auto heads = all_gather_ints(pg, {static_cast<int64_t>(s.size())});
+  std::vector<int64_t> lens;
+  for (auto& h : heads) lens.push_back(h[0]);
+  auto bytes = at::empty({static_cast<int64_t>(s.size())}, at::kByte);
+  std::memcpy(bytes.data_ptr(), s.data(), s.size());
+  auto all = all_gather(pg, bytes, 0, lens);
+  std::vector<std::string> out;
+  int64_t off = 0;
+  for (auto len : lens) {
+    out.emplace_back(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + off, len);
+    off += len;
+  }
+  return out;
+}
+
 void check_everywhere(const Group& pg, bool ok, const std::string& message) {
   const std::string mine = ok ? std::string() : message;
   auto flags = all_gather_ints(pg, {ok ? 1 : 0, static_cast<int64_t>(mine.size())});

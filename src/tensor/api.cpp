@@ -2,6 +2,8 @@
 // each with its backward as an autograd Node (NOTE: [Backward of layout changes]).
 #include "tessera/tensor/api.h"
 
+#include <algorithm>
+#include <functional>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -34,9 +36,9 @@ void connect(const std::shared_ptr<Node>& node, const at::Tensor& input, at::Ten
 }
 
 // Target tables: explicit ones win; tensor dims sharded by the same mesh dims keep theirs.
-std::vector<ShardTable> target_tables(const DTensorSpec* src, const DeviceMesh& mesh,
-                                      const Placements& p, const std::vector<int64_t>& sizes,
-                                      const ShardSizes& given) {
+std::vector<ShardTable> target_tables(const char* what, const DTensorSpec* src,
+                                      const DeviceMesh& mesh, const Placements& p,
+                                      const std::vector<int64_t>& sizes, const ShardSizes& given) {
   const int64_t nd = static_cast<int64_t>(sizes.size());
   std::vector<ShardTable> tables(nd);
   for (int64_t t = 0; t < nd; ++t) {
@@ -60,7 +62,8 @@ std::vector<ShardTable> target_tables(const DTensorSpec* src, const DeviceMesh& 
     }
   }
   if (given.mode() == ShardSizes::Mode::Given)
-    TORCH_CHECK(static_cast<int64_t>(given.tables().size()) <= nd, "tessera: ShardSizes::Given has ",
+    TORCH_CHECK(static_cast<int64_t>(given.tables().size()) <= nd, "tessera: ", what, "(",
+                to_string(p), ", global shape ", shape_str(sizes), "): ShardSizes::Given has ",
                 given.tables().size(), " tables for a ", nd, "-dim tensor");
   return tables;
 }
@@ -203,6 +206,115 @@ void check_placements(const char* what, const DeviceMesh& mesh, const Placements
   }
 }
 
+// NOTE: [Agreeing on arguments]
+// Arguments are per rank, so a check on them can fail on some ranks only; a rank that throws
+// alone leaves the others waiting in the next collective. The collective entry points
+// (distribute_tensor with a source rank, scatter_tensor, from_local with run_check or Infer,
+// redistribute to placements) therefore run their local checks without throwing, then
+// exchange one small message: each rank's verdict, a digest of its arguments and a few ints
+// the entry point needs anyway (its tensor's rank and dtype, ...). A failed check or arguments
+// that differ are then raised on every rank, before any rank starts the real collectives.
+
+// Ranks with the same text, for messages: "ranks 0, 2".
+std::string ranks_str(const DeviceMesh& mesh, const std::vector<size_t>& members) {
+  std::string s = members.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < members.size(); ++i)
+    s += (i ? ", " : "") + std::to_string(mesh.ranks()[members[i]]);
+  return s;
+}
+
+std::vector<std::pair<std::string, std::vector<size_t>>> group_texts(
+    const std::vector<std::string>& texts, const std::vector<bool>& include) {
+  std::vector<std::pair<std::string, std::vector<size_t>>> groups;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    if (!include[i]) continue;
+    auto it = std::find_if(groups.begin(), groups.end(),
+                           [&](const auto& g) { return g.first == texts[i]; });
+    if (it == groups.end()) groups.push_back({texts[i], {i}});
+    else it->second.push_back(i);
+  }
+  return groups;
+}
+
+// Every mesh rank's `ints` once every rank passed its local checks (`error` empty) and all
+// passed the same `args` (a description, compared by digest); otherwise the same error on
+// every rank. `check` sees the gathered ints after the arguments are known to agree.
+using IntsCheck = std::function<void(const std::vector<std::vector<int64_t>>&)>;
+std::vector<std::vector<int64_t>> agree(const char* what, const DeviceMesh& mesh,
+                                        const std::string& error, const std::string& args,
+                                        const std::vector<int64_t>& ints,
+                                        const IntsCheck& check = {}) {
+  // Alone, or outside the mesh (no group to talk on): this rank's verdict is the verdict.
+  if (mesh.size() == 1 || !mesh.contains_this_rank()) TORCH_CHECK(error.empty(), error);
+  if (mesh.size() == 1 && mesh.contains_this_rank()) {
+    std::vector<std::vector<int64_t>> one{ints};
+    if (check) check(one);
+    return one;
+  }
+  auto pg = mesh.mesh_group();
+  std::vector<int64_t> mine{error.empty() ? 1 : 0,
+                            static_cast<int64_t>(std::hash<std::string>()(args))};
+  mine.insert(mine.end(), ints.begin(), ints.end());
+  auto all = comm::all_gather_ints(pg, mine);
+  bool ok = true, same = true;
+  std::vector<std::vector<int64_t>> out;
+  for (auto& v : all) {
+    ok = ok && v[0] == 1;
+    same = same && v[1] == all[0][1];
+    out.emplace_back(v.begin() + 2, v.end());
+  }
+  if (ok && same) {
+    if (check) check(out);
+    return out;
+  }
+  // The rare path: every rank learns why the others failed, or what they passed.
+  auto texts = comm::all_gather_strings(pg, error.empty() ? args : error);
+  const size_t n = all.size();
+  std::vector<bool> failed(n);
+  for (size_t i = 0; i < n; ++i) failed[i] = all[i][0] == 0;
+  if (!ok) {
+    auto groups = group_texts(texts, failed);
+    size_t count = 0;
+    for (auto& g : groups) count += g.second.size();
+    // Every rank failed the same check: the error as one rank alone would raise it.
+    TORCH_CHECK(!(groups.size() == 1 && count == n), groups[0].first);
+    std::string msg;
+    for (auto& g : groups)
+      msg += (msg.empty() ? "" : "; ") + g.first + " [on " + ranks_str(mesh, g.second) + "]";
+    TORCH_CHECK(false, msg, count < n ? " (the other ranks of " + mesh.str() + " passed these checks)"
+                                     : std::string());
+  }
+  std::string msg;
+  for (auto& g : group_texts(texts, std::vector<bool>(n, true)))
+    msg += (msg.empty() ? "" : "; ") + ranks_str(mesh, g.second) + " passed " + g.first;
+  TORCH_CHECK(false, "tessera: ", what, ": the ranks of ", mesh.str(),
+              " disagree on the arguments, which must be the same on every rank: ", msg);
+}
+
+std::string sizes_str(const ShardSizes& sizes) {
+  switch (sizes.mode()) {
+    case ShardSizes::Mode::Chunk: return "";
+    case ShardSizes::Mode::Infer: return ", ShardSizes::Infer()";
+    case ShardSizes::Mode::Given: break;
+  }
+  std::string s;
+  for (size_t t = 0; t < sizes.tables().size(); ++t)
+    if (!sizes.tables()[t].empty())
+      s += (s.empty() ? "" : ", ") + std::to_string(t) + ": " + shape_str(sizes.tables()[t]);
+  return ", shard sizes {" + s + "}";
+}
+
+// Local checks whose failure `agree` reports: the error's text, or "" when they pass.
+template <class F>
+std::string error_of(F&& checks) {
+  try {
+    checks();
+  } catch (const c10::Error& e) {
+    return e.msg();
+  }
+  return {};
+}
+
 struct SourceMeta {
   std::vector<int64_t> sizes;
   c10::ScalarType dtype;
@@ -212,27 +324,34 @@ struct SourceMeta {
 // The source rank's shape, dtype and requires_grad, agreed by every rank (two small
 // all-gathers). With every_rank_has_data, every rank's tensor must match the source's; any
 // mismatch raises the same error on every rank.
+// `error` and `args`: this rank's local checks and arguments (NOTE: [Agreeing on arguments]).
 SourceMeta agree_with_source(const char* what, const DeviceMesh& mesh, const at::Tensor& t,
-                             int src_flat, bool every_rank_has_data) {
-  auto pg = mesh.mesh_group();
+                             int src_flat, bool every_rank_has_data, const std::string& error,
+                             const std::string& args) {
   const bool def = t.defined();
-  auto heads = comm::all_gather_ints(
-      pg, {def, def ? t.dim() : -1, def ? static_cast<int64_t>(t.scalar_type()) : -1,
-           def && t.requires_grad()});
+  const int src_rank = src_flat >= 0 ? mesh.ranks()[src_flat] : -1;
+  auto heads = agree(
+      what, mesh, error, args,
+      {def, def ? t.dim() : -1, def ? static_cast<int64_t>(t.scalar_type()) : -1,
+       def && t.requires_grad()},
+      [&](const std::vector<std::vector<int64_t>>& heads) {
+        const auto& src = heads[src_flat];
+        TORCH_CHECK(src[0] == 1, "tessera: ", what, ": the source rank ", src_rank,
+                    " passed an undefined tensor");
+        for (size_t r = 0; every_rank_has_data && r < heads.size(); ++r) {
+          TORCH_CHECK(heads[r][0] == 1 && heads[r][1] == src[1] && heads[r][2] == src[2],
+                      "tessera: ", what, ": rank ", mesh.ranks()[r], " passed ",
+                      heads[r][0] ? std::to_string(heads[r][1]) + "-d " +
+                                        c10::toString(static_cast<c10::ScalarType>(heads[r][2]))
+                                  : std::string("an undefined tensor"),
+                      " but the source rank ", src_rank, " has a ", src[1], "-d ",
+                      c10::toString(static_cast<c10::ScalarType>(src[2])),
+                      " tensor; every rank must pass a tensor of the global shape");
+        }
+      });
   const auto& src = heads[src_flat];
-  const int src_rank = mesh.ranks()[src_flat];
-  TORCH_CHECK(src[0] == 1, "tessera: ", what, ": the source rank ", src_rank,
-              " passed an undefined tensor");
   const auto dtype = static_cast<c10::ScalarType>(src[2]);
-  for (size_t r = 0; every_rank_has_data && r < heads.size(); ++r) {
-    TORCH_CHECK(heads[r][0] == 1 && heads[r][1] == src[1] && heads[r][2] == src[2], "tessera: ",
-                what, ": rank ", mesh.ranks()[r], " passed ",
-                heads[r][0] ? std::to_string(heads[r][1]) + "-d " +
-                                  c10::toString(static_cast<c10::ScalarType>(heads[r][2]))
-                            : std::string("an undefined tensor"),
-                " but the source rank ", src_rank, " has a ", src[1], "-d ", c10::toString(dtype),
-                " tensor; every rank must pass a tensor of the global shape");
-  }
+  auto pg = mesh.mesh_group();
   std::vector<int64_t> mine(src[1], -1);
   if (def && t.dim() == src[1]) mine = t.sizes().vec();
   auto shapes = comm::all_gather_ints(pg, mine);
@@ -244,20 +363,28 @@ SourceMeta agree_with_source(const char* what, const DeviceMesh& mesh, const at:
   return {shapes[src_flat], dtype, src[3] == 1};
 }
 
+// `error` and `args` as for agree_with_source.
 SpecPtr infer_spec(const at::Tensor& local, const DeviceMesh& mesh, const Placements& placements,
+                   const std::string& error, const std::string& args,
                    std::vector<std::vector<int64_t>>* shapes_out = nullptr) {
+  const bool def = local.defined();
+  agree("from_local", mesh, error, args,
+        {def ? local.dim() : -1, def ? static_cast<int64_t>(local.scalar_type()) : -1},
+        [&](const std::vector<std::vector<int64_t>>& heads) {
+          for (size_t r = 1; r < heads.size(); ++r) {
+            TORCH_CHECK(heads[r] == heads[0], "tessera: from_local(", to_string(placements),
+                        "): mesh ranks ", mesh.ranks()[0], " and ", mesh.ranks()[r],
+                        " disagree on the local tensor's ",
+                        heads[r][0] != heads[0][0] ? "number of dims" : "dtype", " (",
+                        heads[0][0], "-d ",
+                        c10::toString(static_cast<c10::ScalarType>(heads[0][1])), " vs ",
+                        heads[r][0], "-d ",
+                        c10::toString(static_cast<c10::ScalarType>(heads[r][1])), ")");
+          }
+        });
+  // Every rank passed the same placements and a tensor of the same rank, and checked them.
   auto pg = mesh.mesh_group();
-  auto heads = comm::all_gather_ints(pg, {local.dim(), static_cast<int64_t>(local.scalar_type())});
-  for (size_t r = 1; r < heads.size(); ++r) {
-    TORCH_CHECK(heads[r] == heads[0], "tessera: from_local(", to_string(placements),
-                "): mesh ranks ", mesh.ranks()[0], " and ", mesh.ranks()[r], " disagree on the ",
-                "local tensor's ", heads[r][0] != heads[0][0] ? "number of dims" : "dtype", " (",
-                heads[0][0], "-d ", c10::toString(static_cast<c10::ScalarType>(heads[0][1])),
-                " vs ", heads[r][0], "-d ",
-                c10::toString(static_cast<c10::ScalarType>(heads[r][1])), ")");
-  }
   const int64_t nd = local.dim();
-  check_placements("from_local", mesh, placements, local.sizes().vec());  // same nd everywhere now
   auto shapes = comm::all_gather_ints(pg, local.sizes().vec());
   if (shapes_out) *shapes_out = shapes;
   std::vector<int64_t> global(nd);
@@ -302,7 +429,7 @@ SpecPtr declared_spec(const at::Tensor& local, const DeviceMesh& mesh,
                       const Placements& placements, const ShardSizes& sizes) {
   const int64_t nd = local.dim();
   std::vector<int64_t> global = local.sizes().vec();
-  auto tables = target_tables(nullptr, mesh, placements, global, sizes);
+  auto tables = target_tables("from_local", nullptr, mesh, placements, global, sizes);
   for (int64_t t = 0; t < nd; ++t) {
     int64_t shards = 1;
     bool sharded = false;
@@ -310,6 +437,10 @@ SpecPtr declared_spec(const at::Tensor& local, const DeviceMesh& mesh,
       if (placements[m].normalized(nd).is_shard(t)) shards *= mesh.size(m), sharded = true;
     if (!sharded) continue;
     if (!tables[t].empty()) {
+      // The given sizes define the global size here: a negative one must be named as such.
+      for (auto s : tables[t])
+        TORCH_CHECK(s >= 0, "tessera: from_local(", to_string(placements),
+                    "): negative shard size in ", shape_str(tables[t]), " along tensor dim ", t);
       global[t] = 0;
       for (auto s : tables[t]) global[t] += s;
     } else {
@@ -393,61 +524,84 @@ void reject_partial(const Placements& p, const char* what) {
 at::Tensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh,
                              const Placements& placements, std::optional<int> src_data_rank,
                              const ShardSizes& sizes) {
-  TORCH_CHECK(tensor.defined(), "tessera: distribute_tensor needs a defined tensor");
-  TORCH_CHECK(!is_dtensor(tensor), "tessera: distribute_tensor: the tensor is already ",
-              "distributed; use redistribute");
-  reject_partial(placements, "distribute_tensor");
-  check_placements("distribute_tensor", mesh, placements, tensor.sizes().vec());
-  TORCH_CHECK(sizes.mode() != ShardSizes::Mode::Infer,
-              "tessera: distribute_tensor: ShardSizes::Infer() only applies to from_local");
-  auto global = tensor.sizes().vec();
-  auto spec = make_spec("distribute_tensor", mesh, placements, global, tensor.scalar_type(),
-                        target_tables(nullptr, mesh, placements, global, sizes));
-  if (!mesh.contains_this_rank()) return make_dtensor(tensor, spec);
-  if (src_data_rank) {
-    const int src_flat = src_index(mesh, *src_data_rank, "distribute_tensor");
-    auto meta = agree_with_source("distribute_tensor", mesh, tensor, src_flat, true);
-    return scatter_impl(tensor, src_flat, spec, meta.requires_grad);
+  const char* what = "distribute_tensor";
+  SpecPtr spec;
+  int src_flat = -1;
+  auto checks = [&] {
+    TORCH_CHECK(tensor.defined(), "tessera: distribute_tensor needs a defined tensor");
+    TORCH_CHECK(!is_dtensor(tensor), "tessera: distribute_tensor: the tensor is already ",
+                "distributed; use redistribute");
+    reject_partial(placements, what);
+    check_placements(what, mesh, placements, tensor.sizes().vec());
+    TORCH_CHECK(sizes.mode() != ShardSizes::Mode::Infer,
+                "tessera: distribute_tensor: ShardSizes::Infer() only applies to from_local");
+    auto global = tensor.sizes().vec();
+    spec = make_spec(what, mesh, placements, global, tensor.scalar_type(),
+                     target_tables(what, nullptr, mesh, placements, global, sizes));
+    if (src_data_rank && mesh.contains_this_rank())
+      src_flat = src_index(mesh, *src_data_rank, what);
+  };
+  if (!src_data_rank || !mesh.contains_this_rank()) {
+    checks();  // no communication: each rank decides alone
+    if (!mesh.contains_this_rank()) return make_dtensor(tensor, spec);
+    // Every rank holds the full value: replicated from_local, then local slicing (no comm).
+    Placements rep(mesh.ndim(), Replicate());
+    auto full = wrap_local(tensor, std::make_shared<DTensorSpec>(mesh, rep, tensor.sizes().vec(),
+                                                                 tensor.scalar_type()));
+    return redistribute_to(full, spec);
   }
-  // Every rank holds the full value: replicated from_local, then local slicing (no comm).
-  Placements rep(mesh.ndim(), Replicate());
-  auto full = wrap_local(tensor, std::make_shared<DTensorSpec>(mesh, rep, global,
-                                                               tensor.scalar_type()));
-  return redistribute_to(full, spec);
+  // A collective: decide together (NOTE: [Agreeing on arguments]).
+  const std::string error = error_of(checks);
+  const std::string args = "placements " + to_string(placements) + sizes_str(sizes) +
+                           ", source rank " + std::to_string(*src_data_rank);
+  auto meta = agree_with_source(what, mesh, tensor, src_flat, true, error, args);
+  return scatter_impl(tensor, src_flat, spec, meta.requires_grad);
 }
 
 at::Tensor scatter_tensor(const at::Tensor& full_on_src, int src, const DeviceMesh& mesh,
                           const Placements& placements, const ShardSizes& sizes) {
-  reject_partial(placements, "scatter_tensor");
-  TORCH_CHECK(sizes.mode() != ShardSizes::Mode::Infer,
-              "tessera: scatter_tensor: ShardSizes::Infer() only applies to from_local");
-  check_placement_count("scatter_tensor", mesh, placements);
-  const int src_flat = src_index(mesh, src, "scatter_tensor");
+  int src_flat = -1;
+  // Checks of the arguments alone; the rest needs the source's shape.
+  const std::string error = error_of([&] {
+    reject_partial(placements, "scatter_tensor");
+    TORCH_CHECK(sizes.mode() != ShardSizes::Mode::Infer,
+                "tessera: scatter_tensor: ShardSizes::Infer() only applies to from_local");
+    check_placement_count("scatter_tensor", mesh, placements);
+    src_flat = src_index(mesh, src, "scatter_tensor");
+  });
+  const std::string args = "placements " + to_string(placements) + sizes_str(sizes) +
+                           ", source rank " + std::to_string(src);
   // Shape and dtype travel from the source (other ranks may pass nothing).
-  auto meta = agree_with_source("scatter_tensor", mesh, full_on_src, src_flat, false);
+  auto meta = agree_with_source("scatter_tensor", mesh, full_on_src, src_flat, false, error, args);
+  // Arguments and the source's shape are the same everywhere now: one verdict.
   check_placements("scatter_tensor", mesh, placements, meta.sizes);
   auto spec = make_spec("scatter_tensor", mesh, placements, meta.sizes, meta.dtype,
-                        target_tables(nullptr, mesh, placements, meta.sizes, sizes));
+                        target_tables("scatter_tensor", nullptr, mesh, placements, meta.sizes, sizes));
   return scatter_impl(full_on_src, src_flat, spec, meta.requires_grad);
 }
 
 at::Tensor from_local(const at::Tensor& local, const DeviceMesh& mesh,
                       const Placements& placements, const FromLocalOptions& options) {
-  TORCH_CHECK(local.defined(), "tessera: from_local needs a defined local tensor");
-  TORCH_CHECK(!is_dtensor(local), "tessera: from_local: the tensor is already distributed");
-  check_placement_count("from_local", mesh, placements);
+  auto checks = [&] {
+    TORCH_CHECK(local.defined(), "tessera: from_local needs a defined local tensor");
+    TORCH_CHECK(!is_dtensor(local), "tessera: from_local: the tensor is already distributed");
+    check_placement_count("from_local", mesh, placements);
+    check_placements("from_local", mesh, placements, local.sizes().vec());
+  };
   const auto mode = options.sizes.mode();
   if (mode != ShardSizes::Mode::Infer && !options.run_check) {
-    check_placements("from_local", mesh, placements, local.sizes().vec());
+    checks();  // no communication: each rank decides alone
     return wrap_local(local, declared_spec(local, mesh, placements, options.sizes));
   }
   // Gather every rank's shape once: infer the layout, or check the declared one against it.
-  // Every rank sees the same shapes, so every rank reaches the same verdict.
+  // Every rank sees the same shapes and arguments, so every rank reaches the same verdict.
+  const std::string error = error_of(checks);
+  const std::string args = "placements " + to_string(placements) + sizes_str(options.sizes);
   std::vector<std::vector<int64_t>> shapes;
-  SpecPtr inferred = infer_spec(local, mesh, placements, &shapes);
+  SpecPtr inferred = infer_spec(local, mesh, placements, error, args, &shapes);
   if (mode == ShardSizes::Mode::Infer) return wrap_local(local, inferred);
   const auto& global = inferred->sizes();
-  auto tables = target_tables(nullptr, mesh, placements, global, options.sizes);
+  auto tables = target_tables("from_local", nullptr, mesh, placements, global, options.sizes);
   for (int64_t t = 0; t < inferred->ndim(); ++t) {
     auto dims = inferred->mesh_dims_sharding(t);
     if (dims.empty()) continue;
@@ -495,18 +649,32 @@ at::Tensor full_tensor(const at::Tensor& dtensor) {
 at::Tensor redistribute(const at::Tensor& dtensor, const Placements& placements,
                         const ShardSizes& sizes) {
   const auto& s = spec(dtensor);
-  for (size_t m = 0; m < placements.size(); ++m) {
-    TORCH_CHECK(!placements[m].is_partial() ||
-                    (m < s.placements().size() && s.placements()[m] == placements[m]),
-                "tessera: redistribute ", to_string(s.placements()), " -> ",
-                to_string(placements), ": Partial targets are internal; keep the source's ",
-                "Partial or choose Replicate/Shard");
+  SpecPtr target;
+  auto checks = [&] {
+    for (size_t m = 0; m < placements.size(); ++m) {
+      TORCH_CHECK(!placements[m].is_partial() ||
+                      (m < s.placements().size() && s.placements()[m] == placements[m]),
+                  "tessera: redistribute ", to_string(s.placements()), " -> ",
+                  to_string(placements), ": Partial targets are internal; keep the source's ",
+                  "Partial or choose Replicate/Shard");
+    }
+    TORCH_CHECK(sizes.mode() != ShardSizes::Mode::Infer,
+                "tessera: redistribute: ShardSizes::Infer() only applies to from_local");
+    check_placements("redistribute", s.mesh(), placements, s.sizes());
+    target = make_spec("redistribute", s.mesh(), placements, s.sizes(), s.dtype(),
+                       target_tables("redistribute", &s, s.mesh(), placements, s.sizes(), sizes));
+  };
+  if (s.mesh().size() == 1 || !s.mesh().contains_this_rank()) {
+    checks();
+    return redistribute_to(dtensor, target);
   }
-  TORCH_CHECK(sizes.mode() != ShardSizes::Mode::Infer,
-              "tessera: redistribute: ShardSizes::Infer() only applies to from_local");
-  check_placements("redistribute", s.mesh(), placements, s.sizes());
-  auto target = make_spec("redistribute", s.mesh(), placements, s.sizes(), s.dtype(),
-                          target_tables(&s, s.mesh(), placements, s.sizes(), sizes));
+  // Ranks asking for different targets (or holding differently declared tensors) would run
+  // different collectives: one small exchange first (NOTE: [Agreeing on arguments]).
+  const std::string error = error_of(checks);
+  agree("redistribute", s.mesh(), error,
+        "source " + s.str() + " " + c10::toString(s.dtype()) + " -> placements " +
+            to_string(placements) + sizes_str(sizes),
+        {});
   return redistribute_to(dtensor, target);
 }
 

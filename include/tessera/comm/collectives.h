@@ -105,6 +105,9 @@ at::Tensor broadcast(const Group& pg, const at::Tensor& x, int root);
 // Small metadata exchanges (accounted as Metadata): every member's vector, equal lengths.
 std::vector<std::vector<int64_t>> all_gather_ints(const Group& pg, const std::vector<int64_t>& v);
 
+// Every member's string, in member order (one length exchange, then the bytes).
+std::vector<std::string> all_gather_strings(const Group& pg, const std::string& s);
+
 // Errors, not hangs: every member calls this at the same point. If any member's `ok` is
 // false, every member throws the same c10::Error, carrying the failing members' messages.
 void check_everywhere(const Group& pg, bool ok, const std::string& message);

@@ -71,9 +71,12 @@ at::Tensor full_tensor(const at::Tensor& dtensor);
 // Moves to new placements with the fewest bytes. Tensor dims whose sharding mesh dims do not
 // change keep their shard sizes; newly sharded dims use `sizes` (chunk by default).
 // Partial targets are for internal use (from_local is the way to declare partial values).
+// Collective on a mesh of 2+ ranks: one small exchange checks that every rank asks for the
+// same target from the same layout, so invalid or rank-dependent arguments raise the same
+// error everywhere instead of leaving ranks in different collectives.
 at::Tensor redistribute(const at::Tensor& dtensor, const Placements& placements,
                         const ShardSizes& sizes = ShardSizes::Chunk());
-// Same, to a complete target spec.
+// Same, to a complete target spec (no such exchange: every rank must pass the same spec).
 at::Tensor redistribute(const at::Tensor& dtensor, const SpecPtr& target);
 
 // Inspection.
