@@ -28,6 +28,7 @@ trap cleanup EXIT
 skip() { echo "SKIPPED: $*"; exit 77; }
 [ "$(id -u)" -eq 0 ] || skip "network namespaces need root"
 command -v ip >/dev/null || skip "iproute2 (ip) is not installed"
+command -v nsenter >/dev/null || skip "nsenter (util-linux) is not installed"
 ip netns add "$ns0" 2>"$work/err" || skip "cannot create a network namespace: $(cat "$work/err")"
 ip netns add "$ns1" || skip "cannot create a second network namespace"
 ip link add "$tag-a" type veth peer name "$tag-b" 2>"$work/err" || skip "no veth support: $(cat "$work/err")"
@@ -36,6 +37,12 @@ ip link set "$tag-b" netns "$ns1"
 ip -n "$ns0" addr add "$addr0/24" dev "$tag-a"
 ip -n "$ns1" addr add "$addr1/24" dev "$tag-b"
 for ns in "$ns0" "$ns1"; do ip -n "$ns" link set lo up; done
+# Enter a namespace by its network only: `ip netns exec` also remounts / and /sys, which a
+# chroot (the Debian 13 check) refuses.
+netns_dir=/run/netns
+[ -e "$netns_dir/$ns0" ] || netns_dir=/var/run/netns
+in_ns() { local ns=$1; shift; nsenter --net="$netns_dir/$ns" "$@"; }
+in_ns "$ns0" true 2>"$work/err" || skip "cannot enter the namespace: $(cat "$work/err")"
 ip -n "$ns0" link set "$tag-a" up
 ip -n "$ns1" link set "$tag-b" up
 echo "namespaces $ns0 ($addr0) and $ns1 ($addr1) joined by a veth pair"
@@ -47,7 +54,8 @@ launch() {
   shift 2
   local ns=$ns0
   [ "$node" -eq 1 ] && ns=$ns1
-  ip netns exec "$ns" "$run" -n 2 --nnodes 2 --node-rank "$node" --master-addr "$addr0" \
+  # (nsenter itself, not a function, so that $! is the launcher: nsenter execs it)
+  nsenter --net="$netns_dir/$ns" "$run" -n 2 --nnodes 2 --node-rank "$node" --master-addr "$addr0" \
     --master-port "$port" --rdzv-timeout 60 --timeout 240 "$@" >"$work/$name.$node.out" 2>&1 &
 }
 status=0
