@@ -4,23 +4,24 @@
 #   bash scripts/sanitize.sh [asan|tsan|all]     (default: all)
 #
 # asan: AddressSanitizer + UndefinedBehaviorSanitizer (LeakSanitizer included), in
-#       build-asan. Runs the whole tessera_tests binary (unit and multi-rank tests) and
-#       tessera_launcher_tests.
-# tsan: ThreadSanitizer, in build-tsan. Ranks are threads of one process, each with its own
-#       Gloo group, so a race between ranks on Tessera's shared state shows. Runs a subset of
-#       the multi-rank tests (TSAN_FILTER below): TSan slows this code 5-15x and the full
-#       binary would take about an hour on two cores; the subset covers every piece of
-#       state that ranks share (the world registry, mesh and plan caches, the op registry,
-#       the random generators, the module/FSDP/TP registries, the async checkpoint writer)
-#       while leaving out the large single-threaded sweeps (OpSweep, property tables).
+#       build-asan: all of tessera_tests (unit and multi-rank tests), tessera_launcher_tests,
+#       and the e2e CTest tests (real processes through tessera-run) except
+#       e2e.find_package_consumer, which builds an outside project against an installed
+#       (uninstrumented) package and tests packaging, not code.
+# tsan: ThreadSanitizer, in build-tsan: all of tessera_tests. Ranks are threads of one
+#       process, each with its own Gloo group, so races between ranks on Tessera's shared
+#       state show. (TSan's processes are not run through the launcher: one rank per
+#       process has nothing for TSan to find that a rank thread does not show.)
 #
-# Both build RelWithDebInfo at -O1 with their own build folder; LibTorch and Gloo are not
-# instrumented. Suppressions (scripts/sanitizers/*.supp) cover only LibTorch/Gloo internals.
+# Test binaries run directly (one process, --gtest_filter), not through CTest, which would
+# start LibTorch once per test. On 2 cores each flavour's run takes 8-15 minutes (TSan slows
+# this code less than its usual 5-15x: most time is in uninstrumented LibTorch kernels and
+# Gloo), so both run everything; ASAN_FILTER / TSAN_FILTER narrow them.
+# Both build RelWithDebInfo at -O1 -g1 in their own build folder; LibTorch and Gloo are not
+# instrumented. Suppressions (scripts/sanitizers/*.supp) are only for LibTorch/Gloo internals;
+# TSan runs with ignore_noninstrumented_modules=1 (see scripts/sanitizers/tsan.supp for why).
 # Environment: JOBS (build parallelism), ASAN_FILTER / TSAN_FILTER (gtest filters),
 # SANITIZE_TIMEOUT (seconds per test binary, default 3600).
-# Not run here: the e2e tests (real processes through tessera-run running the examples):
-# they run the same library code as the multi-rank tests, and building the examples would
-# double the sanitizer build time.
 # Exits non-zero if any test fails or any sanitizer reports.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,24 +38,28 @@ esac
 bash scripts/install-deps.sh || exit 1
 
 ASAN_FILTER=${ASAN_FILTER:-*}
-TSAN_FILTER=${TSAN_FILTER:-Smoke.*:Mesh*:RandomSync.*:Checkpoint.*:DataParallel.*:FullyShard.*:TensorParallel.*:Training.*:Dispatch.*:CustomRule.*:Errors*:Halo.*:DomainTraining.*:LossParallel.*:CreationDistribute.ShardSizes*:CreationScatter.*:CreationRedistribute.*:RedistributePlan.*:Modules.*:-*/*}
+TSAN_FILTER=${TSAN_FILTER:-*}
 TIMEOUT=${SANITIZE_TIMEOUT:-3600}
+# The examples and programs the e2e tests start (all of them but find_package_consumer).
+E2E_TARGETS="quickstart redistribute_tour domain_demo tp_transformer na_transformer
+  e2e_failing_rank e2e_checkpoint_kill e2e_random_seeds"
 
 declare -A summary
 status=0
 
 now() { date +%s; }
 
-# configure_build FLAVOUR CXXFLAGS LDFLAGS TARGETS
+# configure_build FLAVOUR CXXFLAGS LDFLAGS EXAMPLES(ON|OFF) TARGETS
 configure_build() {
   local dir=build-$1 t0
   t0=$(now)
   echo "=== $1: building in $dir"
-  BUILD_DIR=$dir BUILD_TYPE=RelWithDebInfo TARGETS="$4" JOBS=${JOBS:-$(nproc)} \
-    bash scripts/build.sh \
-      -DCMAKE_CXX_FLAGS="$2" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
-      -DCMAKE_EXE_LINKER_FLAGS="$3" -DCMAKE_SHARED_LINKER_FLAGS="$3" \
-      -DTESSERA_BUILD_EXAMPLES=OFF -DTESSERA_BUILD_BENCHMARKS=OFF
+  # (configured every time, so that a changed flag here reaches an existing build folder)
+  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_FLAGS="$2" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
+    -DCMAKE_EXE_LINKER_FLAGS="$3" -DCMAKE_SHARED_LINKER_FLAGS="$3" \
+    -DTESSERA_BUILD_EXAMPLES="$4" -DTESSERA_BUILD_BENCHMARKS=OFF >/dev/null &&
+    BUILD_DIR=$dir TARGETS="$5" JOBS=${JOBS:-$(nproc)} bash scripts/build.sh
   local rc=$?
   summary[$1.build]="$(( $(now) - t0 )) s"
   return $rc
@@ -69,10 +74,12 @@ run_binary() {
   t0=$(now)
   timeout --signal=KILL "$TIMEOUT" "$bin" "$@" >"$log" 2>&1
   rc=$?
-  reports=$(grep -cE "^(==[0-9]+==ERROR: |WARNING: ThreadSanitizer|SUMMARY: (Address|Leak|Thread|UndefinedBehavior)Sanitizer)|runtime error: " "$log")
+  reports=$(grep -cE "==[0-9]+==ERROR: |WARNING: ThreadSanitizer|SUMMARY: (Address|Leak|Thread|UndefinedBehavior)Sanitizer|runtime error: " "$log")
   local tests
   tests=$(grep -oE "^\[  PASSED  \] [0-9]+ tests?" "$log" | grep -oE "[0-9]+")
-  summary[$flavour.$name]="exit $rc, ${tests:-0} tests passed, $reports sanitizer report lines, $(( $(now) - t0 )) s"
+  [ -n "$tests" ] || tests=$(grep -oE "[0-9]+% tests passed, [0-9]+ tests failed out of [0-9]+" "$log" |
+                             sed -E 's/^[0-9]+% tests passed, ([0-9]+) tests failed out of ([0-9]+)/\2 ctest tests, \1 failed/')
+  summary[$flavour.$name]="exit $rc, passed: ${tests:-none}, $reports sanitizer report lines, $(( $(now) - t0 )) s"
   if [ "$rc" -ne 0 ] || [ "$reports" -ne 0 ]; then
     status=1
     grep -nE "^\[  FAILED  \]|ERROR: |WARNING: ThreadSanitizer|SUMMARY: |runtime error: " "$log" | head -40
@@ -83,12 +90,13 @@ for f in $flavours; do
   case $f in
     asan)
       if configure_build asan "-fsanitize=address,undefined -fno-omit-frame-pointer" \
-           "-fsanitize=address,undefined" "tessera_tests tessera_launcher_tests tessera-run"; then
+           "-fsanitize=address,undefined" ON "tessera_tests tessera_launcher_tests tessera-run $E2E_TARGETS"; then
         export ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:detect_stack_use_after_return=1:strict_init_order=1:check_initialization_order=1:abort_on_error=0:suppressions=$SUPP/asan.supp"
         export LSAN_OPTIONS="suppressions=$SUPP/lsan.supp:print_suppressions=0"
         export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$SUPP/ubsan.supp"
         run_binary asan tessera_tests build-asan/tests/tessera_tests --gtest_filter="$ASAN_FILTER"
         run_binary asan launcher_tests build-asan/tests/launcher/tessera_launcher_tests
+        run_binary asan e2e ctest --test-dir build-asan -V -R '^e2e[.]' -E find_package
         unset ASAN_OPTIONS LSAN_OPTIONS UBSAN_OPTIONS
       else
         status=1; summary[asan.build]+=" (failed)"
@@ -96,7 +104,7 @@ for f in $flavours; do
       ;;
     tsan)
       if configure_build tsan "-fsanitize=thread -fno-omit-frame-pointer" "-fsanitize=thread" \
-           "tessera_tests"; then
+           OFF "tessera_tests"; then
         export TSAN_OPTIONS="halt_on_error=0:second_deadlock_stack=1:ignore_noninstrumented_modules=1:suppressions=$SUPP/tsan.supp"
         run_binary tsan tessera_tests build-tsan/tests/tessera_tests --gtest_filter="$TSAN_FILTER"
         unset TSAN_OPTIONS
