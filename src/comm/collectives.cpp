@@ -474,7 +474,8 @@ void check_everywhere(const Group& pg, bool ok, const std::string& message) {
   if (all_ok) return;
   // Ship every failing member's message to everyone, so all ranks raise the same error.
   auto bytes = at::empty({static_cast<int64_t>(mine.size())}, at::kByte);
-  std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
+  // (an empty tensor's data pointer is null, and memcpy's arguments must not be)
+  if (!mine.empty()) std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
   auto all = all_gather(pg, bytes, 0, lens);
   std::string text;
   int64_t off = 0;

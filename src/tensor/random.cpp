@@ -67,7 +67,19 @@ at::Generator initial_generator(c10::DeviceType type, c10::optional<uint64_t> se
                           ? at::detail::getDefaultCPUGenerator()
                           : at::globalContext().defaultGenerator(c10::Device(type));
   at::Generator g;
-  {
+  if (type == c10::DeviceType::CPU) {
+    // A fresh generator given the default's state, not def.clone(): LibTorch 1.13's
+    // GeneratorImpl::clone() takes a strong reference to the copy but not the weak one, so
+    // the copy is never freed (LeakSanitizer, scripts/sanitize.sh).
+    at::Tensor state;
+    {
+      std::lock_guard<std::mutex> lock(def.mutex());
+      state = def.get_state();
+    }
+    g = at::make_generator<at::CPUGeneratorImpl>();
+    std::lock_guard<std::mutex> lock(g.mutex());
+    g.set_state(state);
+  } else {
     std::lock_guard<std::mutex> lock(def.mutex());
     g = def.clone();
   }
