@@ -722,3 +722,22 @@ INSTANTIATE_TEST_SUITE_P(Fuzz, FuzzLayout,
                                            std::vector<int64_t>{1, 2},
                                            std::vector<int64_t>{2, 1, 2}),
                          [](const auto& info) { return tessera::test::mesh_name(info.param); });
+
+// The agreement costs redistribute one metadata all-gather per call; TESSERA_CHECK_ARGUMENTS=0
+// skips it for loops known to be consistent, with the same result.
+TEST(FuzzLayoutAgreement, OneMetadataExchangeUnlessSwitchedOff) {
+  const auto full = tessera::test::randn({7, 4}, 3);
+  for (bool off : {false, true}) {
+    if (off) ::setenv("TESSERA_CHECK_ARGUMENTS", "0", 1);  // before any rank thread starts
+    tessera::testing::run_ranks(2, [&](int) {
+      auto mesh = init_device_mesh("cpu", {2});
+      auto x = distribute_tensor(full, mesh, {Replicate()}, std::nullopt);
+      CommDebugMode comm;
+      auto y = redistribute(x, {Shard(0)});
+      EXPECT_EQ(comm.stats(comm::CollectiveKind::Metadata).calls, off ? 0 : 1) << comm.table();
+      EXPECT_EQ(comm.get_total_counts(), 0) << comm.table();  // R -> S(0) is a local slice
+      EXPECT_TRUE(at::equal(full_tensor(y), full));
+    });
+    ::unsetenv("TESSERA_CHECK_ARGUMENTS");
+  }
+}
