@@ -34,17 +34,18 @@ ip netns add "$ns1" || skip "cannot create a second network namespace"
 ip link add "$tag-a" type veth peer name "$tag-b" 2>"$work/err" || skip "no veth support: $(cat "$work/err")"
 ip link set "$tag-a" netns "$ns0"
 ip link set "$tag-b" netns "$ns1"
-ip -n "$ns0" addr add "$addr0/24" dev "$tag-a"
-ip -n "$ns1" addr add "$addr1/24" dev "$tag-b"
-for ns in "$ns0" "$ns1"; do ip -n "$ns" link set lo up; done
-# Enter a namespace by its network only: `ip netns exec` also remounts / and /sys, which a
-# chroot (the Debian 13 check) refuses.
+# Work inside a namespace by entering its network only: `ip netns exec` and `ip -n` also
+# remount / and /sys, which a chroot (the Debian 13 check) refuses.
 netns_dir=/run/netns
 [ -e "$netns_dir/$ns0" ] || netns_dir=/var/run/netns
 in_ns() { local ns=$1; shift; nsenter --net="$netns_dir/$ns" "$@"; }
 in_ns "$ns0" true 2>"$work/err" || skip "cannot enter the namespace: $(cat "$work/err")"
-ip -n "$ns0" link set "$tag-a" up
-ip -n "$ns1" link set "$tag-b" up
+setup() { "$@" 2>"$work/err" || skip "'$*' failed: $(cat "$work/err")"; }
+setup in_ns "$ns0" ip addr add "$addr0/24" dev "$tag-a"
+setup in_ns "$ns1" ip addr add "$addr1/24" dev "$tag-b"
+for ns in "$ns0" "$ns1"; do setup in_ns "$ns" ip link set lo up; done
+setup in_ns "$ns0" ip link set "$tag-a" up
+setup in_ns "$ns1" ip link set "$tag-b" up
 echo "namespaces $ns0 ($addr0) and $ns1 ($addr1) joined by a veth pair"
 
 # launch NAME NODE PROG ARGS...: one launcher in namespace NODE, in the background.
@@ -118,7 +119,7 @@ launch link 1 --heartbeat-timeout 3 --collective-timeout 60 "$fault" loop - "$wo
 launch link 0 --heartbeat-timeout 3 --collective-timeout 60 "$fault" loop - "$work/link"; p0=$!
 wait_for_pids "$work/link" 4 60 || { echo "FAIL: ranks did not start"; cat "$work"/link.*.out; exit 1; }
 sleep 1
-ip -n "$ns0" link set "$tag-a" down
+in_ns "$ns0" ip link set "$tag-a" down
 t0=$(now)
 wait "$p0"; rc0=$?
 secs0=$(since "$t0")
