@@ -175,49 +175,48 @@ int NodeLink::rendezvous(int interrupt_fd) {
           pending.push_back(std::move(p));
         }
       }
+      // Every pending peer is read (non-blocking: nothing to read costs one EAGAIN), which
+      // keeps no index between `fds` and `pending` while entries are erased below.
       for (std::size_t i = 0; i < pending.size();) {
         Peer& p = pending[i];
-        const short rev = fds.size() > i + 2 ? fds[i + 2].revents : 0;
         bool drop = false;
-        if (rev != 0) {
-          const bool alive = read_into(p.fd, p.in);
-          std::string line;
-          if (pop_line(p.in, line)) {
-            std::istringstream in(line);
-            std::string word;
-            int version = 0, node = -1, nnodes = 0, nproc = 0;
-            if (!(in >> word >> version >> node >> nnodes >> nproc) || word != "HELLO") {
-              drop = true;  // not a launcher (a stray client): ignore it
-            } else {
-              std::string why;
-              if (version != kProtocol)
-                why = "protocol version " + std::to_string(version) + " (this launcher speaks " +
-                      std::to_string(kProtocol) + "): use the same tessera-run on every node";
-              else if (nnodes != cfg_.nnodes || nproc != cfg_.nproc)
-                why = "it was started with --nnodes " + std::to_string(nnodes) +
-                      " --nproc-per-node " + std::to_string(nproc) + ", node 0 with --nnodes " +
-                      std::to_string(cfg_.nnodes) + " --nproc-per-node " + std::to_string(cfg_.nproc);
-              else if (node < 1 || node >= cfg_.nnodes)
-                why = "--node-rank " + std::to_string(node) + " is out of range [1, " +
-                      std::to_string(cfg_.nnodes - 1) + "]";
-              else if (joined[static_cast<std::size_t>(node)])
-                why = "node " + std::to_string(node) + " joined twice (two launchers were given "
-                      "--node-rank " + std::to_string(node) + ")";
-              if (!why.empty()) {
-                write_line_blocking(p.fd, "ERROR " + one_line(why) + "\n", 1000);
-                throw RendezvousError("a launcher could not join: " + why);
-              }
-              joined[static_cast<std::size_t>(node)] = true;
-              ++n_joined;
-              p.node = node;
-              p.heard = Clock::now();
-              peers_.push_back(std::move(p));
-              pending.erase(pending.begin() + static_cast<long>(i));
-              continue;
+        const bool alive = read_into(p.fd, p.in);
+        std::string line;
+        if (pop_line(p.in, line)) {
+          std::istringstream in(line);
+          std::string word;
+          int version = 0, node = -1, nnodes = 0, nproc = 0;
+          if (!(in >> word >> version >> node >> nnodes >> nproc) || word != "HELLO") {
+            drop = true;  // not a launcher (a stray client): ignore it
+          } else {
+            std::string why;
+            if (version != kProtocol)
+              why = "protocol version " + std::to_string(version) + " (this launcher speaks " +
+                    std::to_string(kProtocol) + "): use the same tessera-run on every node";
+            else if (nnodes != cfg_.nnodes || nproc != cfg_.nproc)
+              why = "it was started with --nnodes " + std::to_string(nnodes) +
+                    " --nproc-per-node " + std::to_string(nproc) + ", node 0 with --nnodes " +
+                    std::to_string(cfg_.nnodes) + " --nproc-per-node " + std::to_string(cfg_.nproc);
+            else if (node < 1 || node >= cfg_.nnodes)
+              why = "--node-rank " + std::to_string(node) + " is out of range [1, " +
+                    std::to_string(cfg_.nnodes - 1) + "]";
+            else if (joined[static_cast<std::size_t>(node)])
+              why = "node " + std::to_string(node) + " joined twice (two launchers were given "
+                    "--node-rank " + std::to_string(node) + ")";
+            if (!why.empty()) {
+              write_line_blocking(p.fd, "ERROR " + one_line(why) + "\n", 1000);
+              throw RendezvousError("a launcher could not join: " + why);
             }
-          } else if (!alive) {
-            drop = true;
+            joined[static_cast<std::size_t>(node)] = true;
+            ++n_joined;
+            p.node = node;
+            p.heard = Clock::now();
+            peers_.push_back(std::move(p));
+            pending.erase(pending.begin() + static_cast<long>(i));
+            continue;
           }
+        } else if (!alive) {
+          drop = true;
         }
         if (drop) {
           ::close(p.fd);
