@@ -12,6 +12,7 @@
 //     1024x1024 matmul measures the kernel.
 //   * na2d and training steps: --warmup untimed calls, then each timed call between two
 //     synchronizes; the median of --iters (fewer when one case passes --case-budget-s).
+// Suites run in the order ops, steps, na2d (PyTorch's side: the same, its compiles last).
 // Without a CUDA device it prints "no CUDA device: skipped" and exits 0.
 #include <algorithm>
 #include <chrono>
@@ -118,12 +119,21 @@ double per_step_ms(const std::function<void()>& fn, const Config& c) {
 struct Record {
   std::string suite, name, variant, dtype, unit;
   double value = -1;
-  int samples = 0;
+  std::string method;  // na2d rows: "na2d" (PyTorch's side names flex_attention, dense SDPA)
   std::string error;
 };
 
 class Results {
  public:
+  // With a file, every row rewrites it (a run cut short by a time limit leaves what it
+  // measured); cases that start after budget_s seconds are reported as skipped.
+  Results(std::string out_file = {}, json meta = json::object(), double budget_s = 1e9)
+      : out_file_(std::move(out_file)), meta_(std::move(meta)), budget_s_(budget_s) {}
+  json& meta() { return meta_; }
+  void save() const {
+    if (!out_file_.empty()) std::ofstream(out_file_) << to_json().dump(2) << "\n";
+  }
+
   void add(Record r) {
     if (r.error.empty())
       std::fprintf(stderr, "bench_gpu: %-6s %-34s %-12s %-9s %12.3f %s\n", r.suite.c_str(), r.name.c_str(),
@@ -132,10 +142,16 @@ class Results {
       std::fprintf(stderr, "bench_gpu: %-6s %-34s %-12s %-9s %s\n", r.suite.c_str(), r.name.c_str(),
                    r.variant.c_str(), r.dtype.c_str(), r.error.c_str());
     rows_.push_back(std::move(r));
+    save();
   }
   // Runs `timed`, recording its value or the error it raised (a failing case is a row of the
   // table, not the end of the run).
   void run(Record r, const std::function<double()>& timed) {
+    if (seconds_since(started_) > budget_s_) {
+      r.error = "skipped: past the run's budget of " + std::to_string(static_cast<int>(budget_s_)) + " s";
+      add(std::move(r));
+      return;
+    }
     try {
       r.value = timed();
     } catch (const c10::Error& e) {
@@ -147,15 +163,18 @@ class Results {
   }
   const std::vector<Record>& rows() const { return rows_; }
 
-  json to_json(const json& meta) const {
+  json to_json() const {
     json records = json::array();
     for (const auto& r : rows_) {
       json j = {{"suite", r.suite}, {"case", r.name},   {"impl", "tessera"},
                 {"variant", r.variant}, {"dtype", r.dtype}, {"unit", r.unit}};
       j["value"] = r.error.empty() ? json(r.value) : json(nullptr);
+      if (!r.method.empty()) j["method"] = r.method;
       if (!r.error.empty()) j["error"] = r.error;
       records.push_back(j);
     }
+    json meta = meta_;
+    meta["seconds"] = seconds_since(started_);
     return {{"impl", "tessera"}, {"meta", meta}, {"records", records}};
   }
 
@@ -191,6 +210,10 @@ class Results {
     return nl == std::string::npos ? s : s.substr(0, nl);
   }
   std::vector<Record> rows_;
+  std::string out_file_;
+  json meta_;
+  double budget_s_;
+  Clock::time_point started_ = Clock::now();
 };
 
 at::TensorOptions cuda_f32() { return at::TensorOptions().device(g_device).dtype(at::kFloat); }
@@ -307,9 +330,9 @@ void per_op_costs(const tessera::DeviceMesh* mesh, const Config& c, Results& out
 // kernel), heads-last [1, S, S, heads, head_dim], k x k window, dilation 1, stride 1.
 
 void na2d_cases(const Config& c, Results& out) {
-  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
-    const std::string dname = dtype == at::kFloat ? "float32" : "bfloat16";
-    for (const int64_t size : c.na_sizes) {
+  for (const int64_t size : c.na_sizes) {
+    for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+      const std::string dname = dtype == at::kFloat ? "float32" : "bfloat16";
       const std::string name = "na2d " + std::to_string(size) + "x" + std::to_string(size) + " k" +
                                std::to_string(c.na_kernel) + " h" + std::to_string(c.na_heads) + " d" +
                                std::to_string(c.na_head_dim);
@@ -320,11 +343,13 @@ void na2d_cases(const Config& c, Results& out) {
                        v = at::randn(shape, opts).to(dtype), g = at::randn(shape, opts).to(dtype);
       const std::vector<int64_t> kernel = {c.na_kernel};
       Record fwd{"na2d", name, "fwd", dname, "ms"};
+      fwd.method = "na2d";
       out.run(fwd, [&] {
         at::NoGradGuard no_grad;
         return per_step_ms([&] { naf::na2d(q, k, v, kernel); }, c);
       });
       Record both{"na2d", name, "fwd+bwd", dname, "ms"};
+      both.method = "na2d";
       out.run(both, [&] {
         const at::Tensor ql = q.detach().requires_grad_(), kl = k.detach().requires_grad_(),
                          vl = v.detach().requires_grad_();
@@ -413,6 +438,9 @@ int main(int argc, char** argv) {
   app.add_option("--iters", c.iters, "na2d, steps: timed calls (median)")->capture_default_str();
   app.add_option("--case-budget-s", c.case_budget_s, "na2d, steps: seconds of timing per case (at least 3 calls)")
       ->capture_default_str();
+  double budget_s = 50;
+  app.add_option("--budget-s", budget_s, "cases that start after this many seconds are reported as skipped")
+      ->capture_default_str();
   app.add_option("--na-sizes", c.na_sizes, "na2d: field sizes (height = width)")->capture_default_str();
   app.add_option("--na-kernel", c.na_kernel, "na2d: kernel")->capture_default_str();
   app.add_option("--na-heads", c.na_heads, "na2d: heads")->capture_default_str();
@@ -439,7 +467,7 @@ int main(int argc, char** argv) {
     std::printf("bench_gpu: no CUDA device: skipped\n");
     if (!out_file.empty()) {
       meta["skipped"] = "no CUDA device";
-      std::ofstream(out_file) << Results().to_json(meta).dump(2) << "\n";
+      Results(out_file, meta).save();
     }
     return 0;
   }
@@ -453,8 +481,8 @@ int main(int argc, char** argv) {
   meta["timing"] = {{"per_op", {{"batches", c.batches}, {"batch_ms", c.batch_ms}, {"max_batch", c.max_batch}}},
                     {"per_step", {{"warmup", c.warmup}, {"iters", c.iters}, {"case_budget_s", c.case_budget_s}}}};
 
-  Results results;
-  const auto started = Clock::now();
+  meta["budget_s"] = budget_s;
+  Results results(out_file, meta, budget_s);
   tessera::init_process_group();  // no launcher variables: a world of one
   tessera::DeviceMesh mesh;
   std::string mesh_error;
@@ -463,21 +491,18 @@ int main(int argc, char** argv) {
   } catch (const c10::Error& e) {
     mesh_error = e.what_without_backtrace();
     std::fprintf(stderr, "bench_gpu: no 1-rank mesh: %s\n", mesh_error.c_str());
-    meta["mesh_error"] = mesh_error;
+    results.meta()["mesh_error"] = mesh_error;
   }
   const tessera::DeviceMesh* m = mesh.defined() ? &mesh : nullptr;
   if (suites.count("ops")) per_op_costs(m, c, results);
-  if (suites.count("na2d")) na2d_cases(c, results);
   if (suites.count("steps")) step_cases(m, c, results);
+  if (suites.count("na2d")) na2d_cases(c, results);
   cuda_sync();
-  meta["seconds"] = seconds_since(started);
-
-  const json doc = results.to_json(meta);
+  results.save();
   if (format == "json")
-    std::printf("%s\n", doc.dump(2).c_str());
+    std::printf("%s\n", results.to_json().dump(2).c_str());
   else
     results.print_table(stdout);
-  if (!out_file.empty()) std::ofstream(out_file) << doc.dump(2) << "\n";
   std::fflush(stdout);
   tessera::destroy_process_group();
   return 0;

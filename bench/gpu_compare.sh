@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Tessera vs PyTorch on one GPU, one run: bench_gpu (bench/bench_gpu.cpp) and
+# bench/peer/gpu_peer.py back to back on the same device, merged by bench/peer/gpu_report.py
+# into ${OUT:-.}/gpu_bench.json and ${OUT:-.}/gpu_bench.md (tables for BENCHMARKS.md).
+#
+#   bash bench/gpu_compare.sh
+#
+# Environment:
+#   OUT        where the results go (default .): gpu_bench.json, gpu_bench.md, and each
+#              side's own JSON and log
+#   PYTHON     the Python that has torch with CUDA (default python3)
+#   BENCH_GPU  a built bench_gpu (default $BUILD_DIR/bench/bench_gpu)
+#   BUILD_DIR  where bench_gpu is built when BENCH_GPU does not exist (default build-gpu),
+#              against the LibTorch inside $PYTHON's torch (its CMake prefix), tests and
+#              examples off; needs nvcc, CMake, Ninja and Tessera's other dependencies
+#              (CLI11, nlohmann_json, fmt, zlib). BUILD=0: never build.
+#   JOBS       build jobs (default nproc)
+# Time: each side stops starting cases after its budget (TESSERA_BUDGET_S 50,
+# PYTORCH_BUDGET_S 100) and is killed at its limit (TESSERA_LIMIT_S 65, PYTORCH_LIMIT_S 115),
+# so the run stays under 3 minutes plus the build. Both sides rewrite their JSON after every
+# row: a side that is cut keeps what it measured, a side that fails leaves its rows empty,
+# and the other side is still reported. No GPU: both sides print a skip and exit 0.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-.}
+PYTHON=${PYTHON:-python3}
+BUILD_DIR=${BUILD_DIR:-build-gpu}
+BENCH_GPU=${BENCH_GPU:-$BUILD_DIR/bench/bench_gpu}
+TESSERA_BUDGET_S=${TESSERA_BUDGET_S:-50}
+TESSERA_LIMIT_S=${TESSERA_LIMIT_S:-65}
+PYTORCH_BUDGET_S=${PYTORCH_BUDGET_S:-100}
+PYTORCH_LIMIT_S=${PYTORCH_LIMIT_S:-115}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+log() { echo "gpu_compare: $*" >&2; }
+
+device=""
+if command -v nvidia-smi >/dev/null 2>&1; then
+  device=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null |
+           head -1 | sed 's/, /, driver /')
+fi
+log "device: ${device:-none found by nvidia-smi}"
+"$PYTHON" -c 'import torch; print("gpu_compare: torch", torch.__version__, "CUDA", torch.version.cuda,
+      "devices", torch.cuda.device_count(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' >&2 || log "no torch in $PYTHON"
+
+# --- Tessera's side: build (if needed), then run.
+if [ ! -x "$BENCH_GPU" ] && [ "${BUILD:-1}" = 1 ]; then
+  t0=$(date +%s)
+  prefix=$("$PYTHON" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>/dev/null || true)
+  log "building bench_gpu in $BUILD_DIR against ${prefix:-the LibTorch CMake finds}"
+  if [ ! -f "$BUILD_DIR/build.ninja" ]; then
+    cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${prefix:+-DCMAKE_PREFIX_PATH="$prefix"} \
+      -DTESSERA_BUILD_TESTS=OFF -DTESSERA_BUILD_EXAMPLES=OFF >"$OUT/build_gpu.log" 2>&1 ||
+      log "configure failed: see $OUT/build_gpu.log"
+  fi
+  if [ -f "$BUILD_DIR/build.ninja" ]; then
+    cmake --build "$BUILD_DIR" --parallel "${JOBS:-$(nproc)}" --target bench_gpu >>"$OUT/build_gpu.log" 2>&1 ||
+      log "build failed: see $OUT/build_gpu.log"
+  fi
+  log "build: $(($(date +%s) - t0)) s"
+  tail -n 5 "$OUT/build_gpu.log" >&2 || true
+fi
+if [ -x "$BENCH_GPU" ]; then
+  log "tessera: $BENCH_GPU"
+  timeout "$TESSERA_LIMIT_S" "$BENCH_GPU" --budget-s "$TESSERA_BUDGET_S" --out "$OUT/tessera_gpu.json" \
+    >"$OUT/tessera_gpu.txt" 2>"$OUT/tessera_gpu.log"
+  log "tessera: exit $? ($(grep -c . "$OUT/tessera_gpu.log") rows; table in $OUT/tessera_gpu.txt)"
+  grep -h "skipped" "$OUT/tessera_gpu.txt" >&2
+  tail -n 2 "$OUT/tessera_gpu.log" >&2
+else
+  log "tessera: no bench_gpu at $BENCH_GPU; its rows stay empty"
+fi
+
+# --- PyTorch's side.
+log "pytorch: bench/peer/gpu_peer.py"
+timeout "$PYTORCH_LIMIT_S" "$PYTHON" bench/peer/gpu_peer.py --budget-s "$PYTORCH_BUDGET_S" \
+  --out "$OUT/pytorch_gpu.json" >"$OUT/pytorch_gpu.txt" 2>"$OUT/pytorch_gpu.log"
+log "pytorch: exit $? (table in $OUT/pytorch_gpu.txt)"
+grep -h "skipped" "$OUT/pytorch_gpu.txt" >&2
+tail -n 2 "$OUT/pytorch_gpu.log" >&2
+
+# --- One report, ratios within this run.
+"$PYTHON" bench/peer/gpu_report.py --tessera "$OUT/tessera_gpu.json" --pytorch "$OUT/pytorch_gpu.json" \
+  --device "$device" --command "bash bench/gpu_compare.sh" \
+  --json "$OUT/gpu_bench.json" --md "$OUT/gpu_bench.md" >/dev/null
+log "wrote $OUT/gpu_bench.json and $OUT/gpu_bench.md"
+cat "$OUT/gpu_bench.md"
