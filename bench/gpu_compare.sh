@@ -14,7 +14,12 @@
 #              against the LibTorch inside $PYTHON's torch (its CMake prefix), tests and
 #              examples off; needs nvcc, CMake, Ninja and Tessera's other dependencies
 #              (CLI11, nlohmann_json, fmt, zlib). BUILD=0: never build.
+#   DEVICE     cuda (default); cpu runs both programs on CPU to check this pipeline on a
+#              machine without a GPU (not a benchmark)
+#   ARGS       more arguments for both programs (e.g. "--na-sizes 16 --iters 3")
 #   JOBS       build jobs (default nproc)
+#   CMAKE_ARGS more configure arguments (e.g. -DTESSERA_GLOO_INCLUDE_DIR=... where the
+#              LibTorch has no Gloo headers, as the pip wheel)
 # Time: each side stops starting cases after its budget (TESSERA_BUDGET_S 50,
 # PYTORCH_BUDGET_S 100) and is killed at its limit (TESSERA_LIMIT_S 65, PYTORCH_LIMIT_S 115),
 # so the run stays under 3 minutes plus the build. Both sides rewrite their JSON after every
@@ -51,8 +56,14 @@ if [ ! -x "$BENCH_GPU" ] && [ "${BUILD:-1}" = 1 ]; then
   prefix=$("$PYTHON" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>/dev/null || true)
   log "building bench_gpu in $BUILD_DIR against ${prefix:-the LibTorch CMake finds}"
   if [ ! -f "$BUILD_DIR/build.ninja" ]; then
-    cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release ${prefix:+-DCMAKE_PREFIX_PATH="$prefix"} \
-      -DTESSERA_BUILD_TESTS=OFF -DTESSERA_BUILD_EXAMPLES=OFF >"$OUT/build_gpu.log" 2>&1 ||
+    args=(-DCMAKE_BUILD_TYPE=Release -DTESSERA_BUILD_TESTS=OFF -DTESSERA_BUILD_EXAMPLES=OFF)
+    [ -n "$prefix" ] && args+=(-DCMAKE_PREFIX_PATH="$prefix" -DPython3_EXECUTABLE="$(command -v "$PYTHON")")
+    # The wheel's CMake files look for the CUDA toolkit's nvcc.
+    for nvcc in "$(command -v nvcc || true)" /usr/local/cuda/bin/nvcc; do
+      if [ -n "$nvcc" ] && [ -x "$nvcc" ]; then args+=(-DCMAKE_CUDA_COMPILER="$nvcc"); break; fi
+    done
+    # shellcheck disable=SC2086  # CMAKE_ARGS: words on purpose
+    cmake -S . -B "$BUILD_DIR" -G Ninja "${args[@]}" ${CMAKE_ARGS:-} >"$OUT/build_gpu.log" 2>&1 ||
       log "configure failed: see $OUT/build_gpu.log"
   fi
   if [ -f "$BUILD_DIR/build.ninja" ]; then
@@ -64,10 +75,13 @@ if [ ! -x "$BENCH_GPU" ] && [ "${BUILD:-1}" = 1 ]; then
 fi
 if [ -x "$BENCH_GPU" ]; then
   log "tessera: $BENCH_GPU"
-  timeout "$TESSERA_LIMIT_S" "$BENCH_GPU" --budget-s "$TESSERA_BUDGET_S" --out "$OUT/tessera_gpu.json" \
+  # shellcheck disable=SC2086  # ARGS: words on purpose
+  timeout "$TESSERA_LIMIT_S" "$BENCH_GPU" --device "${DEVICE:-cuda}" --budget-s "$TESSERA_BUDGET_S" ${ARGS:-} \
+    --out "$OUT/tessera_gpu.json" \
     >"$OUT/tessera_gpu.txt" 2>"$OUT/tessera_gpu.log"
-  log "tessera: exit $? ($(grep -c . "$OUT/tessera_gpu.log") rows; table in $OUT/tessera_gpu.txt)"
-  grep -h "skipped" "$OUT/tessera_gpu.txt" >&2
+  rc=$?
+  log "tessera: exit $rc$([ $rc = 124 ] && echo ' (cut at its limit)') ($(grep -c . "$OUT/tessera_gpu.log") rows; table in $OUT/tessera_gpu.txt)"
+  grep -h "no CUDA device" "$OUT/tessera_gpu.txt" >&2
   tail -n 2 "$OUT/tessera_gpu.log" >&2
 else
   log "tessera: no bench_gpu at $BENCH_GPU; its rows stay empty"
@@ -75,10 +89,12 @@ fi
 
 # --- PyTorch's side.
 log "pytorch: bench/peer/gpu_peer.py"
-timeout "$PYTORCH_LIMIT_S" "$PYTHON" bench/peer/gpu_peer.py --budget-s "$PYTORCH_BUDGET_S" \
+# shellcheck disable=SC2086
+timeout "$PYTORCH_LIMIT_S" "$PYTHON" bench/peer/gpu_peer.py --device "${DEVICE:-cuda}" --budget-s "$PYTORCH_BUDGET_S" ${ARGS:-} \
   --out "$OUT/pytorch_gpu.json" >"$OUT/pytorch_gpu.txt" 2>"$OUT/pytorch_gpu.log"
-log "pytorch: exit $? (table in $OUT/pytorch_gpu.txt)"
-grep -h "skipped" "$OUT/pytorch_gpu.txt" >&2
+rc=$?
+log "pytorch: exit $rc$([ $rc = 124 ] && echo ' (cut at its limit)') (table in $OUT/pytorch_gpu.txt)"
+grep -h "no CUDA device" "$OUT/pytorch_gpu.txt" >&2
 tail -n 2 "$OUT/pytorch_gpu.log" >&2
 
 # --- One report, ratios within this run.

@@ -24,11 +24,18 @@ import argparse
 import contextlib
 import json
 import os
+import socket
 import statistics
 import sys
 import time
 
-import peer_common as pc
+
+def free_port():
+    # Not peer_common's: importing it sets USE_LIBUV=0, which Debian's torch 2.6 needs and a
+    # pip torch (with libuv) does not.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def log(msg):
@@ -423,7 +430,7 @@ def main():
 
     # A process group of one: NCCL on the GPU (Gloo for --device cpu).
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(pc.free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
     os.environ["RANK"] = "0"
     os.environ["WORLD_SIZE"] = "1"
     os.environ["LOCAL_RANK"] = "0"
