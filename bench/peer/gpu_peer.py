@@ -325,6 +325,17 @@ def na2d_cases(b):
                         return b.per_step_ms(step)
                 b.run("na2d", case, "fwd", dname, "ms", fwd, method)
                 b.run("na2d", case, "fwd+bwd", dname, "ms", both, method)
+                if method == "sdpa dense mask" and block_mask is not None:
+                    # The two masks agree: flex_attention's output against dense SDPA's.
+                    try:
+                        with torch.no_grad(), backend():
+                            diff = (flex(q, kk, v, block_mask=block_mask).float()
+                                    - attn(q, kk, v).float()).abs().max().item()
+                        b.meta.setdefault("checks", []).append(
+                            {"case": case, "dtype": dname, "max_abs_diff_flex_vs_dense": diff})
+                        log(f"check {case} {dname}: max |flex - dense| = {diff:.2e}")
+                    except Exception as e:  # noqa: BLE001
+                        log(f"check {case} {dname}: {type(e).__name__}: {e}")
                 bias = None
             del block_mask
             if dev == "cuda":

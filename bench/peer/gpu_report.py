@@ -175,6 +175,13 @@ def main():
                 md.append(f"| {field} | {dtype} | {variant} | {fmt(tv)} | {fmt(fv)} | {fmt(dv)} "
                           f"| {fmt_ratio(r['na2d_over_flex'], bold=True)} | {fmt_ratio(r['dense_over_flex'])} |")
 
+    checks = p_meta.get("checks", [])
+    if checks:
+        md += ["", "flex_attention against dense SDPA on the same inputs (the two masks agree), "
+               "max |Δ| of the forward output: " + ", ".join(
+                   f"{c['case'].split()[1]} {c['dtype']} {c['max_abs_diff_flex_vs_dense']:.1e}"
+                   for c in checks) + "."]
+
     for side, idx in (("Tessera", t), ("PyTorch", p)):
         for (suite, case, variant, dtype, method), err in idx.errors.items():
             what = f"{method} " if method and method != "na2d" else ""
