@@ -438,7 +438,7 @@ int main(int argc, char** argv) {
   app.add_option("--iters", c.iters, "na2d, steps: timed calls (median)")->capture_default_str();
   app.add_option("--case-budget-s", c.case_budget_s, "na2d, steps: seconds of timing per case (at least 3 calls)")
       ->capture_default_str();
-  double budget_s = 50;
+  double budget_s = 45;
   app.add_option("--budget-s", budget_s, "cases that start after this many seconds are reported as skipped")
       ->capture_default_str();
   app.add_option("--na-sizes", c.na_sizes, "na2d: field sizes (height = width)")->capture_default_str();

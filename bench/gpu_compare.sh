@@ -20,8 +20,8 @@
 #   JOBS       build jobs (default nproc)
 #   CMAKE_ARGS more configure arguments (e.g. -DTESSERA_GLOO_INCLUDE_DIR=... where the
 #              LibTorch has no Gloo headers, as the pip wheel)
-# Time: each side stops starting cases after its budget (TESSERA_BUDGET_S 50,
-# PYTORCH_BUDGET_S 100) and is killed at its limit (TESSERA_LIMIT_S 65, PYTORCH_LIMIT_S 115),
+# Time: each side stops starting cases after its budget (TESSERA_BUDGET_S 45,
+# PYTORCH_BUDGET_S 95) and is killed at its limit (TESSERA_LIMIT_S 60, PYTORCH_LIMIT_S 110),
 # so the run stays under 3 minutes plus the build. Both sides rewrite their JSON after every
 # row: a side that is cut keeps what it measured, a side that fails leaves its rows empty,
 # and the other side is still reported. No GPU: both sides print a skip and exit 0.
@@ -31,10 +31,10 @@ OUT=${OUT:-.}
 PYTHON=${PYTHON:-python3}
 BUILD_DIR=${BUILD_DIR:-build-gpu}
 BENCH_GPU=${BENCH_GPU:-$BUILD_DIR/bench/bench_gpu}
-TESSERA_BUDGET_S=${TESSERA_BUDGET_S:-50}
-TESSERA_LIMIT_S=${TESSERA_LIMIT_S:-65}
-PYTORCH_BUDGET_S=${PYTORCH_BUDGET_S:-100}
-PYTORCH_LIMIT_S=${PYTORCH_LIMIT_S:-115}
+TESSERA_BUDGET_S=${TESSERA_BUDGET_S:-45}
+TESSERA_LIMIT_S=${TESSERA_LIMIT_S:-60}
+PYTORCH_BUDGET_S=${PYTORCH_BUDGET_S:-95}
+PYTORCH_LIMIT_S=${PYTORCH_LIMIT_S:-110}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 

@@ -400,7 +400,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--case-budget-s", type=float, default=3)
-    ap.add_argument("--budget-s", type=float, default=120,
+    ap.add_argument("--budget-s", type=float, default=95,
                     help="cases that start after this many seconds are reported as skipped")
     ap.add_argument("--na-sizes", type=int, nargs="+", default=[64, 128, 256])
     ap.add_argument("--na-kernel", type=int, default=7)
