@@ -117,6 +117,9 @@ double per_step_ms(const std::function<void()>& fn, const Config& c) {
 
 // One result row. value < 0: none (see error).
 struct Record {
+  Record(std::string suite_, std::string name_, std::string variant_, std::string dtype_, std::string unit_)
+      : suite(std::move(suite_)), name(std::move(name_)), variant(std::move(variant_)), dtype(std::move(dtype_)),
+        unit(std::move(unit_)) {}
   std::string suite, name, variant, dtype, unit;
   double value = -1;
   std::string method;  // na2d rows: "na2d" (PyTorch's side names flex_attention, dense SDPA)
@@ -393,7 +396,7 @@ void step_cases(const tessera::DeviceMesh* mesh, const Config& c, Results& out) 
         },
         c);
   };
-  out.run({"step", name, "plain", "float32", "ms"}, [&] { return timed(make_mlp(c), x, y); });
+  out.run(Record("step", name, "plain", "float32", "ms"), [&] { return timed(make_mlp(c), x, y); });
   for (const std::string variant : {"fully_shard", "tp"}) {
     Record r{"step", name, variant, "float32", "ms"};
     if (!mesh) {
