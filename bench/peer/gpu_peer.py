@@ -267,6 +267,7 @@ def na2d_cases(b):
     for name in ("recompile_limit", "cache_size_limit"):  # every size and dtype compiles once
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 64)
+            break
     flex = torch.compile(flex_attention, dynamic=False) if a.compile else flex_attention
     k, heads, hd = a.na_kernel, a.na_heads, a.na_head_dim
     for size in a.na_sizes:
