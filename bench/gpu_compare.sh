@@ -6,14 +6,14 @@
 #   bash bench/gpu_compare.sh
 #
 # Environment:
-#   OUT        where the results go (default .): gpu_bench.json, gpu_bench.md, and each
-#              side's own JSON and log
+#   OUT        where the results go (default .; relative paths from the repository root):
+#              gpu_bench.json, gpu_bench.md, and each side's own JSON, table and log
 #   PYTHON     the Python that has torch with CUDA (default python3)
 #   BENCH_GPU  a built bench_gpu (default $BUILD_DIR/bench/bench_gpu)
 #   BUILD_DIR  where bench_gpu is built when BENCH_GPU does not exist (default build-gpu),
 #              against the LibTorch inside $PYTHON's torch (its CMake prefix), tests and
 #              examples off; needs nvcc, CMake, Ninja and Tessera's other dependencies
-#              (CLI11, nlohmann_json, fmt, zlib). BUILD=0: never build.
+#              (Gloo's headers, CLI11, nlohmann_json, fmt, zlib). BUILD=0: never build.
 #   DEVICE     cuda (default); cpu runs both programs on CPU to check this pipeline on a
 #              machine without a GPU (not a benchmark)
 #   ARGS       more arguments for both programs (e.g. "--na-sizes 16 --iters 3")
