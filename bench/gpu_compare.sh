@@ -18,6 +18,7 @@
 #              machine without a GPU (not a benchmark)
 #   ARGS       more arguments for both programs (e.g. "--na-sizes 16 --iters 3")
 #   JOBS       build jobs (default nproc)
+#   COMMIT     Tessera's commit for the report (default: git rev-parse, where .git exists)
 #   CMAKE_ARGS more configure arguments (e.g. -DTESSERA_GLOO_INCLUDE_DIR=... where the
 #              LibTorch has no Gloo headers, as the pip wheel)
 # Time: each side stops starting cases after its budget (TESSERA_BUDGET_S 45,
@@ -99,7 +100,7 @@ tail -n 2 "$OUT/pytorch_gpu.log" >&2
 
 # --- One report, ratios within this run.
 "$PYTHON" bench/peer/gpu_report.py --tessera "$OUT/tessera_gpu.json" --pytorch "$OUT/pytorch_gpu.json" \
-  --device "$device" --command "bash bench/gpu_compare.sh" \
+  --device "$device" --command "bash bench/gpu_compare.sh" --commit "${COMMIT:-}" \
   --json "$OUT/gpu_bench.json" --md "$OUT/gpu_bench.md" >/dev/null
 log "wrote $OUT/gpu_bench.json and $OUT/gpu_bench.md"
 cat "$OUT/gpu_bench.md"

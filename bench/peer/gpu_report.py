@@ -69,6 +69,7 @@ def main():
     ap.add_argument("--pytorch", required=True)
     ap.add_argument("--device", default="", help="the GPU as nvidia-smi names it")
     ap.add_argument("--command", default="bash bench/gpu_compare.sh")
+    ap.add_argument("--commit", default="", help="Tessera's commit (default: git rev-parse here)")
     ap.add_argument("--json", required=True)
     ap.add_argument("--md", required=True)
     a = ap.parse_args()
@@ -77,8 +78,9 @@ def main():
     t, p = Index(t_doc), Index(p_doc)
     t_meta, p_meta = t_doc.get("meta", {}), p_doc.get("meta", {})
     device = a.device or p_meta.get("device_name", "unknown GPU")
+    commit = a.commit
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, check=False).stdout.strip()
     except OSError:
         commit = ""
