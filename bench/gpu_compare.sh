@@ -7,7 +7,8 @@
 #
 # Environment:
 #   OUT        where the results go (default .; relative paths from the repository root):
-#              gpu_bench.json, gpu_bench.md, and each side's own JSON, table and log
+#              gpu_bench.json, gpu_bench.md, each side's JSON and log (progress, then its
+#              table), and build_gpu.log when it builds: 7 files at most
 #   PYTHON     the Python that has torch with CUDA (default python3)
 #   BENCH_GPU  a built bench_gpu (default $BUILD_DIR/bench/bench_gpu)
 #   BUILD_DIR  where bench_gpu is built when BENCH_GPU does not exist (default build-gpu),
@@ -79,11 +80,10 @@ if [ -x "$BENCH_GPU" ]; then
   # shellcheck disable=SC2086  # ARGS: words on purpose
   timeout "$TESSERA_LIMIT_S" "$BENCH_GPU" --device "${DEVICE:-cuda}" --budget-s "$TESSERA_BUDGET_S" ${ARGS:-} \
     --out "$OUT/tessera_gpu.json" \
-    >"$OUT/tessera_gpu.txt" 2>"$OUT/tessera_gpu.log"
+    >"$OUT/tessera_gpu.log" 2>&1
   rc=$?
-  log "tessera: exit $rc$([ $rc = 124 ] && echo ' (cut at its limit)') ($(grep -c . "$OUT/tessera_gpu.log") rows; table in $OUT/tessera_gpu.txt)"
-  grep -h "no CUDA device" "$OUT/tessera_gpu.txt" >&2
-  tail -n 2 "$OUT/tessera_gpu.log" >&2
+  log "tessera: exit $rc$([ $rc = 124 ] && echo ' (cut at its limit)') (progress and table in $OUT/tessera_gpu.log)"
+  grep -h "no CUDA device" "$OUT/tessera_gpu.log" >&2
 else
   log "tessera: no bench_gpu at $BENCH_GPU; its rows stay empty"
 fi
@@ -92,11 +92,11 @@ fi
 log "pytorch: bench/peer/gpu_peer.py"
 # shellcheck disable=SC2086
 timeout "$PYTORCH_LIMIT_S" "$PYTHON" bench/peer/gpu_peer.py --device "${DEVICE:-cuda}" --budget-s "$PYTORCH_BUDGET_S" ${ARGS:-} \
-  --out "$OUT/pytorch_gpu.json" >"$OUT/pytorch_gpu.txt" 2>"$OUT/pytorch_gpu.log"
+  --out "$OUT/pytorch_gpu.json" >"$OUT/pytorch_gpu.log" 2>&1
 rc=$?
-log "pytorch: exit $rc$([ $rc = 124 ] && echo ' (cut at its limit)') (table in $OUT/pytorch_gpu.txt)"
-grep -h "no CUDA device" "$OUT/pytorch_gpu.txt" >&2
-tail -n 2 "$OUT/pytorch_gpu.log" >&2
+log "pytorch: exit $rc$([ $rc = 124 ] && echo ' (cut at its limit)') (progress and table in $OUT/pytorch_gpu.log)"
+grep -h "no CUDA device" "$OUT/pytorch_gpu.log" >&2
+grep -h "Traceback\|Error" "$OUT/pytorch_gpu.log" | grep -v "^gpu_peer: " | tail -n 3 >&2
 
 # --- One report, ratios within this run.
 "$PYTHON" bench/peer/gpu_report.py --tessera "$OUT/tessera_gpu.json" --pytorch "$OUT/pytorch_gpu.json" \
