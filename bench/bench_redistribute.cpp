@@ -1,6 +1,7 @@
 // Redistribute vs a direct c10d collective moving the same bytes, 4 ranks as threads
 // (Gloo over loopback). Reports the median of repeated runs per transition and size.
 //   ./build/bench/bench_redistribute [--ranks 4] [--iters 20]
+// The last row per size times from_local's default shape exchange against ShardSizes::Chunk().
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -96,6 +97,13 @@ int main(int argc, char** argv) {
       ours = time_ms(pg, iters, [&] { redistribute(r, {Shard(0)}); });
       direct = time_ms(pg, iters, [&] { full.narrow(0, rank * rows, rows).clone(); });
       report("R->S(0)  local slice", ours, direct);
+      // from_local(S(0)) with default options exchanges the local shapes once (uneven local
+      // batches read right); ShardSizes::Chunk() trusts them (PyTorch's cost: nothing moves).
+      FromLocalOptions chunk;
+      chunk.sizes = ShardSizes::Chunk();
+      ours = time_ms(pg, iters, [&] { from_local(local, mesh, {Shard(0)}); });
+      direct = time_ms(pg, iters, [&] { from_local(local, mesh, {Shard(0)}, chunk); });
+      report("from_local S(0) vs Chunk", ours, direct);
     }
   });
   return 0;

@@ -162,7 +162,7 @@ struct TransformerImpl : nn::Module {
     const auto cos = rope_cos.narrow(0, 0, S).to(h.scalar_type());
     const auto sin = rope_sin.narrow(0, 0, S).to(h.scalar_type());
     const auto mask = torch::full({S, S}, -std::numeric_limits<double>::infinity(),
-                                  torch::TensorOptions().dtype(h.scalar_type()))
+                                  torch::TensorOptions().dtype(h.scalar_type()).device(h.device()))
                           .triu(1);
     for (const auto& layer : *layers) h = layer->as<TransformerBlock>()->forward(h, cos, sin, mask);
     return output(norm(h));

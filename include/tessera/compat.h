@@ -1,5 +1,6 @@
 #pragma once
-// Every difference between the LibTorch versions Tessera builds against lives here.
+// Every difference between the LibTorch versions Tessera builds against lives here (and, for
+// autograd nodes, in compat_autograd.h).
 // Supported: Debian 12's LibTorch 1.13, Debian 13's LibTorch 2.6, and pytorch.org LibTorch 2.x.
 #include <sstream>
 #include <string>

@@ -250,14 +250,17 @@ at::Tensor to_home(const at::Tensor& wire, const at::Tensor& like) {
 std::vector<at::Tensor> all_to_all_blocks(const Group& pg, const std::vector<at::Tensor>& send,
                                           const std::vector<std::vector<int64_t>>& recv_shapes,
                                           const at::TensorOptions& options, CollectiveKind kind) {
+  // Received blocks are made on the wire and handed back on the home device, whatever
+  // device `options` names.
+  const auto wire = options.device(wire_device(pg));
   if (!staged(pg)) {
     for (const auto& t : send) check_home(pg, t, "all_to_all_blocks");
-    return exchange(pg, send, recv_shapes, options, {}, kind);
+    return exchange(pg, send, recv_shapes, wire, {}, kind);
   }
   std::vector<at::Tensor> host;
   for (const auto& t : send) host.push_back(to_wire(pg, t, "all_to_all_blocks"));
-  auto blocks = exchange(pg, host, recv_shapes, options.device(c10::DeviceType::CPU), {}, kind);
-  for (auto& b : blocks) b = b.to(options.device());
+  auto blocks = exchange(pg, host, recv_shapes, wire, {}, kind);
+  for (auto& b : blocks) b = b.to(home_device(pg));
   return blocks;
 }
 

@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "tessera/compat_autograd.h"
 #include "tessera/comm/collectives.h"
 #include "tessera/parallel/module.h"
 #include "tessera/tensor/api.h"
@@ -31,7 +32,7 @@ at::ScalarType bucket_dtype(at::ScalarType t) {
 struct Param {
   std::string name;
   at::Tensor tensor;                                    // the leaf the optimizer steps
-  std::shared_ptr<torch::autograd::Node> accumulator;  // held: the ready hook lives on it
+  compat::NodePtr<torch::autograd::Node> accumulator;  // held: the ready hook lives on it
   std::vector<int64_t> reduce_dims;  // mesh dims the gradient is summed over
   std::vector<int64_t> local_sizes;
   int64_t numel = 0;

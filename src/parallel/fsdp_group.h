@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/nn/module.h>
 
+#include "tessera/compat_autograd.h"
 #include "tessera/comm/collectives.h"
 #include "tessera/mesh/device_mesh.h"
 #include "tessera/parallel/fully_shard.h"
@@ -23,7 +24,7 @@ struct FsdpParam {
   at::Tensor sharded;       // registered: Shard(0) over the shard dim, the optimizer's
   at::Tensor unsharded;     // read by forward(): replicated over the data-parallel dims
                             // (tensor-parallel shards kept)
-  std::shared_ptr<torch::autograd::Node> accumulator;  // unsharded's; held so the hook lives
+  compat::NodePtr<torch::autograd::Node> accumulator;  // unsharded's; held so the hook lives
   std::vector<int64_t> rows;  // dim-0 rows of the unsharded local, per shard-dim rank (chunk)
   std::vector<int64_t> row_offsets;
   int64_t row_numel = 1;      // elements per dim-0 row

@@ -20,6 +20,7 @@
 // The gradient, d loss / d x_c = g ((1 - e) w_t + e W / C) p_c - g (1 - e) w_t [c = t]
 // - g e w_c / C (g: the incoming gradient, divided by the total weight for mean), needs only
 // this rank's x_c, the saved per-row lse and the target: the backward communicates nothing.
+#include "tessera/compat_autograd.h"
 #include "tessera/parallel/loss_parallel.h"
 
 #include <limits>
@@ -388,7 +389,7 @@ at::Tensor loss_parallel_cross_entropy(const at::Tensor& self, const at::Tensor&
 
   at::Tensor out = make_dtensor(out_local.to(dtype), s.out);
   if (laid.requires_grad() && at::GradMode::is_enabled()) {
-    auto node = std::make_shared<CrossEntropyBackward>();
+    auto node = compat::make_node<CrossEntropyBackward>();
     node->setup = setup;
     node->rows = std::move(rows);
     node->input = torch::autograd::SavedVariable(laid, /*is_output=*/false);

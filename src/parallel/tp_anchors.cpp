@@ -22,6 +22,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
+#include "tessera/compat_autograd.h"
 #include "tessera/ops/rule.h"
 #include "tp_boundary.h"
 
@@ -115,8 +116,7 @@ void embedding_kernel(const c10::OperatorHandle&, Stack* stack) {
     out = at::embedding(weight, indices, padding_idx, scale, sparse);
   }
   if (weight.requires_grad() && at::GradMode::is_enabled()) {
-    auto node = std::shared_ptr<EmbeddingBackward>(new EmbeddingBackward(),
-                                                   torch::autograd::deleteNode);
+    auto node = compat::make_node<EmbeddingBackward>();
     node->indices = indices;
     node->num_weights = weight.size(0);
     node->padding_idx = padding_idx;

@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include "tessera/compat_autograd.h"
 #include "tessera/comm/collectives.h"
 #include "tessera/redistribute/redistribute.h"
 #include "tessera/tensor/dtensor_impl.h"
@@ -31,7 +32,7 @@ namespace {
 
 bool needs_grad(const at::Tensor& t) { return t.requires_grad() && at::GradMode::is_enabled(); }
 
-void connect(const std::shared_ptr<Node>& node, const at::Tensor& input, at::Tensor& out) {
+void connect(const compat::NodePtr<Node>& node, const at::Tensor& input, at::Tensor& out) {
   node->set_next_edges(torch::autograd::collect_next_edges(input));
   torch::autograd::set_history(out, node);
 }
@@ -150,8 +151,7 @@ at::Tensor redistribute_to(const at::Tensor& x, const SpecPtr& target) {
   if (d->spec() == *target && !needs_grad(x)) return x;
   at::Tensor out = make_dtensor(redistribute_local(d->local(), d->spec_ptr(), target), target);
   if (needs_grad(x)) {
-    auto node = std::shared_ptr<RedistributeBackward>(new RedistributeBackward(),
-                                                      torch::autograd::deleteNode);
+    auto node = compat::make_node<RedistributeBackward>();
     node->from = d->spec_ptr();
     connect(node, x, out);
   }
@@ -161,8 +161,7 @@ at::Tensor redistribute_to(const at::Tensor& x, const SpecPtr& target) {
 at::Tensor wrap_local(const at::Tensor& local, const SpecPtr& spec) {
   at::Tensor out = make_dtensor(local.detach(), spec);
   if (needs_grad(local)) {
-    auto node =
-        std::shared_ptr<FromLocalBackward>(new FromLocalBackward(), torch::autograd::deleteNode);
+    auto node = compat::make_node<FromLocalBackward>();
     node->spec = spec;
     connect(node, local, out);
   }
@@ -369,11 +368,17 @@ SpecPtr infer_spec(const at::Tensor& local, const DeviceMesh& mesh, const Placem
                    const std::string& error, const std::string& args,
                    std::vector<std::vector<int64_t>>* shapes_out = nullptr) {
   const bool def = local.defined();
-  agree("from_local", mesh, error, args,
-        {def ? local.dim() : -1, def ? static_cast<int64_t>(local.scalar_type()) : -1},
+  // The local shape rides in the agreement's own exchange when it has at most kInline dims
+  // (every tensor in practice): one metadata all-gather per call. Longer shapes take a second.
+  constexpr int64_t kInline = 8;
+  std::vector<int64_t> head{def ? local.dim() : -1, def ? static_cast<int64_t>(local.scalar_type()) : -1};
+  for (int64_t i = 0; i < kInline; ++i) head.push_back(def && i < local.dim() ? local.size(i) : -1);
+  auto heads = agree(
+      "from_local", mesh, error, args, head,
         [&](const std::vector<std::vector<int64_t>>& heads) {
           for (size_t r = 1; r < heads.size(); ++r) {
-            TORCH_CHECK(heads[r] == heads[0], "tessera: from_local(", to_string(placements),
+            TORCH_CHECK(heads[r][0] == heads[0][0] && heads[r][1] == heads[0][1],
+                        "tessera: from_local(", to_string(placements),
                         "): mesh ranks ", mesh.ranks()[0], " and ", mesh.ranks()[r],
                         " disagree on the local tensor's ",
                         heads[r][0] != heads[0][0] ? "number of dims" : "dtype", " (",
@@ -384,9 +389,13 @@ SpecPtr infer_spec(const at::Tensor& local, const DeviceMesh& mesh, const Placem
           }
         });
   // Every rank passed the same placements and a tensor of the same rank, and checked them.
-  auto pg = mesh.mesh_group();
   const int64_t nd = local.dim();
-  auto shapes = comm::all_gather_ints(pg, local.sizes().vec());
+  std::vector<std::vector<int64_t>> shapes;
+  if (nd <= kInline) {
+    for (const auto& h : heads) shapes.emplace_back(h.begin() + 2, h.begin() + 2 + nd);
+  } else {
+    shapes = comm::all_gather_ints(mesh.mesh_group(), local.sizes().vec());
+  }
   if (shapes_out) *shapes_out = shapes;
   std::vector<int64_t> global(nd);
   std::vector<ShardTable> tables(nd);
@@ -500,7 +509,7 @@ at::Tensor scatter_impl(const at::Tensor& full, int src_flat, const SpecPtr& spe
   auto blocks = comm::all_to_all_blocks(pg, send, recv_shapes, opts, comm::CollectiveKind::Scatter);
   at::Tensor out = make_dtensor(blocks[src_flat], spec);
   if (requires_grad && at::GradMode::is_enabled()) {
-    auto node = std::shared_ptr<ScatterBackward>(new ScatterBackward(), torch::autograd::deleteNode);
+    auto node = compat::make_node<ScatterBackward>();
     node->spec = spec;
     node->is_src = is_src;
     if (full.defined()) {
@@ -648,7 +657,7 @@ at::Tensor to_local(const at::Tensor& dtensor, const std::optional<Placements>& 
   auto* d = dtensor_impl(dtensor, "to_local's input");
   at::Tensor out = d->local().detach();
   if (needs_grad(dtensor)) {
-    auto node = std::shared_ptr<ToLocalBackward>(new ToLocalBackward(), torch::autograd::deleteNode);
+    auto node = compat::make_node<ToLocalBackward>();
     node->grad_spec = grad_placements
                           ? std::make_shared<DTensorSpec>(d->spec().with_placements(*grad_placements,
                                                                                     d->spec().shard_tables()))

@@ -16,6 +16,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
+#include "tessera/compat_autograd.h"
 #include "tessera/ops/rule.h"
 #include "tessera/ops/window.h"
 #include "tessera/tensor/api.h"
@@ -164,7 +165,7 @@ at::Tensor pad_circular(const at::Tensor& self, c10::IntArrayRef pad) {
   }
   at::Tensor out = make_dtensor(local, plan.out);
   if (laid.requires_grad() && at::GradMode::is_enabled()) {
-    auto node = std::make_shared<CircularPadBackward>();
+    auto node = compat::make_node<CircularPadBackward>();
     node->plan = std::move(plan);
     node->set_next_edges(torch::autograd::collect_next_edges(laid));
     torch::autograd::set_history(out, node);
