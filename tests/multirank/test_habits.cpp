@@ -99,6 +99,39 @@ TEST(Habits, OptimizerBuiltBeforeReplicateOrFullyShardTrainsLikeOneDevice) {
   }
 }
 
+// The same for distribute_module (domain and tensor parallelism swap parameters through it):
+// the gradients reach the original objects through the parameters' own hooks.
+TEST(Habits, OptimizerBuiltBeforeDistributeModuleTrainsLikeOneDevice) {
+  constexpr int world = 2;
+  const ShardTable rows = {3, 7};
+  const auto proto = make_mlp();
+  const auto x = test::randn({10, 15}, 56, at::kDouble), y = test::randn({10, 2}, 57, at::kDouble);
+  for (bool adam : {false, true}) {
+    auto ref = clone_of(proto);
+    auto ref_opt = sgd_or_adam(adam, ref->parameters());
+    const auto expected = steps(*ref, *ref_opt, Zero::InPlace, x, y, 3);
+    for (Zero how : {Zero::InPlace, Zero::SetToNone}) {
+      const std::string ctx = std::string("distribute_module") + (adam ? " Adam" : " SGD") +
+                              (how == Zero::InPlace ? ", zero in place" : ", set_to_none");
+      tessera::testing::run_ranks(world, [&](int rank) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {world}, {"dp"});
+        auto model = clone_of(proto);
+        auto opt = sgd_or_adam(adam, model->parameters());
+        distribute_module(*model, mesh);
+        const auto losses =
+            steps(*model, *opt, how, local_batch(x, mesh, rows), local_batch(y, mesh, rows), 3);
+        expect_losses(losses, expected, ctx);
+        const auto params = model->named_parameters();
+        for (const auto& item : ref->named_parameters())
+          ASSERT_TRUE(test::full_matches(*params.find(item.key()), item.value().detach(),
+                                         {1e-9, 1e-10}))
+              << ctx << " " << item.key() << " on rank " << rank;
+      }, {std::chrono::seconds(120)});
+    }
+  }
+}
+
 // `Net net; fully_shard(net, mesh)`: a module no shared_ptr holds (LibTorch's named_modules
 // with include_self refuses it) trains like one device.
 TEST(Habits, FullyShardOnAModuleNotHeldByASharedPtr) {
