@@ -107,7 +107,7 @@ void rethrow_collective_failure(const char* op) {
                      "same order (not inside if (rank == 0))"
                : std::string(". Was it called on some ranks only? Every rank must make the same "
                              "collective calls in the same order");
-  TORCH_CHECK(false, "tessera: ", op, caller, " failed", who, ": ", original, report, hint,
+  TORCH_CHECK(false, "tessera: ", op, " failed", who, caller, ": ", original, report, hint,
               ". The collective timeout is InitOptions::timeout, or TESSERA_TIMEOUT=<seconds>");
 }
 
