@@ -71,6 +71,14 @@ if(TORCH_CUDA_LIBRARIES OR TARGET torch_cuda)
   endif()
   tessera_extra_include("${TESSERA_NCCL_INCLUDE_DIR}")
   message(STATUS "Tessera: NCCL header in ${TESSERA_NCCL_INCLUDE_DIR}")
+  # The wheel's libtorch_cuda finds its CUDA libraries (NCCL, cuDNN, ...) in site-packages/
+  # nvidia/*/lib through its own RUNPATH at run time. At link time the linker must look
+  # there too, or it takes the CUDA toolkit's older copies (a system libnccl.so.2 lacks
+  # symbols the wheel's torch uses) and programs fail to link.
+  file(GLOB _tessera_wheel_libs LIST_DIRECTORIES true "${_tessera_site_packages}/nvidia/*/lib")
+  foreach(_tessera_dir IN LISTS _tessera_wheel_libs)
+    target_link_options(tessera_torch_extras INTERFACE "LINKER:-rpath-link,${_tessera_dir}")
+  endforeach()
 else()
   set(TESSERA_WITH_NCCL OFF)
 endif()

@@ -221,6 +221,10 @@ void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NON
   set("MASTER_ADDR", opt.master_addr);
   set("MASTER_PORT", std::to_string(port));
   set("TESSERA_LAUNCHER", "1");
+  // A rank's stdout is our pipe, which the C library buffers fully: what a rank printed just
+  // before it crashed would be lost. Tessera makes it line-buffered when loaded (unless the
+  // user set this to 0).
+  ::setenv("TESSERA_LINE_BUFFERED", "1", /*overwrite=*/0);
   if (!opt.ifname.empty()) set("GLOO_SOCKET_IFNAME", opt.ifname);
   if (opt.collective_timeout) {
     std::ostringstream secs;

@@ -81,7 +81,9 @@ std::vector<std::pair<std::string, at::Tensor>> named_optimizer_parameters(
       auto it = names.find(p.unsafeGetTensorImpl());
       TORCH_CHECK(it != names.end(), "tessera: checkpoint::optimizer_state: the optimizer steps ",
                   "a parameter that is not one of the module's (", shape_str(p.sizes().vec()),
-                  "); give the module whose parameters() the optimizer was built from");
+                  "); give the module whose parameters() the optimizer was built from. An ",
+                  "optimizer built before replicate / fully_shard / distribute_module steps the ",
+                  "original tensors: build it after them to checkpoint it");
       out.emplace_back(it->second, p);
     }
   return out;

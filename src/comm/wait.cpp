@@ -14,6 +14,8 @@ namespace tessera::comm::detail {
 
 namespace {
 
+thread_local const char* t_caller = nullptr;
+
 std::string message_of(const std::exception& e) {
   if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e))
     return c10_error->what_without_backtrace();
@@ -66,6 +68,13 @@ std::string stuck_report(const World& world, const char* op) {
 
 }  // namespace
 
+CallerScope::CallerScope(const char* caller) : set_(t_caller == nullptr) {
+  if (set_) t_caller = caller;
+}
+CallerScope::~CallerScope() {
+  if (set_) t_caller = nullptr;
+}
+
 void rethrow_collective_failure(const char* op) {
   std::string original;
   try {
@@ -90,7 +99,15 @@ void rethrow_collective_failure(const char* op) {
                "; rank 0 hosts it)";
     }
   }
-  TORCH_CHECK(false, "tessera: ", op, " failed", who, ": ", original, report,
+  // A call made on some ranks only is the everyday cause: say which call waited.
+  const std::string caller = t_caller ? std::string(" in ") + t_caller : std::string();
+  const std::string hint =
+      t_caller ? std::string(". Was it called on some ranks only? ") + t_caller +
+                     " on a distributed tensor is collective: every rank must call it, in the "
+                     "same order (not inside if (rank == 0))"
+               : std::string(". Was it called on some ranks only? Every rank must make the same "
+                             "collective calls in the same order");
+  TORCH_CHECK(false, "tessera: ", op, " failed", who, caller, ": ", original, report, hint,
               ". The collective timeout is InitOptions::timeout, or TESSERA_TIMEOUT=<seconds>");
 }
 

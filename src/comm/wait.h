@@ -4,6 +4,21 @@
 
 namespace tessera::comm::detail {
 
+// The call a collective serves (".item()", "full_tensor", an ATen op), named when the
+// collective fails: a call made on some ranks only (if (rank == 0) loss.item()) leaves the
+// others out, and the error should say which call that was. The outermost scope on the
+// thread wins: it is what the user called. `caller` must outlive the scope.
+class CallerScope {
+ public:
+  explicit CallerScope(const char* caller);
+  ~CallerScope();
+  CallerScope(const CallerScope&) = delete;
+  CallerScope& operator=(const CallerScope&) = delete;
+
+ private:
+  bool set_;
+};
+
 // Rethrows the exception being handled as a c10::Error naming `op` and this rank. After a
 // transport failure (a timeout, a peer gone) it first asks the world's store which ranks also
 // got stuck in a collective and names those that stayed silent: hung, dead or still busy

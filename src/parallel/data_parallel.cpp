@@ -206,6 +206,9 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
     bool partial = false;
     for (size_t k = 0; k < b.params.size(); ++k) {
       bool u = false;
+      // (a gradient accumulated in this backward was checked before it was accumulated)
+      if (!params[b.params[k]].ready)
+        detail::drop_gradient_the_user_dropped(params[b.params[k]].tensor.unsafeGetTensorImpl());
       pieces.push_back(contribution(params[b.params[k]], b.dtype, u, partial));
       used[k] = u ? 1.0 : 0.0;
     }
@@ -247,6 +250,8 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
         }
       }
     }
+    // An optimizer built before replicate steps the original parameter objects.
+    for (auto& p : params) detail::hand_gradient_to_user(p.tensor.unsafeGetTensorImpl());
     for (auto& p : params) p.ready = false;
     if (!buckets_rebuilt) rebuild_buckets();
     for (auto& b : buckets) b.pending = b.params.size();

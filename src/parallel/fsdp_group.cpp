@@ -52,6 +52,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "../tensor/fallback_hooks.h"
+#include "gradient_owner.h"
 #include "tessera/comm/collectives.h"
 #include "tessera/tensor/api.h"
 #include "tessera/tensor/dtensor_impl.h"
@@ -143,6 +144,13 @@ void allocate(c10::StorageImpl* s, size_t bytes) {
 void free_bytes(c10::StorageImpl* s) {
   s->set_data_ptr_noswap(at::DataPtr(nullptr, s->device()));
   s->set_nbytes(static_cast<size_t>(0));
+}
+
+// Changes with every step on the sharded parameter or on the original object it replaced
+// (an optimizer built before fully_shard steps that one).
+int64_t version_of(const FsdpParam& p) {
+  return static_cast<int64_t>(p.sharded._version()) +
+         user_parameter_version(p.sharded.unsafeGetTensorImpl());
 }
 
 at::Tensor flat_bytes(const at::Tensor& t) { return t.contiguous().view({-1}).view(at::kByte); }
@@ -285,7 +293,7 @@ void FsdpGroup::unshard_start() {
   for (auto& p : params) {
     const at::Tensor& u = local_of(p.unsharded);
     mine.push_back(flat_bytes(local_of(p.sharded).to(u.scalar_type())));
-    p.gathered_version = p.sharded._version();
+    p.gathered_version = version_of(p);
     for (int64_t r = 0; r < n; ++r) piece[r] += p.rows[r] * p.row_numel * u.element_size();
   }
   gather_ = comm::all_gather_start(root_.group(shard_dim_), at::cat(mine), piece);
@@ -321,7 +329,7 @@ void FsdpGroup::unshard() {
 bool FsdpGroup::stale() const {
   if (!unsharded_ && !gathering_) return false;
   for (const auto& p : params)
-    if (p.sharded._version() != p.gathered_version) return true;
+    if (version_of(p) != p.gathered_version) return true;
   return false;
 }
 
@@ -441,9 +449,12 @@ void FsdpGroup::reduce(const std::vector<size_t>& ready) {
     const DTensorImpl* sharded = dtensor_impl(p.sharded);
     at::Tensor local = it.shard.to(sharded->local().scalar_type()).view(sharded->local().sizes());
     at::Tensor grad = make_dtensor(local.clone(at::MemoryFormat::Contiguous), sharded->spec_ptr());
+    detail::drop_gradient_the_user_dropped(p.sharded.unsafeGetTensorImpl());
     if (p.sharded.grad().defined()) p.sharded.mutable_grad().add_(grad);
     else p.sharded.mutable_grad() = grad;
     p.unsharded.mutable_grad() = at::Tensor();
+    // An optimizer built before fully_shard steps the original objects (now this rank's rows).
+    detail::hand_gradient_to_user(p.sharded.unsafeGetTensorImpl());
   }
 }
 

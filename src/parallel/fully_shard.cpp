@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "fsdp_group.h"
+#include "gradient_owner.h"
 #include "tp_boundary.h"
 #include "tessera/parallel/module.h"
 #include "tessera/tensor/api.h"
@@ -128,11 +129,16 @@ std::shared_ptr<FSDPModule> fully_shard(torch::nn::Module& module, const DeviceM
   // Check everything before changing anything; every check reads replicated information
   // (module structure, shapes, placements), so every rank raises the same error.
   std::vector<Candidate> candidates;
-  for (const auto& item : module.named_modules(/*name_prefix=*/"", /*include_self=*/true)) {
-    torch::nn::Module& owner = *item.value();
+  // The module itself, then its submodules. (named_modules with include_self needs the module
+  // held by a shared_ptr; a model on the stack, `Net net; fully_shard(net, mesh)`, is not.)
+  std::vector<std::pair<std::string, torch::nn::Module*>> owners{{"", &module}};
+  for (const auto& item : module.named_modules(/*name_prefix=*/"", /*include_self=*/false))
+    owners.emplace_back(item.key(), item.value().get());
+  for (const auto& [prefix, owner_ptr] : owners) {
+    torch::nn::Module& owner = *owner_ptr;
     for (const auto& param : owner.named_parameters(/*recurse=*/false)) {
       const at::Tensor& t = param.value();
-      const std::string fqn = qualified(item.key(), param.key());
+      const std::string fqn = qualified(prefix, param.key());
       if (!t.defined() || owned_by_group(t)) continue;
       if (auto other = consumed_by_group(t)) {
         TORCH_CHECK(false, where, ": parameter \"", fqn, "\" is the same tensor as a parameter ",
@@ -163,6 +169,7 @@ std::shared_ptr<FSDPModule> fully_shard(torch::nn::Module& module, const DeviceM
   const int64_t shard_dim = dp_dims.back();
   const int64_t n = root.size(shard_dim);
   const int64_t me = root.local_rank(shard_dim);
+  std::vector<at::Tensor> original_values;  // parallel to group->originals
   for (const auto& c : candidates) {
     // A tied parameter: one group entry, registered under each name.
     bool tied = false;
@@ -203,10 +210,16 @@ std::shared_ptr<FSDPModule> fully_shard(torch::nn::Module& module, const DeviceM
     if (auto boundary = tp::detail::boundary_of(c.value))
       tp::detail::tag_parameter(p.unsharded, std::move(boundary));
     group->originals.emplace_back(c.value.getIntrusivePtr());
+    original_values.push_back(c.value);
     group->params.push_back(std::move(p));
   }
-  for (auto& p : group->params)
+  for (size_t k = 0; k < group->params.size(); ++k) {
+    auto& p = group->params[k];
     for (auto& [owner, name] : p.owners) split_parameter(*owner, name, p.sharded, p.unsharded);
+    // An optimizer built before fully_shard keeps stepping the original object, now a view
+    // of this rank's rows (NOTE: [Keeping the user's parameter objects]).
+    detail::adopt_user_parameter(original_values[k], p.sharded);
+  }
   FsdpGroup::activate(group);
   // Groups of enclosing modules are made later (bottom-up): tell the inner ones.
   for (const auto& sub : module.modules(/*include_self=*/false))

@@ -3,9 +3,11 @@
 #include <atomic>
 #include <mutex>
 #include <optional>
+#include <unordered_map>
 #include <unordered_set>
 
 #include <c10/util/SmallVector.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/parameterdict.h>
@@ -53,6 +55,81 @@ bool gradient_owned(const c10::TensorImpl* param) {
   if (o.count.load(std::memory_order_relaxed) == 0) return false;
   std::lock_guard<std::mutex> lock(o.mu);
   return o.params.count(param) != 0;
+}
+
+// NOTE: [Keeping the user's parameter objects] (gradient_owner.h)
+namespace {
+using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+struct UserParameters {
+  struct Entry {
+    WeakImpl dist;  // weak: the binding must not keep the parameter alive
+    at::Tensor user;
+  };
+  std::mutex mu;
+  std::unordered_map<const c10::TensorImpl*, Entry> by_dist;
+  std::atomic<size_t> count{0};  // lets the common case (nothing bound) skip the lock
+};
+UserParameters& user_parameters() {
+  static UserParameters u;
+  return u;
+}
+
+// (user, dist) of a live binding, or undefined tensors. A binding whose parameter died, or
+// whose original nobody else holds any more (nobody can read it), is released.
+std::pair<at::Tensor, at::Tensor> bound(const c10::TensorImpl* dist) {
+  auto& u = user_parameters();
+  if (u.count.load(std::memory_order_relaxed) == 0) return {};
+  std::lock_guard<std::mutex> lock(u.mu);
+  auto it = u.by_dist.find(dist);
+  if (it == u.by_dist.end()) return {};
+  auto alive = it->second.dist.lock();
+  if (!alive || it->second.user.use_count() == 1) {
+    u.by_dist.erase(it);
+    u.count.store(u.by_dist.size(), std::memory_order_relaxed);
+    return {};
+  }
+  return {it->second.user, at::Tensor(std::move(alive))};
+}
+}  // namespace
+
+void adopt_user_parameter(const at::Tensor& previous, const at::Tensor& dist) {
+  if (!previous.defined() || !dist.defined() || !is_dtensor(dist) ||
+      previous.unsafeGetTensorImpl() == dist.unsafeGetTensorImpl())
+    return;
+  // A distributed parameter replaced again (tensor parallel, then fully_shard): its own
+  // original, if it has one, moves on to the new parameter.
+  at::Tensor user = is_dtensor(previous) ? bound(previous.unsafeGetTensorImpl()).first : previous;
+  if (!user.defined() || !user.is_leaf()) return;
+  // (set_data keeps the original's identity and autograd metadata: an optimizer's handle and
+  // its state keyed by that identity stay valid)
+  user.set_data(dtensor_impl(dist)->local());
+  user.mutable_grad() = at::Tensor();  // a gradient of the old shape and value is meaningless now
+  auto& u = user_parameters();
+  std::lock_guard<std::mutex> lock(u.mu);
+  u.by_dist.erase(previous.unsafeGetTensorImpl());  // moved on (a no-op for a plain original)
+  for (auto it = u.by_dist.begin(); it != u.by_dist.end();)
+    it = it->second.dist.expired() ? u.by_dist.erase(it) : std::next(it);
+  u.by_dist.insert_or_assign(dist.unsafeGetTensorImpl(),
+                             UserParameters::Entry{WeakImpl(dist.getIntrusivePtr()), user});
+  u.count.store(u.by_dist.size(), std::memory_order_relaxed);
+}
+
+void hand_gradient_to_user(const c10::TensorImpl* dist) {
+  auto [user, d] = bound(dist);
+  if (!user.defined()) return;
+  const at::Tensor& g = d.grad();
+  // The same storage: an in-place zero_grad on either handle zeroes both.
+  user.mutable_grad() = g.defined() && is_dtensor(g) ? dtensor_impl(g)->local() : at::Tensor();
+}
+
+void drop_gradient_the_user_dropped(const c10::TensorImpl* dist) {
+  auto [user, d] = bound(dist);
+  if (user.defined() && !user.grad().defined() && d.grad().defined()) d.mutable_grad() = at::Tensor();
+}
+
+int64_t user_parameter_version(const c10::TensorImpl* dist) {
+  auto [user, d] = bound(dist);
+  return user.defined() ? static_cast<int64_t>(user._version()) : 0;
 }
 }  // namespace detail
 
@@ -315,6 +392,9 @@ void replace_parameter(torch::nn::Module& module, const std::string& name, at::T
               "using the old tensor. Register an accessor with tessera::register_member_accessor");
   if (is_param && value.defined()) {
     value = value.detach().requires_grad_(entry->requires_grad());
+    // An optimizer built earlier keeps stepping the original object (NOTE: [Keeping the
+    // user's parameter objects]).
+    detail::adopt_user_parameter(*entry, value);
     if (value.requires_grad() && is_dtensor(value)) {
       // A parameter's gradient takes the parameter's own layout as it arrives: a replicated
       // weight used on sharded activations gets Partial terms, reduced here once (one
@@ -323,6 +403,13 @@ void replace_parameter(torch::nn::Module& module, const std::string& name, at::T
       // (the hook lives in the parameter's autograd metadata: the parameter outlives it)
       const c10::TensorImpl* param = value.unsafeGetTensorImpl();
       value.register_hook([target, param](const at::Tensor& g) -> at::Tensor {
+        detail::drop_gradient_the_user_dropped(param);
+        if (!detail::gradient_owned(param)) {
+          // After the accumulation, once per backward: the original's gradient (a bucketed
+          // reducer hands it over itself, once it has reduced).
+          torch::autograd::Engine::get_default_engine().queue_callback(
+              [param] { detail::hand_gradient_to_user(param); });
+        }
         if (!g.defined() || !is_dtensor(g) || spec(g) == *target) return g;
         if (detail::gradient_owned(param)) return g;  // a bucketed reducer reduces it
         // (in the gradient's own dtype, should it differ from the parameter's)

@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include "../comm/wait.h"
 #include "tessera/compat_autograd.h"
 #include "tessera/comm/collectives.h"
 #include "tessera/redistribute/redistribute.h"
@@ -668,6 +669,7 @@ at::Tensor to_local(const at::Tensor& dtensor, const std::optional<Placements>& 
 }
 
 at::Tensor full_tensor(const at::Tensor& dtensor) {
+  comm::detail::CallerScope caller("full_tensor");  // named if its collective fails
   const auto& s = spec(dtensor);
   return to_local(redistribute_to(
       dtensor, std::make_shared<DTensorSpec>(s.with_placements(Placements(s.mesh().ndim(), Replicate())))));
@@ -683,6 +685,7 @@ bool redistribute_agreement_wanted() {
 
 at::Tensor redistribute(const at::Tensor& dtensor, const Placements& placements,
                         const ShardSizes& sizes) {
+  comm::detail::CallerScope caller("redistribute");
   const auto& s = spec(dtensor);
   SpecPtr target;
   auto checks = [&] {

@@ -11,13 +11,41 @@ c10::DispatchKeySet dtensor_key_set() {
                               c10::DispatchKey::ADInplaceOrView});
 }
 
+// NOTE: [No data pointer]
+// A distributed tensor's elements live on several ranks, so nothing can read them through a
+// data pointer. ATen's printing (std::cout << t, at::print) converts the tensor to double and
+// then reads its data pointer: without this it failed with "Cannot access data pointer of
+// Tensor that doesn't have storage". Printing the global value from inside operator<< would
+// need a collective that code printing on one rank only (if (rank == 0) std::cout << t) would
+// hang on, so every data access raises this message instead, on the rank that tried.
+namespace {
+const char* const kNoDataPointer =
+    "tessera: a distributed tensor's elements live on several ranks, so its data cannot be read "
+    "in place (std::cout << t, at::print, data_ptr, accessor, storage). Print "
+    "tessera::to_string(t) (its layout and this rank's shard, no communication), or "
+    "tessera::full_tensor(t) (the global value, a plain tensor; collective: call it on every "
+    "rank), or tessera::to_local(t) (this rank's shard)";
+}  // namespace
+
 DTensorImpl::DTensorImpl(at::Tensor local, SpecPtr spec)
     : c10::TensorImpl(dtensor_key_set(), local.dtype(), local.device()),
       local_(std::move(local)),
       spec_(std::move(spec)) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6)
+  // (also sets storage_access_should_throw; older 2.x keep ATen's message)
+  release_storage_and_set_meta_custom_data_ptr_error_msg_(std::string(kNoDataPointer));
+#else
   set_storage_access_should_throw();
+#endif
   refresh_global_metadata();
 }
+
+#if TORCH_VERSION_MAJOR < 2
+bool DTensorImpl::has_storage() const {
+  TORCH_CHECK(false, kNoDataPointer);
+  return false;
+}
+#endif
 
 void DTensorImpl::refresh_global_metadata() {
   // Global sizes with contiguous strides: what ordinary code (and autograd) should see.

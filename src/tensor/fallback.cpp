@@ -13,6 +13,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "../comm/wait.h"
 #include "fallback_hooks.h"
 #include "tessera/compat.h"
 #include "tessera/ops/rule.h"
@@ -584,8 +585,16 @@ void report(const Frame& f, detail::FallbackReport* out) {
   }
 }
 
+// The name a failed collective reports for the op that waited on it (NOTE in comm/wait.h).
+const char* caller_name(const c10::OperatorHandle& op) {
+  const std::string& name = op.schema().name();  // lives as long as the registration
+  if (name == "aten::_local_scalar_dense") return ".item() (aten::_local_scalar_dense)";
+  return name.c_str();
+}
+
 void dtensor_fallback_impl(const c10::OperatorHandle& op, torch::jit::Stack* stack,
                            detail::FallbackReport* out) {
+  comm::detail::CallerScope caller(caller_name(op));
   Frame f(op, stack);
   collect(f);
   admit_and_key(f);

@@ -7,6 +7,7 @@
 // fallback (tensor/fallback.cpp) applies the op's sharding rule to the local shards.
 #include <ATen/core/Tensor.h>
 #include <c10/core/TensorImpl.h>
+#include <torch/version.h>
 
 #include "tessera/placement/spec.h"
 
@@ -29,6 +30,12 @@ class DTensorImpl final : public c10::TensorImpl {
   c10::intrusive_ptr<c10::TensorImpl> shallow_copy_and_detach(
       c10::VariableVersion&& version_counter, bool allow_tensor_metadata_change) const override;
   void shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& impl) override;
+#if TORCH_VERSION_MAJOR < 2
+  // LibTorch 1.13 asks this before reading a tensor's data (operator<<, data_ptr): the answer
+  // for a distributed tensor is an error that says what to use instead (NOTE: [No data
+  // pointer] in dtensor_impl.cpp). 2.x has a per-tensor message for the same check.
+  bool has_storage() const override;
+#endif
 
  private:
   const char* tensorimpl_type_name() const override { return "tessera::DTensorImpl"; }
