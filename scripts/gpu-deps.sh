@@ -13,12 +13,14 @@ DEPS=${TESSERA_DEPS_DIR:-.deps}
 packages=(libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev libgloo-dev zlib1g-dev
   libfmt-dev libbenchmark-dev zlib1g libfmt9 libbenchmark1debian)
 
-command -v apt-get >/dev/null && command -v dpkg >/dev/null ||
-  { echo "gpu-deps: needs apt-get and dpkg (run it on a Debian or Ubuntu machine)" >&2; exit 1; }
+if ! command -v apt-get >/dev/null || ! command -v dpkg >/dev/null; then
+  echo "gpu-deps: needs apt-get and dpkg (run it on a Debian or Ubuntu machine)" >&2
+  exit 1
+fi
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-chmod 755 "$work"  # apt's download user (_apt) writes there when run as root
+chmod 755 "$work"  # for apt's download user; as root apt may still warn it ran unsandboxed (harmless)
 (cd "$work" && apt-get download "${packages[@]}")
 
 rm -rf "$DEPS"
@@ -42,7 +44,7 @@ done < <(find "$abs_deps" -type l)
 dangling=$(find "$abs_deps" -xtype l | sed "s|^$abs_deps/||")
 if [ -n "$dangling" ]; then
   echo "gpu-deps: links without a target in $DEPS (not needed by the build):"
-  printf '  %s\n' $dangling
+  sed 's/^/  /' <<< "$dangling"
 fi
 
 # What check-gpu.sh looks for.
