@@ -12,7 +12,8 @@
 # Environment: PYTHON (default /opt/torch/.venv/bin/python if present, else python3),
 # BUILD_DIR (build-gpu), OUT (./gpu-check), JOBS (nproc), TESSERA_DEPS_DIR (./.deps:
 # dependencies unpacked by scripts/gpu-deps.sh, used when present), GPU_SHARDS / CPU_SHARDS
-# (parallel test processes), CPU_FILTER / GPU_FILTER (gtest filters), SHARD_TIMEOUT (s).
+# (parallel test processes), CPU_FILTER / GPU_FILTER (gtest filters), SHARD_TIMEOUT (s),
+# ALLOW_NO_GPU=1 (a GPU tier that only skipped is not a failure: for machines without one).
 # No network and no package manager are used. Exit status: 0 when every step passed.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -24,7 +25,7 @@ for arg in "$@"; do
     --dry-run) DRY=1 ;;
     --no-build) BUILD=0 ;;
     --configure-only) CONFIGURE_ONLY=1 ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
     *) echo "check-gpu: unknown argument $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -173,9 +174,16 @@ finish_suite() {  # NAME
                                          /^\[  SKIPPED \] [0-9]+ test/ {s += $4}
                                          END {print p + 0, f + 0, s + 0}' "$dir"/shard-*.log)
   cat "$dir"/shard-*.log > "$OUT/$name.log"
+  # A GPU check in which no GPU test ran checked nothing: a failure, unless asked for.
+  local note=""
+  if [ "$name" = gpu-tests ] && [ "$passed" = 0 ] && [ "${ALLOW_NO_GPU:-0}" != 1 ]; then
+    note="    no GPU test ran (ALLOW_NO_GPU=1 accepts that)"
+    rc=1
+  fi
   say "$(printf '%-16s %-6s %4ss  passed %s, failed %s, skipped %s  (%s)' "$name" \
         "$([ $rc = 0 ] && echo ok || echo FAILED)" "$(( $(now) - SUITE_START[$name] ))" \
         "$passed" "$failed" "$skipped" "$OUT/$name.log")"
+  [ -z "$note" ] || say "$note"
   [ -z "$crashed" ] || say "    crashed or timed out:$crashed"
   # The failed tests, and why tests skipped (the line after gtest's "Skipped"), once each.
   grep -h '^\[  FAILED  \] [A-Za-z]' "$dir"/shard-*.log | sed 's/ ([0-9]* ms)$//' | sort -u |
