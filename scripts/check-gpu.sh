@@ -107,7 +107,7 @@ if [ -d "$DEPS/usr" ]; then
 else
   say "dependencies:  the system's ($DEPS not present)"
 fi
-CMAKE_ARGS+=(-DCMAKE_PREFIX_PATH="$PREFIX")
+CMAKE_ARGS+=(-DCMAKE_PREFIX_PATH="$PREFIX" -DPython3_EXECUTABLE="$(command -v "$PYTHON")")
 if [ -n "$NVCC" ]; then
   CMAKE_ARGS+=(-DCMAKE_CUDA_COMPILER="$NVCC" -DCUDAToolkit_ROOT="$(dirname "$(dirname "$NVCC")")")
   PATH="$(dirname "$NVCC"):$PATH"
