@@ -138,7 +138,7 @@ comm::Group world_group() {
   // process (run_ranks) on their way here.
   std::vector<int> ranks(world->size());
   for (int r = 0; r < world->size(); ++r) ranks[r] = r;
-  auto group = world->new_group(ranks, "checkpoint", c10::DeviceType::CPU);
+  auto group = world->new_group(ranks, "checkpoint", c10::DeviceType::CPU, "gloo");
   std::lock_guard<std::mutex> lock(mu);
   groups[world.get()] = {world, group};
   return group;

@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/strides.h>
 
+#include "tessera/comm/device.h"
 #include "wait.h"
 
 namespace tessera::comm {
@@ -162,17 +163,13 @@ bool flat_reducible(at::ScalarType t) {
 
 }  // namespace
 
-std::vector<at::Tensor> all_to_all_blocks(const Group& pg, const std::vector<at::Tensor>& send,
-                                          const std::vector<std::vector<int64_t>>& recv_shapes,
-                                          const at::TensorOptions& options, CollectiveKind kind) {
-  return exchange(pg, send, recv_shapes, options, {}, kind);
-}
-
 int group_rank(const Group& pg) { return pg->getRank(); }
 int group_size(const Group& pg) { return pg->getSize(); }
 
-at::Tensor all_gather(const Group& pg, const at::Tensor& x, int64_t dim,
-                      const std::vector<int64_t>& sizes) {
+namespace {
+
+at::Tensor all_gather_wire(const Group& pg, const at::Tensor& x, int64_t dim,
+                           const std::vector<int64_t>& sizes) {
   const int n = pg->getSize();
   const int me = pg->getRank();
   TORCH_INTERNAL_ASSERT(static_cast<int>(sizes.size()) == n && sizes[me] == x.size(dim));
@@ -215,7 +212,7 @@ at::Tensor all_gather(const Group& pg, const at::Tensor& x, int64_t dim,
   return at::cat(blocks, dim);
 }
 
-at::Tensor all_reduce(const Group& pg, const at::Tensor& x, PartialOp op) {
+at::Tensor all_reduce_wire(const Group& pg, const at::Tensor& x, PartialOp op) {
   const int n = pg->getSize();
   const int64_t b = nbytes(x);
   const int64_t ring = 2 * (n - 1) * b / n;
@@ -233,13 +230,54 @@ at::Tensor all_reduce(const Group& pg, const at::Tensor& x, PartialOp op) {
   return buf[0];
 }
 
+// Where a transport reads: device memory for NCCL, host memory for Gloo.
+c10::Device wire_device(const Group& pg) {
+  return staged(pg) ? c10::Device(c10::DeviceType::CPU) : home_device(pg);
+}
+
+// The input of a collective on its wire (a host copy on cuda:gloo), after the home check.
+at::Tensor to_wire(const Group& pg, const at::Tensor& x, const char* site) {
+  check_home(pg, x, site);
+  return staged(pg) ? x.cpu() : x;
+}
+
+at::Tensor to_home(const at::Tensor& wire, const at::Tensor& like) {
+  return wire.device() == like.device() ? wire : wire.to(like.device());
+}
+
+}  // namespace
+
+std::vector<at::Tensor> all_to_all_blocks(const Group& pg, const std::vector<at::Tensor>& send,
+                                          const std::vector<std::vector<int64_t>>& recv_shapes,
+                                          const at::TensorOptions& options, CollectiveKind kind) {
+  if (!staged(pg)) {
+    for (const auto& t : send) check_home(pg, t, "all_to_all_blocks");
+    return exchange(pg, send, recv_shapes, options, {}, kind);
+  }
+  std::vector<at::Tensor> host;
+  for (const auto& t : send) host.push_back(to_wire(pg, t, "all_to_all_blocks"));
+  auto blocks = exchange(pg, host, recv_shapes, options.device(c10::DeviceType::CPU), {}, kind);
+  for (auto& b : blocks) b = b.to(options.device());
+  return blocks;
+}
+
+at::Tensor all_gather(const Group& pg, const at::Tensor& x, int64_t dim,
+                      const std::vector<int64_t>& sizes) {
+  return to_home(all_gather_wire(pg, to_wire(pg, x, "all_gather"), dim, sizes), x);
+}
+
+at::Tensor all_reduce(const Group& pg, const at::Tensor& x, PartialOp op) {
+  return to_home(all_reduce_wire(pg, to_wire(pg, x, "all_reduce"), op), x);
+}
+
 PendingAllReduce all_reduce_start(const Group& pg, at::Tensor buffer, PartialOp op) {
   TORCH_INTERNAL_ASSERT(buffer.is_contiguous());
   const int n = pg->getSize();
   const int64_t ring = 2 * (n - 1) * nbytes(buffer) / n;
   record({CollectiveKind::AllReduce, ring, ring, n});
   PendingAllReduce p;
-  p.buffer_ = std::move(buffer);
+  p.home_ = buffer;
+  p.buffer_ = to_wire(pg, buffer, "all_reduce_start");
   p.op_ = op;
   p.group_size_ = n;
   if (n == 1 || p.buffer_.numel() == 0) return p;
@@ -256,8 +294,9 @@ at::Tensor PendingAllReduce::wait() {
     work_.reset();
     detail::wait(work, "all_reduce");
     if (op_ == PartialOp::Avg) buffer_.div_(group_size_);
+    if (!buffer_.is_same(home_)) home_.copy_(buffer_);  // staged through the host
   }
-  return buffer_;
+  return home_;
 }
 
 PendingAllReduce& PendingAllReduce::operator=(PendingAllReduce&& o) {
@@ -265,6 +304,7 @@ PendingAllReduce& PendingAllReduce::operator=(PendingAllReduce&& o) {
     if (work_.defined()) work_->wait();
     work_ = std::move(o.work_);
     buffer_ = std::move(o.buffer_);
+    home_ = std::move(o.home_);
     op_ = o.op_;
     group_size_ = o.group_size_;
   }
@@ -281,8 +321,9 @@ PendingAllReduce::~PendingAllReduce() {
   }
 }
 
-PendingAllGather all_gather_start(const Group& pg, const at::Tensor& x,
+PendingAllGather all_gather_start(const Group& pg, const at::Tensor& home_x,
                                   const std::vector<int64_t>& sizes) {
+  const at::Tensor x = to_wire(pg, home_x, "all_gather_start");
   const int n = pg->getSize();
   const int me = pg->getRank();
   TORCH_INTERNAL_ASSERT(x.dim() == 1 && static_cast<int>(sizes.size()) == n &&
@@ -292,9 +333,10 @@ PendingAllGather all_gather_start(const Group& pg, const at::Tensor& x,
   if (n > 1) record({CollectiveKind::AllGather, (n - 1) * block, (n - 1) * block, n});
   PendingAllGather p;
   p.sizes_ = sizes;
+  p.home_ = home_x.device();
   if (n == 1 || most == 0) {
-    p.blocks_.assign(n, at::empty({0}, x.options()));
-    p.blocks_[me] = x;
+    p.blocks_.assign(n, at::empty({0}, home_x.options()));
+    p.blocks_[me] = home_x;
     return p;
   }
   at::Tensor mine = x;
@@ -317,7 +359,10 @@ std::vector<at::Tensor> PendingAllGather::wait() {
     detail::wait(work, "all_gather");
   }
   std::vector<at::Tensor> out;
-  for (size_t i = 0; i < blocks_.size(); ++i) out.push_back(blocks_[i].narrow(0, 0, sizes_[i]));
+  for (size_t i = 0; i < blocks_.size(); ++i) {
+    auto b = blocks_[i].narrow(0, 0, sizes_[i]);
+    out.push_back(b.device() == home_ ? b : b.to(home_));  // staged through the host
+  }
   blocks_.clear();
   return out;
 }
@@ -328,6 +373,7 @@ PendingAllGather& PendingAllGather::operator=(PendingAllGather&& o) {
     work_ = std::move(o.work_);
     blocks_ = std::move(o.blocks_);
     sizes_ = std::move(o.sizes_);
+    home_ = o.home_;
   }
   return *this;
 }
@@ -342,8 +388,10 @@ PendingAllGather::~PendingAllGather() {
   }
 }
 
-at::Tensor reduce_scatter(const Group& pg, const at::Tensor& x, int64_t dim,
-                          const std::vector<int64_t>& sizes, PartialOp op) {
+namespace {
+
+at::Tensor reduce_scatter_wire(const Group& pg, const at::Tensor& x, int64_t dim,
+                               const std::vector<int64_t>& sizes, PartialOp op) {
   const int n = pg->getSize();
   const int me = pg->getRank();
   TORCH_INTERNAL_ASSERT(static_cast<int>(sizes.size()) == n);
@@ -393,9 +441,9 @@ at::Tensor reduce_scatter(const Group& pg, const at::Tensor& x, int64_t dim,
   return stacked.sum(0);
 }
 
-at::Tensor all_to_all(const Group& pg, const at::Tensor& x, int64_t split_dim,
-                      const std::vector<Range>& send, int64_t cat_dim,
-                      const std::vector<std::vector<int64_t>>& recv_shapes) {
+at::Tensor all_to_all_wire(const Group& pg, const at::Tensor& x, int64_t split_dim,
+                           const std::vector<Range>& send, int64_t cat_dim,
+                           const std::vector<std::vector<int64_t>>& recv_shapes) {
   const int n = pg->getSize();
   TORCH_INTERNAL_ASSERT(static_cast<int>(send.size()) == n &&
                         static_cast<int>(recv_shapes.size()) == n);
@@ -415,7 +463,7 @@ at::Tensor all_to_all(const Group& pg, const at::Tensor& x, int64_t split_dim,
   return at::cat(recvd, cat_dim);
 }
 
-at::Tensor broadcast(const Group& pg, const at::Tensor& x, int root) {
+at::Tensor broadcast_wire(const Group& pg, const at::Tensor& x, int root) {
   const int n = pg->getSize();
   const int64_t b = nbytes(x);
   record({CollectiveKind::Broadcast, pg->getRank() == root ? (n - 1) * b : 0,
@@ -428,18 +476,39 @@ at::Tensor broadcast(const Group& pg, const at::Tensor& x, int root) {
   return buf[0].view(x.scalar_type()).view(x.sizes());
 }
 
+}  // namespace
+
+at::Tensor reduce_scatter(const Group& pg, const at::Tensor& x, int64_t dim,
+                          const std::vector<int64_t>& sizes, PartialOp op) {
+  return to_home(reduce_scatter_wire(pg, to_wire(pg, x, "reduce_scatter"), dim, sizes, op), x);
+}
+
+at::Tensor all_to_all(const Group& pg, const at::Tensor& x, int64_t split_dim,
+                      const std::vector<Range>& send, int64_t cat_dim,
+                      const std::vector<std::vector<int64_t>>& recv_shapes) {
+  return to_home(all_to_all_wire(pg, to_wire(pg, x, "all_to_all"), split_dim, send, cat_dim,
+                                 recv_shapes),
+                 x);
+}
+
+at::Tensor broadcast(const Group& pg, const at::Tensor& x, int root) {
+  return to_home(broadcast_wire(pg, to_wire(pg, x, "broadcast"), root), x);
+}
+
+// Metadata travels as host vectors; on NCCL it crosses as a device tensor (one copy each way).
 std::vector<std::vector<int64_t>> all_gather_ints(const Group& pg, const std::vector<int64_t>& v) {
   const int n = pg->getSize();
   const int64_t b = static_cast<int64_t>(v.size() * sizeof(int64_t));
   record({CollectiveKind::Metadata, (n - 1) * b, (n - 1) * b, n});
   if (n == 1) return {v};
-  auto t = at::tensor(v.empty() ? std::vector<int64_t>{0} : v, at::kLong);
+  auto t = at::tensor(v.empty() ? std::vector<int64_t>{0} : v, at::kLong).to(wire_device(pg));
   std::vector<at::Tensor> in{t};
   std::vector<std::vector<at::Tensor>> out(1);
   for (int i = 0; i < n; ++i) out[0].push_back(at::empty_like(t));
   detail::wait(pg->allgather(out, in), "all_gather (shapes and checks)");
   std::vector<std::vector<int64_t>> res;
-  for (auto& o : out[0]) {
+  for (auto& wire : out[0]) {
+    const at::Tensor o = wire.cpu();
     auto p = o.data_ptr<int64_t>();
     res.emplace_back(p, p + v.size());
   }
@@ -451,8 +520,8 @@ std::vector<std::string> all_gather_strings(const Group& pg, const std::string& 
   std::vector<int64_t> lens;
   for (auto& h : heads) lens.push_back(h[0]);
   auto bytes = at::empty({static_cast<int64_t>(s.size())}, at::kByte);
-  std::memcpy(bytes.data_ptr(), s.data(), s.size());
-  auto all = all_gather(pg, bytes, 0, lens);
+  if (!s.empty()) std::memcpy(bytes.data_ptr(), s.data(), s.size());
+  auto all = all_gather_wire(pg, bytes.to(wire_device(pg)), 0, lens).cpu();
   std::vector<std::string> out;
   int64_t off = 0;
   for (auto len : lens) {
@@ -476,7 +545,7 @@ void check_everywhere(const Group& pg, bool ok, const std::string& message) {
   auto bytes = at::empty({static_cast<int64_t>(mine.size())}, at::kByte);
   // (an empty tensor's data pointer is null, and memcpy's arguments must not be)
   if (!mine.empty()) std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
-  auto all = all_gather(pg, bytes, 0, lens);
+  auto all = all_gather_wire(pg, bytes.to(wire_device(pg)), 0, lens).cpu();
   std::string text;
   int64_t off = 0;
   for (size_t i = 0; i < lens.size(); ++i) {

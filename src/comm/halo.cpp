@@ -116,6 +116,7 @@ bool use_point_to_point(const Group& pg) {
 struct InFlight {
   std::vector<at::Tensor> blocks;
   std::vector<std::function<void()>> waits;
+  c10::Device home = c10::Device(c10::DeviceType::CPU);  // where the received rows go
 };
 
 // Starts sending member m the rows of `src` listed in outgoing[m] (starting at
@@ -147,15 +148,21 @@ InFlight start_rows(const Group& pg, const at::Tensor& src, int64_t dim,
     return f;
   }
   record({CollectiveKind::SendRecv, sent, received, n});
+  // Gloo's point-to-point reads and writes host memory: on cuda:gloo the rows travel through
+  // host copies (NOTE: [Devices on the wire]).
+  check_home(pg, src, "halo exchange");
+  const bool host = staged(pg);
+  f.home = src.device();
   f.blocks.resize(n);
   for (int64_t m = 0; m < n; ++m) {
     if (send[m].numel() == 0) continue;
+    if (host) send[m] = send[m].cpu();
     std::vector<at::Tensor> t{send[m]};
     auto work = pg->send(t, static_cast<int>(m), tag);
     f.waits.emplace_back([work, keep = send[m]]() mutable { detail::wait(work, "halo send"); });
   }
   for (int64_t m = 0; m < n; ++m) {
-    f.blocks[m] = at::empty(recv_shapes[m], src.options());
+    f.blocks[m] = at::empty(recv_shapes[m], host ? src.options().device(at::kCPU) : src.options());
     if (f.blocks[m].numel() == 0) continue;
     std::vector<at::Tensor> t{f.blocks[m]};
     auto work = pg->recv(t, static_cast<int>(m), tag);
@@ -170,6 +177,7 @@ void finish_rows(InFlight& f, int64_t dim, const std::vector<std::vector<Piece>>
   for (auto& w : f.waits) w();
   f.waits.clear();
   for (size_t m = 0; m < f.blocks.size(); ++m) {
+    if (f.blocks[m].defined() && f.blocks[m].device() != f.home) f.blocks[m] = f.blocks[m].to(f.home);
     int64_t at_row = 0;
     for (const auto& p : incoming[m]) {
       place(p, f.blocks[m].narrow(dim, at_row, p.count));

@@ -7,6 +7,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "tessera/comm/device.h"
 #include "tessera/runtime/world.h"
 
 namespace tessera {
@@ -14,6 +15,7 @@ namespace tessera {
 struct DeviceMesh::Impl {
   std::string device_type;
   c10::DeviceType kind = c10::DeviceType::CPU;
+  std::string transport = "gloo";
   std::vector<int64_t> shape;
   std::vector<int> ranks;
   std::vector<std::string> names;
@@ -43,11 +45,23 @@ std::string shape_str(const std::vector<int64_t>& v) {
   return s + "]";
 }
 
-c10::DeviceType parse_device(const std::string& d) {
-  if (d == "cpu") return c10::DeviceType::CPU;
-  if (d == "cuda") return c10::DeviceType::CUDA;
-  TORCH_CHECK(false, "tessera: init_device_mesh: unknown device_type \"", d,
-              "\"; use \"cpu\" (Gloo) or \"cuda\" (NCCL)");
+// "cpu", "cuda", or either with its transport named after a colon ("cuda:gloo"), as in
+// PyTorch's backend strings.
+void parse_device(const std::string& d, const World& world, DeviceMesh::Impl& m) {
+  const auto colon = d.find(':');
+  const std::string type = d.substr(0, colon);
+  const std::string transport = colon == std::string::npos ? "" : d.substr(colon + 1);
+  const char* hint = "; use \"cpu\" (Gloo), \"cuda\" (NCCL) or \"cuda:gloo\" (CUDA tensors "
+                     "over Gloo, staged through host memory)";
+  TORCH_CHECK(type == "cpu" || type == "cuda", "tessera: init_device_mesh: unknown device_type \"",
+              d, "\"", hint);
+  m.kind = type == "cpu" ? c10::DeviceType::CPU : c10::DeviceType::CUDA;
+  m.device_type = type;
+  m.transport = !transport.empty() ? transport
+                : m.kind == c10::DeviceType::CPU ? "gloo" : world.cuda_transport();
+  TORCH_CHECK(m.transport == "gloo" || (m.transport == "nccl" && type == "cuda"),
+              "tessera: init_device_mesh: device_type \"", d, "\" names no transport Tessera has",
+              hint);
 }
 
 // Ranks along `dim` through `coord`, in coordinate order.
@@ -70,8 +84,8 @@ DeviceMesh::DeviceMesh(std::string device_type, std::vector<int64_t> shape,
                        std::vector<int> ranks, std::vector<std::string> dim_names) {
   auto world = current_world();
   auto m = std::make_shared<Impl>();
-  m->kind = parse_device(device_type);
-  m->device_type = std::move(device_type);
+  parse_device(device_type, *world, *m);
+  if (m->kind == c10::DeviceType::CUDA) world->select_cuda_device();
   TORCH_CHECK(!shape.empty(), "tessera: DeviceMesh needs at least one dim");
   for (auto s : shape) TORCH_CHECK(s >= 1, "tessera: DeviceMesh shape ", shape_str(shape),
                                    " has a dim smaller than 1");
@@ -109,7 +123,7 @@ DeviceMesh::DeviceMesh(std::string device_type, std::vector<int64_t> shape,
     for (size_t d = 0; d < m->shape.size(); ++d) {
       auto members = line_through(*m, m->coord, static_cast<int64_t>(d));
       m->groups.push_back(
-          world->new_group(members, m->tag + "/dim" + std::to_string(d), m->kind));
+          world->new_group(members, m->tag + "/dim" + std::to_string(d), m->kind, m->transport));
       m->group_ranks.push_back(std::move(members));
     }
     if (m->shape.size() == 1) m->all = m->groups[0];
@@ -124,6 +138,11 @@ const DeviceMesh::Impl& DeviceMesh::impl() const {
 
 const std::string& DeviceMesh::device_type() const { return impl().device_type; }
 c10::DeviceType DeviceMesh::device_kind() const { return impl().kind; }
+const std::string& DeviceMesh::backend() const { return impl().transport; }
+c10::Device DeviceMesh::device() const {
+  return impl().kind == c10::DeviceType::CPU ? c10::Device(c10::DeviceType::CPU)
+                                             : comm::current_cuda_device();
+}
 int64_t DeviceMesh::ndim() const { return static_cast<int64_t>(impl().shape.size()); }
 int64_t DeviceMesh::size() const { return static_cast<int64_t>(impl().ranks.size()); }
 int64_t DeviceMesh::size(int64_t mesh_dim) const { return impl().shape.at(mesh_dim); }
@@ -160,7 +179,8 @@ compat::BackendPtr DeviceMesh::mesh_group() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (!impl_->all) {
     // Group ranks follow the mesh's row-major order, so group rank == flat mesh index.
-    impl_->all = impl_->world->new_group(impl_->ranks, impl_->tag + "/all", impl_->kind);
+    impl_->all = impl_->world->new_group(impl_->ranks, impl_->tag + "/all", impl_->kind,
+                                         impl_->transport);
   }
   return impl_->all;
 }
@@ -213,6 +233,7 @@ DeviceMesh DeviceMesh::sub(const std::vector<int64_t>& dims) const {
     auto s = std::make_shared<Impl>();
     s->device_type = m.device_type;
     s->kind = m.kind;
+    s->transport = m.transport;
     s->world = m.world;
     std::string tag = m.tag + "/sub";
     for (auto d : dims) {
@@ -276,7 +297,8 @@ std::mutex& DeviceMesh::cache_mutex() const { return impl_->cache_mu; }
 std::string DeviceMesh::str() const {
   if (!impl_) return "DeviceMesh(undefined)";
   const auto& m = *impl_;
-  std::string s = "DeviceMesh(" + m.device_type + ", shape=" + shape_str(m.shape) + ", ranks=[";
+  const bool usual = (m.kind == c10::DeviceType::CPU) == (m.transport == "gloo");
+  std::string s = "DeviceMesh(" + m.device_type + (usual ? "" : ":" + m.transport) + ", shape=" + shape_str(m.shape) + ", ranks=[";
   for (size_t i = 0; i < m.ranks.size(); ++i) s += (i ? "," : "") + std::to_string(m.ranks[i]);
   s += "]";
   if (!m.names.empty()) {

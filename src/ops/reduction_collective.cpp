@@ -213,7 +213,8 @@ OpPlan whole_bool_rule(const OpCall& call) {
   if (across.empty()) return plan;
   plan.distributed_kernel = [across](KernelCall& k, const DeviceMesh& mesh) {
     k.call_op();
-    at::Tensor agree = at::scalar_tensor(k.stack()[0].toBool() ? 1 : 0, at::kByte);
+    at::Tensor agree = at::scalar_tensor(k.stack()[0].toBool() ? 1 : 0,
+                                         at::TensorOptions(at::kByte).device(mesh.device()));
     for (auto md : across) agree = comm::all_reduce(mesh.group(md), agree, PartialOp::Min);
     k.finish({c10::IValue(agree.item<uint8_t>() != 0)});
   };

@@ -194,7 +194,7 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
       pieces.push_back(contribution(params[b.params[k]], b.dtype, u));
       used[k] = u ? 1.0 : 0.0;
     }
-    pieces.push_back(at::tensor(used, at::TensorOptions().dtype(at::kDouble)).to(b.dtype));
+    pieces.push_back(at::tensor(used, at::kDouble).to(comm::home_options(b.groups[0], b.dtype)));
     const PartialOp op = local() ? PartialOp::Avg : PartialOp::Sum;
     b.work = comm::all_reduce_start(b.groups[0], at::cat(pieces), op);
   }
@@ -210,7 +210,8 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
       for (size_t g = 1; g < b.groups.size(); ++g) flat = comm::all_reduce(b.groups[g], flat, op);
       int64_t offset = 0;
       const int64_t flags = flat.numel() - static_cast<int64_t>(b.params.size());
-      auto used = flat.narrow(0, flags, static_cast<int64_t>(b.params.size())).to(at::kDouble);
+      auto used = flat.narrow(0, flags, static_cast<int64_t>(b.params.size()))
+                      .to(at::kCPU, at::kDouble);
       auto used_a = used.accessor<double, 1>();
       for (size_t k = 0; k < b.params.size(); ++k) {
         Param& p = params[b.params[k]];
@@ -250,8 +251,8 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
     }
     for (size_t i = params.size(); i-- > 0;)
       if (!seen[i]) order[k++] = static_cast<int64_t>(i);
-    auto t = at::tensor(order, at::kLong);
-    t = comm::broadcast(mesh.mesh_group(), t, 0);
+    auto pg = mesh.mesh_group();
+    auto t = comm::broadcast(pg, at::tensor(order, at::kLong).to(comm::home_device(pg)), 0).cpu();
     std::vector<size_t> agreed(params.size());
     for (size_t i = 0; i < params.size(); ++i) agreed[i] = static_cast<size_t>(t[i].item<int64_t>());
     assign_buckets(agreed);
@@ -342,6 +343,11 @@ std::shared_ptr<ReplicatedModule> replicate(torch::nn::Module& module, const Dev
   std::unordered_map<const c10::TensorImpl*, std::string> seen;
   for (size_t k = 0; k < entries.size(); ++k) {
     at::Tensor t = current(*entries[k].first, entries[k].second);
+    TORCH_CHECK(t.device().type() == mesh.device_kind(), "tessera: replicate: parameter ",
+                names[k], " is on ", t.device(), " but the mesh ", mesh.str(), " keeps its ",
+                "tensors on ", mesh.device_type(), "; move the model first (module->to(",
+                mesh.device_type() == "cpu" ? "torch::kCPU" : "torch::Device(torch::kCUDA, get_local_rank())",
+                "))");
     auto [it, fresh] = seen.emplace(t.unsafeGetTensorImpl(), names[k]);
     TORCH_CHECK(fresh || options.local_batches(), "tessera: replicate: ", names[k], " and ",
                 it->second, " are one tensor (tied parameters); with distributed inputs each ",

@@ -17,6 +17,10 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <ATen/Context.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include "tessera/comm/device.h"
 #include "tessera/compat.h"
 #include "tessera/runtime/env.h"
 
@@ -105,6 +109,16 @@ std::vector<std::shared_ptr<::gloo::transport::Device>> gloo_devices(const World
   }
   return devices;
 }
+std::string cuda_transport_of(const InitOptions& options) {
+  std::string b = options.backend;
+  if (const char* v = std::getenv("TESSERA_BACKEND"); v && *v) b = v;
+  if (b == "auto" || b == "nccl" || b == "cuda:nccl" || b == "cpu:gloo,cuda:nccl") return "nccl";
+  if (b == "gloo" || b == "cuda:gloo" || b == "cpu:gloo,cuda:gloo") return "gloo";
+  TORCH_CHECK(false, "tessera: init_process_group: unknown backend \"", b,
+              "\"; use \"auto\", \"nccl\" or \"cuda:gloo\" (InitOptions::backend or ",
+              "TESSERA_BACKEND)");
+}
+
 }  // namespace
 
 void World::set_gloo_address(std::string interfaces, std::string hostname) {
@@ -113,10 +127,36 @@ void World::set_gloo_address(std::string interfaces, std::string hostname) {
 }
 
 World::World(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-              std::chrono::milliseconds timeout)
-    : store_(std::move(store)), rank_(rank), size_(size), timeout_(timeout) {
+              std::chrono::milliseconds timeout, int local_rank)
+    : store_(std::move(store)),
+      rank_(rank),
+      size_(size),
+      local_rank_(local_rank < 0 ? rank : local_rank),
+      timeout_(timeout) {
   TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "tessera: invalid world: rank ", rank,
               " of ", size);
+}
+
+void World::set_cuda_transport(std::string transport) {
+  TORCH_CHECK(transport == "nccl" || transport == "gloo", "tessera: unknown transport \"",
+              transport, "\" for CUDA meshes; use \"nccl\" or \"gloo\"");
+  cuda_transport_ = std::move(transport);
+}
+
+int World::select_cuda_device() const {
+  TORCH_CHECK(at::hasCUDA(), "tessera: a \"cuda\" mesh needs a CUDA device, but this LibTorch ",
+              at::globalContext().hasCUDA() ? "sees none" : "was built without CUDA",
+              "; use device_type \"cpu\"");
+  const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  const int count = static_cast<int>(impl->deviceCount());
+  TORCH_CHECK(count > 0, "tessera: a \"cuda\" mesh needs a CUDA device; none is visible ",
+              "(check CUDA_VISIBLE_DEVICES)");
+  const int current = impl->getDevice().index();
+  // Device 0 is also what a program that chose nothing sees: only then pick by local rank.
+  if (current != 0) return current;
+  const int wanted = local_rank_ % count;
+  if (wanted != current) impl->setDevice(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(wanted)));
+  return wanted;
 }
 
 int64_t World::next_mesh_id() {
@@ -125,18 +165,23 @@ int64_t World::next_mesh_id() {
 }
 
 compat::BackendPtr World::new_group(const std::vector<int>& ranks, const std::string& tag,
-                                    c10::DeviceType device) const {
+                                    c10::DeviceType device, const std::string& transport) const {
   auto it = std::find(ranks.begin(), ranks.end(), rank_);
   TORCH_INTERNAL_ASSERT(it != ranks.end(), "new_group called by a non-member");
   const int group_rank = static_cast<int>(it - ranks.begin());
   const int group_size = static_cast<int>(ranks.size());
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
       "tessera/" + tag + "/[" + join(ranks) + "]", store_);
-  if (device == c10::DeviceType::CUDA) {
+  if (transport == "nccl") {
+    TORCH_CHECK(device == c10::DeviceType::CUDA, "tessera: NCCL carries CUDA tensors only; ",
+                "use Gloo for a cpu mesh");
 #ifdef TESSERA_WITH_NCCL
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = timeout_;
-    return c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, group_rank, group_size, opts);
+    compat::BackendPtr pg =
+        c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, group_rank, group_size, opts);
+    comm::set_home(pg, device);
+    return pg;
 #else
     TORCH_CHECK(false, "tessera: a CUDA mesh needs NCCL, but this build of Tessera has none; "
                 "rebuild against a LibTorch with CUDA or use device_type \"cpu\"");
@@ -145,7 +190,9 @@ compat::BackendPtr World::new_group(const std::vector<int>& ranks, const std::st
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout_);
   opts->devices = gloo_devices(*this);
   opts->threads = 1;
-  auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, group_rank, group_size, opts);
+  compat::BackendPtr pg =
+      c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, group_rank, group_size, opts);
+  comm::set_home(pg, device);
   // Gloo's constructor returns once this member's side of the full mesh is connected; a peer
   // may still be finishing its handshake with us. One barrier makes the group complete on
   // every member, so a member that errors right away (and closes the group) cannot break a
@@ -163,6 +210,7 @@ void init_process_group(const InitOptions& options) {
   if (!info) {
     // No launcher: a world of one, so single-process programs need no set-up.
     g_world = std::make_shared<World>(c10::make_intrusive<c10d::HashStore>(), 0, 1, timeout);
+    g_world->set_cuda_transport(cuda_transport_of(options));
     return;
   }
   c10d::TCPStoreOptions sopts;
@@ -194,7 +242,8 @@ void init_process_group(const InitOptions& options) {
                 "has started and that the port is open between the hosts; TESSERA_TIMEOUT ",
                 "(seconds) sets how long to wait");
   }
-  g_world = std::make_shared<World>(store, info->rank, info->world_size, timeout);
+  g_world = std::make_shared<World>(store, info->rank, info->world_size, timeout, info->local_rank);
+  g_world->set_cuda_transport(cuda_transport_of(options));
   // Ranks all on this host talk over loopback; across hosts, over the interface that routes
   // to the master unless the user names one.
   std::string interfaces, hostname;
@@ -231,6 +280,7 @@ std::shared_ptr<World> current_world() {
 }
 
 int get_rank() { return current_world()->rank(); }
+int get_local_rank() { return current_world()->local_rank(); }
 int get_world_size() { return current_world()->size(); }
 
 ScopedWorld::ScopedWorld(std::shared_ptr<World> world) : previous_(std::move(t_world)) {

@@ -489,7 +489,7 @@ at::Tensor scatter_impl(const at::Tensor& full, int src_flat, const SpecPtr& spe
   const int64_t n = mesh.size();
   const bool is_src = comm::group_rank(pg) == src_flat;
   auto opts = at::TensorOptions().dtype(spec->dtype()).device(
-      is_src ? full.device() : at::Device(mesh.device_kind()));
+      is_src ? full.device() : mesh.device());
   std::vector<at::Tensor> send;
   std::vector<std::vector<int64_t>> recv_shapes;
   for (int64_t f = 0; f < n; ++f) {
@@ -513,6 +513,14 @@ at::Tensor scatter_impl(const at::Tensor& full, int src_flat, const SpecPtr& spe
   return out;
 }
 
+// As PyTorch: a tensor handed to a mesh moves to the mesh's device (differentiably; a no-op
+// when it is there already), so shards always live where the mesh's collectives expect them.
+at::Tensor on_mesh_device(const at::Tensor& t, const DeviceMesh& mesh) {
+  if (!t.defined() || !mesh.defined() || is_dtensor(t) || t.device().type() == mesh.device_kind())
+    return t;
+  return t.to(mesh.device());
+}
+
 void reject_partial(const Placements& p, const char* what) {
   for (auto& x : p)
     TORCH_CHECK(!x.is_partial(), "tessera: ", what, "(", to_string(p), "): Partial is not a ",
@@ -522,9 +530,10 @@ void reject_partial(const Placements& p, const char* what) {
 
 }  // namespace
 
-at::Tensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh,
+at::Tensor distribute_tensor(const at::Tensor& given, const DeviceMesh& mesh,
                              const Placements& placements, std::optional<int> src_data_rank,
                              const ShardSizes& sizes) {
+  const at::Tensor tensor = on_mesh_device(given, mesh);
   const char* what = "distribute_tensor";
   SpecPtr spec;
   int src_flat = -1;
@@ -559,8 +568,9 @@ at::Tensor distribute_tensor(const at::Tensor& tensor, const DeviceMesh& mesh,
   return scatter_impl(tensor, src_flat, spec, meta.requires_grad);
 }
 
-at::Tensor scatter_tensor(const at::Tensor& full_on_src, int src, const DeviceMesh& mesh,
+at::Tensor scatter_tensor(const at::Tensor& given, int src, const DeviceMesh& mesh,
                           const Placements& placements, const ShardSizes& sizes) {
+  const at::Tensor full_on_src = on_mesh_device(given, mesh);
   int src_flat = -1;
   // Checks of the arguments alone; the rest needs the source's shape.
   const std::string error = error_of([&] {
@@ -581,8 +591,9 @@ at::Tensor scatter_tensor(const at::Tensor& full_on_src, int src, const DeviceMe
   return scatter_impl(full_on_src, src_flat, spec, meta.requires_grad);
 }
 
-at::Tensor from_local(const at::Tensor& local, const DeviceMesh& mesh,
+at::Tensor from_local(const at::Tensor& given, const DeviceMesh& mesh,
                       const Placements& placements, const FromLocalOptions& options) {
+  const at::Tensor local = on_mesh_device(given, mesh);
   auto checks = [&] {
     TORCH_CHECK(local.defined(), "tessera: from_local needs a defined local tensor");
     TORCH_CHECK(!is_dtensor(local), "tessera: from_local: the tensor is already distributed");

@@ -3,6 +3,8 @@
 // Gloo lacks, composed without extra bytes on the wire. Each documents what it moves per
 // rank (n = group size, B = bytes of the local input); each reports to comm::record.
 //
+// Tensors given and returned live on the group's home device (NOTE: [Devices on the wire]).
+//
 // Every caller passes sizes that all members agree on (they come from replicated specs), so
 // members take the same branches (e.g. skip an all-empty collective) without talking.
 #include <string>
@@ -11,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "tessera/comm/accounting.h"
+#include "tessera/comm/device.h"
 #include "tessera/compat.h"
 #include "tessera/placement/placement.h"
 
@@ -44,7 +47,8 @@ class PendingAllReduce {
  private:
   friend PendingAllReduce all_reduce_start(const Group&, at::Tensor, PartialOp);
   c10::intrusive_ptr<c10d::Work> work_;
-  at::Tensor buffer_;
+  at::Tensor buffer_;  // what the transport writes: home_ itself, or its host copy (cuda:gloo)
+  at::Tensor home_;
   PartialOp op_ = PartialOp::Sum;
   int group_size_ = 1;
 };
@@ -71,6 +75,7 @@ class PendingAllGather {
   c10::intrusive_ptr<c10d::Work> work_;
   std::vector<at::Tensor> blocks_;  // padded, one per member (the member's own: its input)
   std::vector<int64_t> sizes_;
+  c10::Device home_ = c10::Device(c10::DeviceType::CPU);
 };
 PendingAllGather all_gather_start(const Group& pg, const at::Tensor& x,
                                   const std::vector<int64_t>& sizes);

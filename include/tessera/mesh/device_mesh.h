@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include <c10/core/Device.h>
 #include <c10/core/DeviceType.h>
 
 #include "tessera/compat.h"
@@ -22,12 +23,20 @@ class DeviceMesh {
 
   // A mesh over the given global ranks (row-major over `shape`). Collective: every rank of the
   // world calls it, in the same order; ranks outside the mesh get a handle with no coordinate.
+  // device_type: "cpu" (Gloo), "cuda" (NCCL, or Gloo after InitOptions::backend "cuda:gloo"),
+  // or a device with its transport, "cuda:gloo" / "cuda:nccl". A CUDA mesh makes the current
+  // device local_rank % device_count unless the program chose one (World::select_cuda_device).
   DeviceMesh(std::string device_type, std::vector<int64_t> shape, std::vector<int> ranks,
              std::vector<std::string> dim_names = {});
 
   bool defined() const { return impl_ != nullptr; }
-  const std::string& device_type() const;
+  const std::string& device_type() const;  // "cpu" or "cuda"
   c10::DeviceType device_kind() const;
+  // Where this rank's shards live: the host, or the calling thread's current CUDA device.
+  c10::Device device() const;
+  // How the mesh's collectives travel: "gloo" or "nccl". A "cuda:gloo" mesh keeps its tensors
+  // on the GPU and stages them through host memory for Gloo (NOTE: [Devices on the wire]).
+  const std::string& backend() const;
   int64_t ndim() const;
   int64_t size() const;              // number of ranks in the mesh
   int64_t size(int64_t mesh_dim) const;

@@ -18,18 +18,30 @@ namespace tessera {
 class World {
  public:
   World(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-        std::chrono::milliseconds timeout);
+        std::chrono::milliseconds timeout, int local_rank = -1);
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  int local_rank() const { return local_rank_; }  // among the ranks on this host
   std::chrono::milliseconds timeout() const { return timeout_; }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
 
   // A process group over `ranks` (global ranks, sorted, this rank a member), keyed by `tag`
-  // in the store. Gloo for CPU, NCCL for CUDA (where LibTorch was built with it). Every member
-  // must call with the same tag at the same point of the program.
+  // in the store, whose tensors live on `device` and travel over `transport` ("gloo" or
+  // "nccl"; NCCL only for CUDA and where LibTorch was built with it). Every member must call
+  // with the same tag at the same point of the program.
   compat::BackendPtr new_group(const std::vector<int>& ranks, const std::string& tag,
-                               c10::DeviceType device) const;
+                               c10::DeviceType device, const std::string& transport) const;
+
+  // The transport of a "cuda" mesh that names none: "nccl", or "gloo" after
+  // InitOptions::backend = "cuda:gloo" (CUDA tensors staged through host memory).
+  const std::string& cuda_transport() const { return cuda_transport_; }
+  void set_cuda_transport(std::string transport);
+
+  // Makes the calling thread's current CUDA device local_rank % device_count, as PyTorch's
+  // init_device_mesh("cuda") does, unless the program already chose a device other than 0.
+  // Returns the device index in use.
+  int select_cuda_device() const;
 
   // Meshes are created collectively, in the same order on every rank, so a per-world counter
   // names them identically everywhere.
@@ -46,6 +58,8 @@ class World {
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_;
   int size_;
+  int local_rank_;
+  std::string cuda_transport_ = "nccl";
   std::chrono::milliseconds timeout_;
   std::mutex mu_;
   int64_t mesh_seq_ = 0;
@@ -54,7 +68,10 @@ class World {
 };
 
 struct InitOptions {
-  // "auto": NCCL when the default device is CUDA and NCCL was compiled in, else Gloo.
+  // How CUDA meshes communicate: "auto" or "nccl" (NCCL; CPU meshes always use Gloo), or
+  // "cuda:gloo" (CUDA tensors over Gloo, staged through host memory: several ranks sharing
+  // one GPU, which NCCL refuses). A mesh can also name it: init_device_mesh("cuda:gloo", ...).
+  // TESSERA_BACKEND in the environment overrides it.
   std::string backend = "auto";
   // How long a collective (and the rendezvous) may wait for a peer before it fails with an
   // error naming the ranks that did not arrive. TESSERA_TIMEOUT=<seconds> in the environment
@@ -75,6 +92,8 @@ void destroy_process_group();
 bool is_initialized();
 int get_rank();
 int get_world_size();
+// This rank's index among the ranks on its host (LOCAL_RANK under torchrun / tessera-run).
+int get_local_rank();
 
 // The world of the calling thread: the thread's ScopedWorld if any, else the process-wide
 // one. Throws with a hint when neither exists.
