@@ -102,7 +102,8 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 // distribute_tensor and from_local take a tensor from anywhere (host or GPU) to the mesh's
-// device, as PyTorch does; full_tensor and the gradients come back there too.
+// device, as PyTorch does; full_tensor and the gradients come back there too. Each rank's
+// mesh picks its GPU by local rank.
 class GpuPlacementEntry : public ::testing::TestWithParam<GpuMesh> {};
 
 TEST_P(GpuPlacementEntry, HostTensorsMoveToTheMeshDevice) {
@@ -110,6 +111,9 @@ TEST_P(GpuPlacementEntry, HostTensorsMoveToTheMeshDevice) {
   TESSERA_REQUIRE_GPU_MESH(m);
   const at::Tensor host = test::randn({9, 4}, 5, at::kDouble);
   gpu_test::on_gpu_mesh(m, [&](const DeviceMesh& mesh) {
+    // A CUDA mesh runs on device local rank % device count (ranks as threads: local = global).
+    if (!gpu_test::on_cpu_instead())
+      EXPECT_EQ(mesh.device().index(), get_local_rank() % static_cast<int>(torch::cuda::device_count()));
     const int64_t n = mesh.size(0);
     ShardTable rows(n, 0);
     for (int64_t i = 0; i < 9; ++i) rows[(i * i) % n]++;  // uneven, possibly empty
