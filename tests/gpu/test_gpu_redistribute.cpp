@@ -112,8 +112,9 @@ TEST_P(GpuPlacementEntry, HostTensorsMoveToTheMeshDevice) {
   const at::Tensor host = test::randn({9, 4}, 5, at::kDouble);
   gpu_test::on_gpu_mesh(m, [&](const DeviceMesh& mesh) {
     // A CUDA mesh runs on device local rank % device count (ranks as threads: local = global).
-    if (!gpu_test::on_cpu_instead())
+    if (!gpu_test::on_cpu_instead()) {
       EXPECT_EQ(mesh.device().index(), get_local_rank() % static_cast<int>(torch::cuda::device_count()));
+    }
     const int64_t n = mesh.size(0);
     ShardTable rows(n, 0);
     for (int64_t i = 0; i < 9; ++i) rows[(i * i) % n]++;  // uneven, possibly empty
