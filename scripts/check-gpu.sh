@@ -36,8 +36,9 @@ BUILD_DIR=${BUILD_DIR:-build-gpu}
 OUT=${OUT:-./gpu-check}
 DEPS=${TESSERA_DEPS_DIR:-./.deps}
 GPU_SHARDS=${GPU_SHARDS:-4}
-CPU_SHARDS=${CPU_SHARDS:-$(( NPROC > 4 ? NPROC / 2 : 2 ))}
-SHARD_TIMEOUT=${SHARD_TIMEOUT:-420}
+# One CPU shard per core: the suite's ranks are threads that mostly wait on each other.
+CPU_SHARDS=${CPU_SHARDS:-$(( NPROC > 2 ? NPROC : 2 ))}
+SHARD_TIMEOUT=${SHARD_TIMEOUT:-480}
 if [ -z "${PYTHON:-}" ]; then
   if [ -x /opt/torch/.venv/bin/python ]; then PYTHON=/opt/torch/.venv/bin/python; else PYTHON=python3; fi
 fi
@@ -151,7 +152,7 @@ start_suite() {  # NAME BINARY SHARDS FILTER
   rm -rf "$dir"; mkdir -p "$dir"
   SUITE_START[$name]=$(now)
   for ((k = 0; k < shards; k++)); do
-    OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$k \
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$k \
       timeout -k 10 "$SHARD_TIMEOUT" "$bin" --gtest_filter="$filter" --gtest_color=no \
       > "$dir/shard-$k.log" 2>&1 &
     SUITE_PIDS[$name]+="$! "
