@@ -88,6 +88,18 @@ TORCH_CMAKE=$(sed -n 2p <<< "$TORCH_INFO")
 say "torch:         $TORCH_VERSION (CUDA $TORCH_CUDA; cuda available: $CUDA_OK, $CUDA_COUNT device(s)) from $PYTHON"
 [ "$CUDA_OK" = True ] || say "warning:       torch sees no CUDA device: every GPU test will skip"
 
+# cmake and ninja may come from pip, next to the Python that has torch.
+PATH="$PATH:$(dirname "$(command -v "$PYTHON")")"
+export PATH
+missing=""
+for tool in cmake ninja c++ timeout; do command -v "$tool" >/dev/null || missing+=" $tool"; done
+if [ -n "$missing" ]; then
+  say "tools:         missing:$missing (cmake and ninja may also be pip-installed next to $PYTHON)"
+  [ "$DRY" = 1 ] || exit 1
+else
+  say "tools:         $(cmake --version | head -1), ninja $(ninja --version), $(c++ --version | head -1)"
+fi
+
 # torch's CMake config for a CUDA build looks for the CUDA toolkit (nvcc).
 NVCC=$(command -v nvcc 2>/dev/null || true)
 for c in /usr/local/cuda/bin/nvcc "$(dirname "$TORCH_CMAKE")"/../../nvidia/*/bin/nvcc; do
