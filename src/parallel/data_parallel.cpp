@@ -56,7 +56,9 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
   ReplicateOptions options;
   std::vector<Param> params;
   std::vector<Bucket> buckets;
-  std::vector<at::Tensor> buffers;  // local batches: broadcast from the first rank
+  // Broadcast from the first rank: every buffer with local batches; with distributed
+  // inputs, the replicated buffers after a step whose batch arrived as plain tensors.
+  std::vector<at::Tensor> buffers;
   bool require_sync = true;
   bool callback_queued = false;
   size_t next_bucket = 0;
@@ -156,7 +158,8 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
   }
 
   // This rank's term of parameter p's gradient sum, in the bucket's dtype (zeros if none).
-  at::Tensor contribution(Param& p, at::ScalarType dtype, bool& used) {
+  // `partial`: the gradient arrived Partial over a reduce dim (the batch was distributed).
+  at::Tensor contribution(Param& p, at::ScalarType dtype, bool& used, bool& partial) {
     at::Tensor g = p.tensor.grad();
     used = g.defined();
     if (!used) return at::zeros({p.numel}, p.tensor.options().dtype(dtype));
@@ -175,11 +178,19 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
     // Anything else (a max-partial, a sharded gradient of a replicated weight) is brought
     // to the parameter's layout first: rare, and deterministic on every rank.
     if (!direct) g = redistribute(g, p.grad_spec);
-    at::Tensor local = dtensor_impl(g)->local();
-    for (int64_t d : p.reduce_dims)
-      if (spec(g).placement(d).is_replicate() && mesh.coordinate()[d] != 0)
-        return at::zeros({p.numel}, local.options().dtype(dtype));
-    return local.reshape({-1}).to(dtype);
+    at::Tensor local = dtensor_impl(g)->local().reshape({-1}).to(dtype);
+    // NOTE: [Replicated gradients are averaged]. A gradient replicated over a reduce dim holds
+    // either one value on every rank (the batch was replicated there: a global pooling before
+    // the layer, say) or, when each rank fed its own plain batch (torch DDP's habit: a plain
+    // tensor reads as replicated), each rank's own gradient. The mean over the dim is right in
+    // both cases (it is DDP's average in the second), so every rank contributes 1/size.
+    int64_t replicas = 1;
+    for (int64_t d : p.reduce_dims) {
+      const Placement& gp = spec(g).placement(d);
+      if (gp.is_replicate()) replicas *= mesh.size(d);
+      partial = partial || gp.is_partial();
+    }
+    return replicas == 1 ? local : local.div(static_cast<double>(replicas));
   }
 
   // Packs the bucket (gradients, then one "used here" flag per parameter, so that a
@@ -188,12 +199,16 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
     Bucket& b = buckets[bi];
     std::vector<at::Tensor> pieces;
     pieces.reserve(b.params.size() + 1);
-    std::vector<double> used(b.params.size());
+    // One flag per parameter, then whether any gradient here was Partial (summed: every rank
+    // learns what any rank saw).
+    std::vector<double> used(b.params.size() + 1);
+    bool partial = false;
     for (size_t k = 0; k < b.params.size(); ++k) {
       bool u = false;
-      pieces.push_back(contribution(params[b.params[k]], b.dtype, u));
+      pieces.push_back(contribution(params[b.params[k]], b.dtype, u, partial));
       used[k] = u ? 1.0 : 0.0;
     }
+    used.back() = partial ? 1.0 : 0.0;
     pieces.push_back(at::tensor(used, at::kDouble).to(comm::home_options(b.groups[0], b.dtype)));
     const PartialOp op = local() ? PartialOp::Avg : PartialOp::Sum;
     b.work = comm::all_reduce_start(b.groups[0], at::cat(pieces), op);
@@ -201,6 +216,7 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
 
   void finish() {
     callback_queued = false;
+    bool any_partial = false;
     // Buckets holding parameters that got no gradient in this backward go now, in order.
     for (auto& b : buckets) b.pending = 0;
     launch_ready();
@@ -209,10 +225,10 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
       const PartialOp op = local() ? PartialOp::Avg : PartialOp::Sum;
       for (size_t g = 1; g < b.groups.size(); ++g) flat = comm::all_reduce(b.groups[g], flat, op);
       int64_t offset = 0;
-      const int64_t flags = flat.numel() - static_cast<int64_t>(b.params.size());
-      auto used = flat.narrow(0, flags, static_cast<int64_t>(b.params.size()))
-                      .to(at::kCPU, at::kDouble);
+      const int64_t nflags = static_cast<int64_t>(b.params.size()) + 1;
+      auto used = flat.narrow(0, flat.numel() - nflags, nflags).to(at::kCPU, at::kDouble);
       auto used_a = used.accessor<double, 1>();
+      any_partial = any_partial || used_a[nflags - 1] != 0;
       for (size_t k = 0; k < b.params.size(); ++k) {
         Param& p = params[b.params[k]];
         at::Tensor reduced = flat.narrow(0, offset, p.numel).view(p.local_sizes);
@@ -234,7 +250,12 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
     if (!buckets_rebuilt) rebuild_buckets();
     for (auto& b : buckets) b.pending = b.params.size();
     next_bucket = 0;
-    if (local() && options.broadcast_buffers()) sync_buffers();
+    // No gradient was Partial anywhere: every rank fed its own plain batch (NOTE: [Replicated
+    // gradients are averaged]), so replicated buffers (BatchNorm statistics) drifted apart
+    // per rank; as torch DDP, the first rank's go everywhere. The flag came through the
+    // buckets, so every rank decides alike.
+    const bool plain_batches = !local() && !any_partial && !buckets.empty();
+    if ((local() || plain_batches) && options.broadcast_buffers()) sync_buffers();
   }
 
   // After the first synchronized backward: buckets in the order gradients became ready
@@ -278,7 +299,9 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
   }
 
   void sync_buffers() {
-    if (local()) broadcast_from_first(buffers);
+    std::vector<at::Tensor> values;
+    for (const auto& b : buffers) values.push_back(is_dtensor(b) ? dtensor_impl(b)->local() : b);
+    broadcast_from_first(values);
   }
 };
 
@@ -418,6 +441,14 @@ std::shared_ptr<ReplicatedModule> replicate(torch::nn::Module& module, const Dev
         distribute_parameter(*m, name, layout, replicated);
       } catch (const c10::Error&) {
         // same outcome on every rank: it depends only on the module's type
+      }
+    }
+    for (auto& [m, name] : buffer_entries) {
+      const at::Tensor b = current(*m, name);
+      if (is_dtensor(b) && spec(b).mesh() == layout && !spec(b).has_partial()) {
+        bool replicated_everywhere = true;
+        for (const auto& pl : spec(b).placements()) replicated_everywhere &= pl.is_replicate();
+        if (replicated_everywhere) state->buffers.push_back(b);
       }
     }
   } else {

@@ -600,20 +600,26 @@ at::Tensor from_local(const at::Tensor& given, const DeviceMesh& mesh,
     check_placement_count("from_local", mesh, placements);
     check_placements("from_local", mesh, placements, local.sizes().vec());
   };
-  const auto mode = options.sizes.mode();
+  // Unset sizes: exchanged where a placement shards (never silently wrong on uneven local
+  // batches); PyTorch's chunk assumption only when asked for.
+  bool shards = false;
+  for (const auto& p : placements) shards = shards || p.is_shard();
+  const ShardSizes sizes =
+      options.sizes ? *options.sizes : shards ? ShardSizes::Infer() : ShardSizes::Chunk();
+  const auto mode = sizes.mode();
   if (mode != ShardSizes::Mode::Infer && !options.run_check) {
     checks();  // no communication: each rank decides alone
-    return wrap_local(local, declared_spec(local, mesh, placements, options.sizes));
+    return wrap_local(local, declared_spec(local, mesh, placements, sizes));
   }
   // Gather every rank's shape once: infer the layout, or check the declared one against it.
   // Every rank sees the same shapes and arguments, so every rank reaches the same verdict.
   const std::string error = error_of(checks);
-  const std::string args = "placements " + to_string(placements) + sizes_str(options.sizes);
+  const std::string args = "placements " + to_string(placements) + sizes_str(sizes);
   std::vector<std::vector<int64_t>> shapes;
   SpecPtr inferred = infer_spec(local, mesh, placements, error, args, &shapes);
   if (mode == ShardSizes::Mode::Infer) return wrap_local(local, inferred);
   const auto& global = inferred->sizes();
-  auto tables = target_tables("from_local", nullptr, mesh, placements, global, options.sizes);
+  auto tables = target_tables("from_local", nullptr, mesh, placements, global, sizes);
   for (int64_t t = 0; t < inferred->ndim(); ++t) {
     auto dims = inferred->mesh_dims_sharding(t);
     if (dims.empty()) continue;

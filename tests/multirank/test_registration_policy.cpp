@@ -11,6 +11,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/enum_tag.h>
 #include <ATen/core/stack.h>
+#include <torch/version.h>
 
 #include "helpers.h"
 
@@ -244,8 +245,9 @@ TEST(RegistrationPolicy, EveryRuledNameExists) {
     else if (!c10::Dispatcher::singleton().findOp(parse(name))) offenders.push_back(name);
   }
   note_unused("kOtherVersionsOnly", kOtherVersionsOnly, used);
-  EXPECT_TRUE(offenders.empty()) << offenders.size()
-                                 << " ruled names this LibTorch's dispatcher does not have:"
+  EXPECT_TRUE(offenders.empty()) << offenders.size() << " ruled names LibTorch " << TORCH_VERSION
+                                 << "'s dispatcher does not have (a name one version lacks goes "
+                                 << "in kOtherVersionsOnly):"
                                  << join(offenders);
 }
 
@@ -272,7 +274,9 @@ TEST(RegistrationPolicy, EveryOverloadOfARuledOpHasARule) {
   std::sort(offenders.begin(), offenders.end());
   note_unused("kOutFormsWithoutRule", kOutFormsWithoutRule, used_out);
   note_unused("kUnruledOverloads", kUnruledOverloads, used_other);
-  EXPECT_TRUE(offenders.empty()) << offenders.size() << " overloads of ruled ops have no rule:"
+  EXPECT_TRUE(offenders.empty()) << offenders.size() << " overloads of ruled ops in LibTorch "
+                                 << TORCH_VERSION << " have no rule (give them one, or list "
+                                 << "an overload only this version has in kUnruledOverloads):"
                                  << join(offenders);
 }
 
@@ -375,9 +379,11 @@ TEST(RegistrationPolicy, SeededOpsDrawWhatOneDeviceDraws) {
   std::sort(without_rule.begin(), without_rule.end());
   note_unused("kSeededWithoutRule", kSeededWithoutRule, used);
   EXPECT_GT(checked, 0);
-  EXPECT_TRUE(unbuildable.empty()) << "no arguments for these seeded ops; extend seeded_args:"
+  EXPECT_TRUE(unbuildable.empty()) << "no arguments for these seeded ops of LibTorch "
+                                   << TORCH_VERSION << "; extend seeded_args:"
                                    << join(unbuildable);
-  EXPECT_TRUE(without_rule.empty()) << without_rule.size() << " seeded ops reach the fallback "
+  EXPECT_TRUE(without_rule.empty()) << without_rule.size() << " seeded ops of LibTorch "
+                                    << TORCH_VERSION << " reach the fallback "
                                     << "without a rule:" << join(without_rule);
 }
 

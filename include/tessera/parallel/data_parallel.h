@@ -9,6 +9,9 @@
 //     so every gradient arrives as a Partial sum of the global gradient: buckets are summed,
 //     never divided, which is right even for uneven per-rank batches. The weight-gradient
 //     all-reduces of domain parallelism go through the same buckets.
+//     Fed each rank's own plain batch instead (torch DDP's habit), it trains as DDP: the
+//     gradients then arrive replicated and are averaged (NOTE: [Replicated gradients are
+//     averaged]), and replicated buffers are broadcast from the first rank.
 //   - local batches (ReplicateOptions::local_batches): parameters stay plain tensors, every
 //     rank runs the plain model on its own batch, and gradients are averaged over the mesh,
 //     exactly as torch DistributedDataParallel does.
@@ -75,7 +78,8 @@ class ReplicatedModule {
   void set_requires_gradient_sync(bool sync);
   bool requires_gradient_sync() const;
 
-  // Broadcasts every buffer from the mesh's first rank (local batches; a no-op otherwise).
+  // Broadcasts every buffer from the mesh's first rank (with distributed inputs: the
+  // replicated ones).
   void sync_buffers();
 
   // Inspection (tests, logs): parameter names per bucket, in launch order.

@@ -52,7 +52,13 @@ at::Tensor scatter_tensor(const at::Tensor& full_on_src, int src, const DeviceMe
                           const ShardSizes& sizes = ShardSizes::Chunk());
 
 struct FromLocalOptions {
-  ShardSizes sizes = ShardSizes::Chunk();
+  // How the shard sizes are known. Unset (the default): when a placement shards a tensor dim,
+  // every rank's local shape is exchanged once (one small all-gather over the mesh), so
+  // uneven local batches (3 rows here, 2 there) give the true global shape on every rank;
+  // Replicate / Partial only: nothing is exchanged. ShardSizes::Chunk() is PyTorch's
+  // assumption (equal chunks, global = local x ranks, nothing exchanged: for a loop known to
+  // be even), Given(...) states the sizes, Infer() always exchanges.
+  std::optional<ShardSizes> sizes;
   // Check across ranks that shapes and dtypes fit together (one small all-gather); errors are
   // raised on every rank. Infer always checks.
   bool run_check = false;
