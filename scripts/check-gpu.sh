@@ -13,6 +13,7 @@
 # BUILD_DIR (build-gpu), OUT (./gpu-check), JOBS (nproc), TESSERA_DEPS_DIR (./.deps:
 # dependencies unpacked by scripts/gpu-deps.sh, used when present), GPU_SHARDS / CPU_SHARDS
 # (parallel test processes), CPU_FILTER / GPU_FILTER (gtest filters), SHARD_TIMEOUT (s),
+# BENCH_BUDGET_S / BENCH_TIMEOUT (each benchmark's time budget and limit, s),
 # ALLOW_NO_GPU=1 (a GPU tier that only skipped is not a failure: for machines without one).
 # No network and no package manager are used. Exit status: 0 when every step passed.
 set -uo pipefail
@@ -216,8 +217,15 @@ finish_suite cpu-tests
 if [ "${#BENCH_TARGETS[@]}" = 0 ]; then
   say "benchmarks:    no bench/ target named *gpu*"
 else
+  # After the tests, alone on the machine, so the timings are undisturbed. A benchmark that
+  # takes a time budget or writes JSON (bench_gpu does) gets both.
   for t in "${BENCH_TARGETS[@]}"; do
-    run_step "bench-$t" timeout -k 10 300 "$BUILD_DIR/bench/$t"
+    bin=$BUILD_DIR/bench/$t
+    args=()
+    help=$("$bin" --help 2>&1 || true)
+    grep -q -- '--budget-s' <<< "$help" && args+=(--budget-s "${BENCH_BUDGET_S:-45}")
+    grep -q -- '--out' <<< "$help" && args+=(--out "$OUT/$t.json")
+    run_step "bench-$t" timeout -k 10 "${BENCH_TIMEOUT:-120}" "$bin" "${args[@]}"
   done
 fi
 
