@@ -1,7 +1,7 @@
 // Data parallelism on the GPU, each trained against the same model trained on one GPU:
 // replicate with distributed inputs (uneven and empty batch shards, gradients summed) and
-// with plain per-rank batches (torch DDP: gradients averaged), fully_shard (uneven and empty
-// parameter shards), HSDP on a 2x2 mesh. Every parameter and gradient stays on the GPU.
+// with plain per-rank batches (torch DDP: gradients averaged; default options and
+// local_batches), fully_shard (uneven and empty parameter shards), HSDP on a 2x2 mesh. Every parameter and gradient stays on the GPU.
 #include "gpu_helpers.h"
 #include "multirank/fully_shard_helpers.h"
 
@@ -90,38 +90,46 @@ TEST_P(GpuDataParallel, ReplicateWithDistributedInputsTrainsLikeOneDevice) {
   });
 }
 
-// Plain per-rank batches of equal size: parameters stay plain CUDA tensors and gradients are
-// averaged, so the mean of the ranks' losses is one device's loss on the whole batch.
-TEST_P(GpuDataParallel, ReplicateWithLocalBatchesAveragesLikeTorchDDP) {
+// Plain per-rank batches of equal size, fed as torch DDP is: with the default options
+// (parameters replicated distributed tensors, gradients averaged) and with local_batches
+// (parameters stay plain CUDA tensors). Either way the mean of the ranks' losses is one
+// device's loss on the whole batch, and the parameters follow one device's.
+TEST_P(GpuDataParallel, ReplicateWithPlainPerRankBatchesAveragesLikeTorchDDP) {
   const GpuMesh m = named(GetParam(), {"dp"});
   TESSERA_REQUIRE_GPU_MESH(m);
   const int64_t per_rank = 3;
   const auto ref = reference(Opt::Sgd, per_rank * m.world(), 311);
-  gpu_test::on_gpu_mesh(m, [&](const DeviceMesh& mesh) {
-    const int64_t me = mesh.coordinate()[0];
-    auto model = model_on(ref, mesh);
-    if (me > 0) {  // ranks start apart: replicate() broadcasts the first rank's values
-      torch::NoGradGuard no_grad;
-      for (auto& p : model->parameters()) p.add_(1.0);
-    }
-    auto ddp = replicate(*model, mesh, ReplicateOptions().local_batches(true).bucket_cap_mb(0.001));
-    const at::Tensor x = ref.x.to(mesh.device()).narrow(0, me * per_rank, per_rank);
-    const at::Tensor y = ref.y.to(mesh.device()).narrow(0, me * per_rank, per_rank);
-    auto opt = make_optimizer(Opt::Sgd, model->parameters());
-    for (int s = 0; s < kSteps; ++s) {
-      opt->zero_grad();
-      const at::Tensor loss = at::mse_loss(model->forward(x), y);
-      loss.backward();
-      opt->step();
-      ASSERT_FALSE(is_dtensor(loss));
-      const at::Tensor mean =
-          comm::all_reduce(mesh.group(0), loss.detach().reshape({1}), PartialOp::Avg);
-      ASSERT_NEAR(mean.item<double>(), ref.losses[s], 1e-9 * (1 + std::abs(ref.losses[s])))
-          << m.name() << " step " << s;
-    }
-    ASSERT_TRUE(gpu_test::parameters_on_mesh_device(*model, mesh));
-    expect_values(*model, *ref.trained, m.name() + " local batches");
-  });
+  for (bool local_batches : {false, true}) {
+    const std::string what = m.name() + (local_batches ? " local_batches" : " default options");
+    gpu_test::on_gpu_mesh(m, [&](const DeviceMesh& mesh) {
+      const int64_t me = mesh.coordinate()[0];
+      auto model = model_on(ref, mesh);
+      if (me > 0) {  // ranks start apart: replicate() takes the first rank's values
+        torch::NoGradGuard no_grad;
+        for (auto& p : model->parameters()) p.add_(1.0);
+      }
+      auto ddp = replicate(*model, mesh,
+                           ReplicateOptions().local_batches(local_batches).bucket_cap_mb(0.001));
+      if (local_batches)
+        for (const auto& p : model->parameters()) ASSERT_FALSE(is_dtensor(p)) << what;
+      const at::Tensor x = ref.x.to(mesh.device()).narrow(0, me * per_rank, per_rank);
+      const at::Tensor y = ref.y.to(mesh.device()).narrow(0, me * per_rank, per_rank);
+      auto opt = make_optimizer(Opt::Sgd, model->parameters());
+      for (int s = 0; s < kSteps; ++s) {
+        opt->zero_grad();
+        const at::Tensor loss = at::mse_loss(model->forward(x), y);
+        loss.backward();
+        opt->step();
+        const at::Tensor mine = (is_dtensor(loss) ? to_local(loss) : loss).detach().reshape({1});
+        ASSERT_TRUE(gpu_test::on_mesh_device(mine, mesh)) << what;
+        const at::Tensor mean = comm::all_reduce(mesh.group(0), mine.clone(), PartialOp::Avg);
+        ASSERT_NEAR(mean.item<double>(), ref.losses[s], 1e-9 * (1 + std::abs(ref.losses[s])))
+            << what << " step " << s;
+      }
+      ASSERT_TRUE(gpu_test::parameters_on_mesh_device(*model, mesh)) << what;
+      expect_values(*model, *ref.trained, what);
+    });
+  }
 }
 
 // fully_shard on each Linear and the root: the head's 2 rows leave empty shards on 3 ranks.
