@@ -148,6 +148,7 @@ TEST_P(GpuCheckpoint, SavedFromCudaLoadsOnCpuAndBackOnCuda) {
     const auto more = load_and_resume(proto, dir, DeviceMesh(), gpu_test::cuda(), saved, x, y, "plain");
     expect_losses(more, expected, "resumed in a plain one-GPU model");
   }, gpu_test::kRunOptions);
+  fs::remove_all(fs::path(dir).parent_path());
 }
 
 INSTANTIATE_TEST_SUITE_P(Meshes, GpuCheckpoint,
