@@ -12,6 +12,11 @@ using namespace tessera;
 
 int main() {
   init_process_group();
+  // The hand-written RMSNorm keeps its weight in a member that the plan and fully_shard swap.
+  register_member_accessor<llama::RMSNormImpl>(
+      [](llama::RMSNormImpl& m, const std::string& name) -> at::Tensor* {
+        return name == "weight" ? &m.weight : nullptr;
+      });
   llama::LlamaConfig c;
   c.vocab_size = 65;  // uneven over 2 ranks
   c.dim = 32;
@@ -27,7 +32,6 @@ int main() {
   llama::Transformer model = make_model();
   llama::Transformer reference = make_model();
   llama::PlanOptions o;
-  o.sequence_parallel = false;
   o.local_output = false;  // the batch is distributed (see llama_plan.h)
   const auto plan = llama::tensor_parallel_plan(o);
   torch::manual_seed(2);
