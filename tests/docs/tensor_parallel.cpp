@@ -38,12 +38,14 @@ int main() {
 auto mesh = tessera::init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
 tessera::parallelize_module(model, mesh["tp"], {
     {"tok_embeddings", tessera::RowwiseParallel().input_layouts(tessera::Replicate())
-                                                 .output_layouts(tessera::Shard(1))},
+                                                 .output_layouts(tessera::Shard(1))
+                                                 .use_local_output(false)},
     {"layers.*.attention_norm", tessera::SequenceParallel()},
     {"layers.*.attention", tessera::PrepareModuleInput().input_layouts({tessera::Shard(1)})
                                                         .desired_input_layouts({tessera::Replicate()})},
     {"layers.*.attention.w[qkv]", tessera::ColwiseParallel()},
-    {"layers.*.attention.wo", tessera::RowwiseParallel().output_layouts(tessera::Shard(1))},
+    {"layers.*.attention.wo", tessera::RowwiseParallel().output_layouts(tessera::Shard(1))
+                                                        .use_local_output(false)},
 });
   // doc:end
 
