@@ -1,5 +1,6 @@
 // The README's first program: scatter uneven shards from rank 0, change layout, reduce.
 //   tessera-run -n 4 ./build/examples/quickstart
+// doc:begin
 #include <iostream>
 
 #include <tessera/tessera.h>
@@ -19,3 +20,4 @@ int main() {
             << " (one device: " << (whole * whole).mean().item<double>() << ")\n";
   return 0;
 }
+// doc:end
