@@ -116,11 +116,13 @@ OpPlan cdist_rule(const OpCall& call) {
   return plan;
 }
 
-// _cdist_backward(grad, x1, x2, p, cdist): the gradient for x1, [..., P, M].
+// _cdist_backward(grad, x1, x2, p, cdist): the gradient for x1, [..., P, M]. (Newer LibTorch
+// names the first argument grad_output.)
 OpPlan cdist_backward_rule(const OpCall& call) {
   const auto& a = operand(call, "x1");
   const auto& b = operand(call, "x2");
-  const DTensorSpec* g = call.spec("grad");
+  const char* grad_name = call.has("grad") ? "grad" : "grad_output";
+  const DTensorSpec* g = call.spec(grad_name);
   const DTensorSpec* c = call.spec("cdist");
   TORCH_CHECK(g && c, "tessera: ", call.describe(), ": grad and cdist must be tensors");
   const auto& mesh = a.mesh();
@@ -159,7 +161,7 @@ OpPlan cdist_backward_rule(const OpCall& call) {
   std::vector<std::pair<const DTensorSpec*, int64_t>> sx(n1);
   for (int64_t t = 0; t < n1; ++t) sx[t] = {t1.get(), t};
   OpPlan plan(call);
-  plan.input("grad", tg).input("x1", t1).input("x2", t2).input("cdist", tc);
+  plan.input(grad_name, tg).input("x1", t1).input("x2", t2).input("cdist", tc);
   plan.output(laid_out(a, px, sx));
   return plan;
 }

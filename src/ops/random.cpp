@@ -72,14 +72,20 @@ OpPlan random_like_rule(const OpCall& call, LikeFill fill) {
     if (const auto dtype = k.arg<c10::optional<at::ScalarType>>("dtype"))
       options = options.dtype(*dtype);
     at::Tensor full = at::empty(global, options);
-    const c10::optional<at::Generator> gen = detail::agreed_generator(options.device().type());
+    // The .generator overloads draw from the caller's generator, as one device would.
+    const bool own = k.has("generator") && !k.arg("generator").isNone();
+    const c10::optional<at::Generator> gen =
+        own ? k.arg("generator").toGenerator() : detail::agreed_generator(options.device().type());
+    // high is an int, or a 0-dim tensor (the .Tensor overloads).
+    auto bound = [&k](const char* name) {
+      const c10::IValue& v = k.arg(name);
+      return v.isTensor() ? v.toTensor().item<int64_t>() : k.arg<int64_t>(name);
+    };
     switch (fill) {
       case LikeFill::Uniform: full.uniform_(0, 1, gen); break;
       case LikeFill::Normal: full.normal_(0, 1, gen); break;
-      case LikeFill::RandomTo: full.random_(0, k.arg<int64_t>("high"), gen); break;
-      case LikeFill::RandomFromTo:
-        full.random_(k.arg<int64_t>("low"), k.arg<int64_t>("high"), gen);
-        break;
+      case LikeFill::RandomTo: full.random_(0, bound("high"), gen); break;
+      case LikeFill::RandomFromTo: full.random_(bound("low"), bound("high"), gen); break;
     }
     k.finish({own_block(full, offsets, lengths).clone(at::MemoryFormat::Contiguous)});
   };
@@ -97,6 +103,13 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::randn_like", randn_like_rule);
   register_rule("aten::randint_like", randint_like_rule);
   register_rule("aten::randint_like.low_dtype", randint_like_low_rule);
+  // Newer LibTorch: the same draws with an explicit generator, or a tensor bound.
+  register_rule("aten::rand_like.generator", rand_like_rule);
+  register_rule("aten::randn_like.generator", randn_like_rule);
+  for (const char* op : {"aten::randint_like.generator", "aten::randint_like.Tensor",
+                         "aten::randint_like.Tensor_generator"})
+    register_rule(op, randint_like_rule);
+  register_rule("aten::randint_like.low_generator_dtype", randint_like_low_rule);
   for (const char* op : {"aten::bernoulli_.float", "aten::uniform_",
                          "aten::normal_", "aten::random_", "aten::random_.from",
                          "aten::random_.to", "aten::exponential_", "aten::log_normal_",

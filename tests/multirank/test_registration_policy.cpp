@@ -39,6 +39,11 @@ const std::set<std::string> kOtherVersionsOnly = {
     // 2.x only: ops the dim-wise, reduction-collective, loss and attention families rule there.
     "aten::_safe_softmax", "aten::all.dims", "aten::any.dims",
     "aten::binary_cross_entropy_with_logits_backward",
+    // Newer LibTorch only (the 2.15 wheel): random_like draws with a generator or a tensor
+    // bound (random.cpp).
+    "aten::rand_like.generator", "aten::randn_like.generator", "aten::randint_like.generator",
+    "aten::randint_like.Tensor", "aten::randint_like.Tensor_generator",
+    "aten::randint_like.low_generator_dtype",
 };
 
 // Ops whose out= overloads (a written kwarg-only tensor: out, values, grad_input) have no
@@ -144,6 +149,10 @@ const std::set<std::string> kUnruledOverloads = {
     "aten::bernoulli_.Tensor",
     // TODO(view.cpp): view as another dtype; squeeze of several dims (2.x).
     "aten::view.dtype", "aten::squeeze.dims",
+    // TODO(matrix.cpp): products with an output dtype (newer LibTorch: the 2.15 wheel).
+    "aten::mm.dtype", "aten::mm.dtype_out", "aten::bmm.dtype", "aten::bmm.dtype_out",
+    "aten::addmm.dtype", "aten::addmm.dtype_out", "aten::baddbmm.dtype",
+    "aten::baddbmm.dtype_out",
 };
 
 // Seeded ops a distributed tensor reaches without a rule: the fallback refuses them (no
@@ -157,6 +166,10 @@ const std::set<std::string> kSeededWithoutRule = {
     "aten::_sample_dirichlet", "aten::_standard_gamma", "aten::rand", "aten::randn",
     "aten::randint", "aten::randperm", "aten::rand_like.out", "aten::randn_like.out",
     "aten::randint_like.out", "aten::randint_like.low_dtype_out",
+    // (newer LibTorch: the out= forms of the .generator / .Tensor overloads)
+    "aten::rand_like.generator_out", "aten::randn_like.generator_out",
+    "aten::randint_like.generator_out", "aten::randint_like.Tensor_out",
+    "aten::randint_like.Tensor_generator_out", "aten::randint_like.low_generator_dtype_out",
     // TODO(random.cpp): dropout kernels (at::dropout itself decomposes into bernoulli_) and
     // rrelu's noise.
     "aten::native_dropout", "aten::_fused_dropout", "aten::rrelu_with_noise",
@@ -167,6 +180,9 @@ const std::set<std::string> kSeededWithoutRule = {
     "aten::_flash_attention_forward", "aten::_fill_mem_eff_dropout_mask_",
     "aten::_nested_tensor_softmax_with_shape", "aten::_scaled_dot_product_attention_math_for_mps",
     "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_cudnn_attention_forward", "aten::_cudnn_attention_backward",
+    "aten::_cudnn_attention_forward_no_dropout_inplace",
+    "aten::_flash_attention_forward_no_dropout_inplace",
     "aten::_scaled_dot_product_cudnn_attention_backward",
     "aten::_scaled_dot_product_efficient_attention",
     "aten::_scaled_dot_product_efficient_attention_backward",

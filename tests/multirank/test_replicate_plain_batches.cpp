@@ -20,7 +20,8 @@ struct NetImpl : torch::nn::Cloneable<NetImpl> {
   torch::nn::BatchNorm1d bn{nullptr};
   NetImpl() { reset(); }
   void reset() override {
-    l1 = register_module("l1", torch::nn::Linear(5, 8));
+    // (no bias before BatchNorm: its gradient is zero up to rounding, which Adam would amplify)
+    l1 = register_module("l1", torch::nn::Linear(torch::nn::LinearOptions(5, 8).bias(false)));
     bn = register_module("bn", torch::nn::BatchNorm1d(8));
     l2 = register_module("l2", torch::nn::Linear(8, 3));
   }
