@@ -35,7 +35,7 @@ NPROC=$(nproc 2>/dev/null || echo 4)
 JOBS=${JOBS:-$NPROC}
 BUILD_DIR=${BUILD_DIR:-build-gpu}
 OUT=${OUT:-./gpu-check}
-DEPS=${TESSERA_DEPS_DIR:-./.deps}
+DEPS=$(realpath -m "${TESSERA_DEPS_DIR:-./.deps}")  # absolute: CMake reads it from build-gpu
 GPU_SHARDS=${GPU_SHARDS:-4}
 # One CPU shard per core: the suite's ranks are threads that mostly wait on each other.
 CPU_SHARDS=${CPU_SHARDS:-$(( NPROC > 2 ? NPROC : 2 ))}
