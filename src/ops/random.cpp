@@ -76,11 +76,7 @@ OpPlan random_like_rule(const OpCall& call, LikeFill fill) {
     const bool own = k.has("generator") && !k.arg("generator").isNone();
     const c10::optional<at::Generator> gen =
         own ? k.arg("generator").toGenerator() : detail::agreed_generator(options.device().type());
-    // high is an int, or a 0-dim tensor (the .Tensor overloads).
-    auto bound = [&k](const char* name) {
-      const c10::IValue& v = k.arg(name);
-      return v.isTensor() ? v.toTensor().item<int64_t>() : k.arg<int64_t>(name);
-    };
+    auto bound = [&k](const char* name) { return k.arg<int64_t>(name); };
     switch (fill) {
       case LikeFill::Uniform: full.uniform_(0, 1, gen); break;
       case LikeFill::Normal: full.normal_(0, 1, gen); break;
@@ -103,12 +99,10 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::randn_like", randn_like_rule);
   register_rule("aten::randint_like", randint_like_rule);
   register_rule("aten::randint_like.low_dtype", randint_like_low_rule);
-  // Newer LibTorch: the same draws with an explicit generator, or a tensor bound.
+  // Newer LibTorch: the same draws with an explicit generator.
   register_rule("aten::rand_like.generator", rand_like_rule);
   register_rule("aten::randn_like.generator", randn_like_rule);
-  for (const char* op : {"aten::randint_like.generator", "aten::randint_like.Tensor",
-                         "aten::randint_like.Tensor_generator"})
-    register_rule(op, randint_like_rule);
+  register_rule("aten::randint_like.generator", randint_like_rule);
   register_rule("aten::randint_like.low_generator_dtype", randint_like_low_rule);
   for (const char* op : {"aten::bernoulli_.float", "aten::uniform_",
                          "aten::normal_", "aten::random_", "aten::random_.from",

@@ -39,10 +39,8 @@ const std::set<std::string> kOtherVersionsOnly = {
     // 2.x only: ops the dim-wise, reduction-collective, loss and attention families rule there.
     "aten::_safe_softmax", "aten::all.dims", "aten::any.dims",
     "aten::binary_cross_entropy_with_logits_backward",
-    // Newer LibTorch only (the 2.15 wheel): random_like draws with a generator or a tensor
-    // bound (random.cpp).
+    // Newer LibTorch only (the 2.15 wheel): random_like draws with a generator (random.cpp).
     "aten::rand_like.generator", "aten::randn_like.generator", "aten::randint_like.generator",
-    "aten::randint_like.Tensor", "aten::randint_like.Tensor_generator",
     "aten::randint_like.low_generator_dtype",
 };
 
@@ -153,6 +151,8 @@ const std::set<std::string> kUnruledOverloads = {
     "aten::mm.dtype", "aten::mm.dtype_out", "aten::bmm.dtype", "aten::bmm.dtype_out",
     "aten::addmm.dtype", "aten::addmm.dtype_out", "aten::baddbmm.dtype",
     "aten::baddbmm.dtype_out",
+    // TODO(random.cpp): randint_like with a tensor bound (newer LibTorch).
+    "aten::randint_like.Tensor", "aten::randint_like.Tensor_generator",
 };
 
 // Seeded ops a distributed tensor reaches without a rule: the fallback refuses them (no
@@ -170,6 +170,7 @@ const std::set<std::string> kSeededWithoutRule = {
     "aten::rand_like.generator_out", "aten::randn_like.generator_out",
     "aten::randint_like.generator_out", "aten::randint_like.Tensor_out",
     "aten::randint_like.Tensor_generator_out", "aten::randint_like.low_generator_dtype_out",
+    "aten::randint_like.Tensor", "aten::randint_like.Tensor_generator",
     // TODO(random.cpp): dropout kernels (at::dropout itself decomposes into bernoulli_) and
     // rrelu's noise.
     "aten::native_dropout", "aten::_fused_dropout", "aten::rrelu_with_noise",
