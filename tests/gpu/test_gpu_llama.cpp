@@ -40,20 +40,6 @@ void register_rmsnorm_member() {
   (void)once;
 }
 
-// The model's forward with its causal mask made on the activations' device: the example
-// builds the mask on the host, which a CUDA model cannot add to its scores.
-at::Tensor forward(Transformer m, const at::Tensor& tokens) {
-  const int64_t S = tokens.size(1);
-  at::Tensor h = m->tok_embeddings(tokens);
-  const auto cos = m->rope_cos.narrow(0, 0, S).to(h.scalar_type());
-  const auto sin = m->rope_sin.narrow(0, 0, S).to(h.scalar_type());
-  const auto mask = at::full({S, S}, -std::numeric_limits<double>::infinity(),
-                             at::TensorOptions().dtype(h.scalar_type()).device(m->rope_cos.device()))
-                        .triu(1);
-  for (const auto& layer : *m->layers) h = layer->as<llama::TransformerBlock>()->forward(h, cos, sin, mask);
-  return m->output(m->norm(h));
-}
-
 // A copy of `proto` in float64 on `device`.
 Transformer copy_of(const Transformer& proto, at::Device device) {
   Transformer m(proto->config);
@@ -72,7 +58,7 @@ std::vector<double> train(Transformer model, const at::Tensor& tokens, const at:
   std::vector<double> losses;
   for (int s = 0; s < kSteps; ++s) {
     opt.zero_grad();
-    const auto logits = forward(model, tokens);
+    const auto logits = model->forward(tokens);
     const at::Tensor loss = torch::nn::functional::cross_entropy(
         logits.reshape({-1, model->config.vocab_size}), targets.reshape({-1}));
     loss.backward();
