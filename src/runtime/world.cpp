@@ -288,4 +288,6 @@ ScopedWorld::ScopedWorld(std::shared_ptr<World> world) : previous_(std::move(t_w
 }
 ScopedWorld::~ScopedWorld() { t_world = std::move(previous_); }
 
+bool detail::thread_scoped_world() { return t_world != nullptr; }
+
 }  // namespace tessera

@@ -18,6 +18,7 @@
 #include "tessera/comm/collectives.h"
 #include "tessera/mesh/device_mesh.h"
 #include "tessera/runtime/world.h"
+#include "reseed_watch.h"
 
 namespace tessera {
 
@@ -36,6 +37,12 @@ struct RankRng {
   c10::optional<uint64_t> seed;
   int64_t epoch = 0;
   std::map<c10::DeviceType, DeviceRng> devices;
+  // Re-seeds of ATen's default generator already acted on (NOTE: [Re-seeding]): counted by
+  // this rank's thread when ranks are threads, else by the process; without the watch, the
+  // default generator's seed last seen.
+  bool thread_scoped = false;
+  uint64_t reseeds_seen = 0;
+  uint64_t seed_seen = 0;
 };
 
 // Per World (a process's world, or each rank thread's), keyed by address and checked against
@@ -47,6 +54,27 @@ struct Entry {
 std::mutex g_mu;
 std::map<const World*, Entry> g_ranks;
 
+uint64_t default_seed() {
+  at::Generator def = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(def.mutex());
+  return def.current_seed();
+}
+
+// Whether ATen's default generator was re-seeded since the rank last looked; either way the
+// rank has now seen it.
+bool absorb_reseeds(RankRng& rng) {
+  if (detail::reseed_watch_installed()) {
+    const uint64_t n = rng.thread_scoped ? detail::thread_reseeds() : detail::process_reseeds();
+    const bool changed = n != rng.reseeds_seen;
+    rng.reseeds_seen = n;
+    return changed;
+  }
+  const uint64_t s = default_seed();  // misses a re-seed with the same seed (docs/random.md)
+  const bool changed = s != rng.seed_seen;
+  rng.seed_seen = s;
+  return changed;
+}
+
 std::shared_ptr<RankRng> rank_rng(const std::shared_ptr<World>& world) {
   std::lock_guard<std::mutex> lock(g_mu);
   auto it = g_ranks.find(world.get());
@@ -56,6 +84,8 @@ std::shared_ptr<RankRng> rank_rng(const std::shared_ptr<World>& world) {
     else ++i;
   }
   auto rng = std::make_shared<RankRng>();
+  rng->thread_scoped = detail::thread_scoped_world();
+  absorb_reseeds(*rng);
   g_ranks[world.get()] = Entry{world, rng};
   return rng;
 }
@@ -182,12 +212,20 @@ void reset(const World& world, RankRng& rng, c10::optional<uint64_t> seed) {
   device_rng(world, rng, c10::DeviceType::CPU);
 }
 
+// at::manual_seed since the rank last looked is a reset that forgets tessera::manual_seed, as
+// clear_manual_seed: the next draws start from a copy of the re-seeded default generator, as
+// on one device (NOTE: [Re-seeding] in reseed_watch.cpp).
+void follow_reseeds(const World& world, RankRng& rng) {
+  if (absorb_reseeds(rng)) reset(world, rng, c10::nullopt);
+}
+
 }  // namespace
 
 void manual_seed(uint64_t seed) {
   auto world = current_world();
   auto rng = rank_rng(world);
   std::lock_guard<std::mutex> lock(rng->mu);
+  absorb_reseeds(*rng);  // this reset supersedes earlier re-seeds of the default generator
   reset(*world, *rng, seed);
 }
 
@@ -195,6 +233,7 @@ void clear_manual_seed() {
   auto world = current_world();
   auto rng = rank_rng(world);
   std::lock_guard<std::mutex> lock(rng->mu);
+  absorb_reseeds(*rng);
   reset(*world, *rng, c10::nullopt);
 }
 
@@ -202,6 +241,7 @@ at::Generator random_generator(c10::DeviceType device) {
   auto world = current_world();
   auto rng = rank_rng(world);
   std::lock_guard<std::mutex> lock(rng->mu);
+  follow_reseeds(*world, *rng);
   return device_rng(*world, *rng, device).gen;
 }
 
@@ -215,6 +255,7 @@ void sync_random_state(const DeviceMesh& mesh, int src) {
   auto world = current_world();
   auto rng = rank_rng(world);
   std::lock_guard<std::mutex> lock(rng->mu);
+  follow_reseeds(*world, *rng);
   DeviceRng& dev = device_rng(*world, *rng, type);
   if (mesh.size() > 1) {
     at::Tensor state = get_state(dev.gen);
@@ -231,6 +272,7 @@ at::Generator agreed_generator(c10::DeviceType device) {
   auto world = current_world();
   auto rng = rank_rng(world);
   std::lock_guard<std::mutex> lock(rng->mu);
+  follow_reseeds(*world, *rng);
   DeviceRng& dev = device_rng(*world, *rng, device);
   if (!dev.agreed) agree(*world, *rng, device, dev);
   return dev.gen;

@@ -1,6 +1,7 @@
 // Processes seeded by rank (at::manual_seed(100 + rank), as data-parallel jobs do), with plain
 // random draws of rank-dependent sizes before and between the distributed ones: random ops on
-// distributed tensors still draw what one device seeded like rank 0 draws (docs/random.md).
+// distributed tensors still draw what one device seeded like rank 0 draws (docs/random.md),
+// and re-seeding later restarts them as on one device.
 #include <cstdio>
 
 #include "tessera/tessera.h"
@@ -43,6 +44,27 @@ int main() {
   check("dropout on uneven S(0)", drop, want_drop);
   check("uniform_ on uneven S(0)", uniform, want_uniform);
   check("randn_like on R (this replica)", randn, want_randn);
+
+  // Re-seeding later restarts them as it restarts one device (NOTE: [Re-seeding]): the same
+  // seed on every rank, then plain draws, then a distributed dropout, twice; then seeds by rank
+  // again, which draw what one device seeded like rank 0 draws.
+  for (int round = 0; round < 2; ++round) {
+    at::manual_seed(7);
+    (void)at::rand({5});
+    const at::Tensor want = at::dropout(x, 0.4, true);
+    at::manual_seed(7);
+    (void)at::rand({5});
+    check("dropout after at::manual_seed(7) again", tessera::full_tensor(at::dropout(d, 0.4, true)),
+          want);
+  }
+  at::manual_seed(50);
+  (void)at::rand({1});
+  const at::Tensor want_50 = at::rand_like(x);
+  at::manual_seed(50 + rank);
+  (void)at::rand({rank + 1});
+  check("rand_like after at::manual_seed(50 + rank)", tessera::full_tensor(at::rand_like(d)),
+        want_50);
+
   std::printf("rank %d: %s\n", rank, failures ? "FAILED" : "ok");
   tessera::destroy_process_group();
   return failures ? 1 : 0;

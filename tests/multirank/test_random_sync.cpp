@@ -177,6 +177,47 @@ TEST(RandomSync, DefaultGeneratorSeedsTheFirstDraws) {
   }
 }
 
+// at::manual_seed after random ops on distributed tensors restarts them as it restarts one
+// device, every time, on every layout: re-seeding is a reset (NOTE: [Re-seeding]).
+TEST(RandomSync, AtManualSeedRestartsTheDrawsAsOnOneDevice) {
+  const auto want_9 = one_device(9, 1), want_11 = one_device(11, 1);
+  for (const auto& shape : kMeshes) {
+    const auto ls = layouts(shape);
+    // Rank threads share ATen's default generator: they re-seed it with the same seed, and
+    // draws() ends with collectives, so no rank seeds the next round before rank 0 copied.
+    tessera::testing::run_ranks(test::mesh_world(shape), [&](int) {
+      auto mesh = init_device_mesh("cpu", shape);
+      for (const auto& l : ls) {
+        for (uint64_t seed : {9, 9, 11, 9}) {
+          at::manual_seed(seed);
+          const auto got = draws([&](const at::Tensor& t) { return distribute(t, mesh, l); });
+          expect_equal(got, seed == 9 ? want_9[0] : want_11[0],
+                       mesh.str() + " " + l.name + " after at::manual_seed(" +
+                           std::to_string(seed) + ")");
+        }
+      }
+    });
+  }
+}
+
+// tessera::manual_seed then at::manual_seed: the later seeding wins, as each reset does.
+TEST(RandomSync, LaterSeedingWins) {
+  const auto want_5 = one_device(5, 1), want_40 = one_device(40, 1);
+  for (int world : {1, 3}) {
+    tessera::testing::run_ranks(world, [&](int rank) {
+      auto mesh = init_device_mesh("cpu", {world});
+      auto dist = [&](const at::Tensor& t) {
+        return distribute_tensor(t, mesh, {Shard(0)}, std::nullopt);
+      };
+      tessera::manual_seed(40 + 7 * rank);
+      at::manual_seed(5);
+      expect_equal(draws(dist), want_5[0], "at::manual_seed after tessera::manual_seed");
+      tessera::manual_seed(40);
+      expect_equal(draws(dist), want_40[0], "tessera::manual_seed after at::manual_seed");
+    });
+  }
+}
+
 // Reseeding by rank midway agrees again on rank 0's seed; sync_random_state(mesh, src) makes
 // every rank take mesh rank src's state.
 TEST(RandomSync, ReseedAndExplicitSync) {

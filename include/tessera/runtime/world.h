@@ -111,4 +111,9 @@ class ScopedWorld {
   std::shared_ptr<World> previous_;
 };
 
+namespace detail {
+// Whether the calling thread runs under a ScopedWorld (a rank thread of run_ranks).
+bool thread_scoped_world();
+}  // namespace detail
+
 }  // namespace tessera

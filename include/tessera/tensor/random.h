@@ -15,8 +15,9 @@
 // the values are those one device draws from that state, replicas are identical, and shards
 // never repeat each other's numbers. The state agreed on is world rank 0's:
 //  - a rank's generator starts as a copy of ATen's default generator (so at::manual_seed(s) on
-//    every rank means what it means on one device), and manual_seed / clear_manual_seed below
-//    replace it;
+//    every rank means what it means on one device), starts again from a copy after each later
+//    re-seed of the default generator (at::manual_seed; NOTE: [Re-seeding]), and manual_seed /
+//    clear_manual_seed below replace it;
 //  - world rank 0 writes each new state of its generator (made, or reset) into the world's
 //    store at once, without waiting for anyone; every other rank takes it at its next random op
 //    on a distributed tensor after the same reset. Ranks seeded differently therefore draw what
