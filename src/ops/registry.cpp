@@ -117,6 +117,13 @@ void register_autograd_kernel(const char* qualified_name, torch::CppFunction&& f
   register_at(qualified_name, c10::DispatchKey::AutogradPrivateUse1, std::move(fn));
 }
 
+void register_autograd_kernel_for_every_tensor(const char* qualified_name,
+                                               const std::function<torch::CppFunction()>& make) {
+  // Direct registrations: at the Autograd alias a CompositeImplicitAutograd kernel would win.
+  register_at(qualified_name, c10::DispatchKey::AutogradCPU, make());
+  register_at(qualified_name, c10::DispatchKey::AutogradCUDA, make());
+}
+
 const std::string& OpCall::name() const { return op.schema().name(); }
 
 const c10::IValue& OpCall::arg(const char* arg_name) const {

@@ -8,6 +8,8 @@
 //   LayerNorm -> aten::layer_norm  (CompositeImplicitAutograd: native_layer_norm)
 //   Embedding -> aten::embedding   (has its own autograd formula: rebuilt here as a node
 //                                   whose backward is embedding_backward, as on one device)
+//   Dropout   -> aten::dropout and its family: checked only (NOTE: [Plain dropout on local
+//                shards] in tp_boundary.h), then LibTorch's own composite implementation
 //
 // NOTE: [Linear with bias]
 // On inputs with other than 2 dims, F::linear adds the bias in place after matmul returns,
@@ -16,6 +18,10 @@
 // asking for a local output there is an error naming the way out (use_local_output(false)).
 // addmm (2-d inputs) has its own autograd formula; untagged calls go to it unchanged.
 #include <ATen/ATen.h>
+#include <ATen/ops/alpha_dropout_native.h>
+#include <ATen/ops/dropout_native.h>
+#include <ATen/ops/feature_alpha_dropout_native.h>
+#include <ATen/ops/feature_dropout_native.h>
 #include <ATen/ops/linear_native.h>
 #include <ATen/ops/matmul_native.h>
 #include <torch/csrc/autograd/function.h>
@@ -24,6 +30,8 @@
 
 #include "tessera/compat_autograd.h"
 #include "tessera/ops/rule.h"
+#include "tessera/placement/spec.h"
+#include "tessera/tensor/dtensor_impl.h"
 #include "tp_boundary.h"
 
 namespace tessera::tp::detail {
@@ -129,7 +137,49 @@ void embedding_kernel(const c10::OperatorHandle&, Stack* stack) {
   stack->emplace_back(std::move(out));
 }
 
+// NOTE: [Plain dropout on local shards] (tp_boundary.h): the dropout family, for every tensor;
+// anything but a plain dropout that draws while a local shard is open runs as LibTorch's.
+void check_plain_dropout(const char* op, const at::Tensor& input, double p, bool train) {
+  if (!train || p == 0 || !input.defined() || tessera::is_dtensor(input)) return;
+  const auto where = open_local_shard();
+  if (!where) return;
+  TORCH_CHECK(false, "tessera: ", op, "(p=", p, ", train=true) on a plain tensor of shape ",
+              shape_str(input.sizes().vec()), " while the local shard output of ", *where,
+              " is in use. Each rank would draw its own mask for its shard, which is not one "
+              "device's dropout (ranks seeded alike would even give every shard the same mask). "
+              "Keep that output distributed with use_local_output(false) on the style (model "
+              "code runs unchanged on distributed tensors) and dropout equals one device; or "
+              "move the dropout after the RowwiseParallel module that reads the shards back");
+}
+
+#define TESSERA_DROPOUT_KERNELS(name)                                             \
+  at::Tensor name##_kernel(const at::Tensor& input, double p, bool train) {       \
+    check_plain_dropout("aten::" #name, input, p, train);                         \
+    return at::native::name(input, p, train);                                     \
+  }                                                                               \
+  at::Tensor& name##__kernel(at::Tensor& self, double p, bool train) {            \
+    check_plain_dropout("aten::" #name "_", self, p, train);                      \
+    return at::native::name##_(self, p, train);                                   \
+  }
+TESSERA_DROPOUT_KERNELS(dropout)
+TESSERA_DROPOUT_KERNELS(feature_dropout)
+TESSERA_DROPOUT_KERNELS(alpha_dropout)
+TESSERA_DROPOUT_KERNELS(feature_alpha_dropout)
+#undef TESSERA_DROPOUT_KERNELS
+
 const ops::RuleRegistrar registrar{[] {
+#define TESSERA_EVERY(name, kernel)                  \
+  ops::register_autograd_kernel_for_every_tensor( \
+      name, [] { return torch::CppFunction(TORCH_FN(kernel)); })
+  TESSERA_EVERY("aten::dropout", dropout_kernel);
+  TESSERA_EVERY("aten::dropout_", dropout__kernel);
+  TESSERA_EVERY("aten::feature_dropout", feature_dropout_kernel);
+  TESSERA_EVERY("aten::feature_dropout_", feature_dropout__kernel);
+  TESSERA_EVERY("aten::alpha_dropout", alpha_dropout_kernel);
+  TESSERA_EVERY("aten::alpha_dropout_", alpha_dropout__kernel);
+  TESSERA_EVERY("aten::feature_alpha_dropout", feature_alpha_dropout_kernel);
+  TESSERA_EVERY("aten::feature_alpha_dropout_", feature_alpha_dropout__kernel);
+#undef TESSERA_EVERY
   ops::register_autograd_kernel("aten::linear", torch::CppFunction(TORCH_FN(linear_kernel)));
   ops::register_autograd_kernel("aten::matmul", torch::CppFunction(TORCH_FN(matmul_kernel)));
   ops::register_autograd_kernel("aten::addmm",

@@ -2,14 +2,17 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <mutex>
 #include <shared_mutex>
+#include <string_view>
 #include <unordered_map>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include "../tensor/fallback_hooks.h"
+#include "tessera/comm/collectives.h"
 #include "tessera/tensor/api.h"
 #include "tessera/tensor/dtensor_impl.h"
 
@@ -250,6 +253,7 @@ struct MemoEntry {
 
 struct ThreadState {
   const Boundary* last = nullptr;  // boundaries live as long as their module's table entry
+  std::optional<std::string> open_shard;  // NOTE: [Plain dropout on local shards]
   std::unordered_map<const ModuleInput*, std::pair<std::shared_ptr<const ModuleInput>, Entered>>
       entered;
   std::vector<MemoEntry> memo;
@@ -285,7 +289,62 @@ at::Tensor memo_redistribute(const at::Tensor& x, const SpecPtr& target) {
   return out;
 }
 
+// NOTE: [Plain inputs on a slice]
+// parallelize_module(m, mesh["tp"]) lays the parameters out on the root mesh, replicated over
+// its other dims ("dp"), so that they meet activations sharded over "dp" in one op. A plain
+// input is therefore read as the same value on every rank of those dims. Feeding each dp group
+// its own batch as a plain tensor (the habit of a tensor-parallel model per dp group) would
+// make that false, and the parameters' gradients would mix the groups' rows. So the boundary
+// compares a digest of the plain input across the other dims (one all-gather of one integer
+// over them, only for plain inputs on a slice of a larger mesh) and raises on every rank when
+// they differ, naming the two ways to say what is meant.
+uint64_t content_digest(const at::Tensor& t) {
+  const at::Tensor c = t.cpu().contiguous();
+  const auto* bytes = static_cast<const char*>(c.data_ptr());
+  const size_t n = static_cast<size_t>(c.numel()) * c.element_size();
+  uint64_t h = std::hash<std::string_view>()(std::string_view(bytes, n));
+  for (int64_t d : t.sizes()) h = h * 1000003u ^ static_cast<uint64_t>(d);
+  return h * 31u + static_cast<uint64_t>(t.scalar_type());
+}
+
+void check_plain_same_across_other_dims(const TpMesh& mesh, const at::Tensor& x,
+                                        const std::string& where) {
+  const DeviceMesh& root = mesh.root;
+  if (root.ndim() == 1 || !root.contains_this_rank()) return;
+  std::vector<std::string> others;
+  for (int64_t d = 0; d < root.ndim(); ++d)
+    if (d != mesh.dim && root.size(d) > 1) others.push_back(root.dim_names().at(d));
+  if (others.empty()) return;
+  const DeviceMesh across = root[others];
+  const auto all = comm::all_gather_ints(
+      across.mesh_group(), {static_cast<int64_t>(content_digest(x)), x.dim() > 0 ? x.size(0) : 1});
+  bool same = true;
+  for (const auto& v : all) same = same && v[0] == all[0][0];
+  if (same) return;
+  std::string names, rows;
+  for (const auto& n : others) names += (names.empty() ? "'" : ", '") + n + "'";
+  for (const auto& v : all) rows += (rows.empty() ? "" : ", ") + std::to_string(v[1]);
+  const std::string root_dims = [&] {
+    std::string p;
+    for (int64_t d = 0; d < root.ndim(); ++d)
+      p += (d ? ", " : "") + std::string(d == mesh.dim ? "Replicate()" : "Shard(0)");
+    return p;
+  }();
+  TORCH_CHECK(false, "tessera: ", where, ": the plain input (this rank's shape ",
+              shape_str(x.sizes().vec()), ") differs across mesh dim(s) ", names, " of ",
+              root.str(), " (first-dim sizes there: ", rows, "). The tensor-parallel parameters ",
+              "live on that mesh, replicated over ", names, ", so a plain input is read as one "
+              "value on all of its ranks. If each group feeds its own batch, say so: "
+              "tessera::from_local(x, mesh, {", root_dims, "}) (a batch split over ", names,
+              "; Tessera then sums the parameters' gradients over ", names,
+              " itself, so do not all-reduce them again), or parallelize each group's model on a "
+              "1-D mesh of its own ranks (DeviceMesh(device, {tp}, ranks)) and reduce the "
+              "gradients yourself");
+}
+
 }  // namespace
+
+std::optional<std::string> open_local_shard() { return state().open_shard; }
 
 at::Tensor convert(const TpMesh& mesh, const Convert& c, const at::Tensor& input,
                    const std::string& where) {
@@ -300,7 +359,11 @@ at::Tensor convert(const TpMesh& mesh, const Convert& c, const at::Tensor& input
     if (p.is_shard())  // exact sizes: the parameter's table when it fixes them, else exchanged
       o.sizes = c.plain_table && p.dim() == x.dim() - 1 ? ShardSizes::Given(p.dim(), *c.plain_table)
                                                           : ShardSizes::Infer();
+    check_plain_same_across_other_dims(mesh, x, where);
     x = from_local(x, mesh.root, mesh.with({}, p), o);
+    // Plain shards read back (a Rowwise input), or a plain input entering (the next forward):
+    // no local shard is open any more.
+    state().open_shard.reset();
   } else {
     const auto& s = spec(x);
     TORCH_CHECK(s.mesh() == mesh.root, "tessera: ", where, ": the input lives on ", s.mesh().str(),
@@ -333,7 +396,11 @@ at::Tensor convert(const TpMesh& mesh, const Convert& c, const at::Tensor& input
       x = memo_redistribute(x, spec_ptr);
     }
   }
-  if (c.to_local) x = to_local(x);
+  if (c.to_local) {
+    const bool shard = spec(x).placements()[static_cast<size_t>(mesh.dim)].is_shard();
+    x = to_local(x);
+    if (shard) state().open_shard = where;
+  }
   return x;
 }
 

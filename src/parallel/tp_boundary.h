@@ -84,6 +84,20 @@ at::Tensor enter(const Boundary& b, const at::Tensor& input, const char* op);
 at::Tensor leave(const Boundary& b, const at::Tensor& output, const char* op,
                  bool allow_local = true);
 
+// NOTE: [Plain dropout on local shards]
+// A style that hands the module's code a local shard (use_local_output on a Colwise output,
+// use_local_input) makes later element-wise ops plain. A dropout there draws each rank's own
+// mask for its shard: not one device's mask, and with ranks seeded alike every shard gets the
+// same one. Tessera cannot tell which global element a plain tensor's entry is (a view into
+// heads changes that), so such a dropout is an error naming the way out while a shard is
+// open: from the style's local output until a style reads a plain input (RowwiseParallel
+// reading the shards back, or the next forward's first module). Tessera cannot tell what a
+// plain tensor was computed from either, so a dropout on an unrelated plain tensor in that
+// window raises too; use_local_output(false) is the way out for both. A dropout in eval mode
+// or with p = 0 draws nothing and passes.
+// Where an open local shard was handed out ("'mlp.w1' (ColwiseParallel on ...)"), if any.
+std::optional<std::string> open_local_shard();
+
 // One conversion (differentiable), for styles of the user's own and for tests.
 at::Tensor convert(const TpMesh& mesh, const Convert& c, const at::Tensor& x,
                    const std::string& where);

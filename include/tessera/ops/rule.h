@@ -154,6 +154,12 @@ std::vector<std::string> registered_rule_names();
 // autograd key. The caller includes <torch/library.h> to build the CppFunction.
 void register_kernel(const char* qualified_name, torch::CppFunction&& fn);
 void register_autograd_kernel(const char* qualified_name, torch::CppFunction&& fn);
+// At the CPU and CUDA autograd keys: plain tensors' autograd dispatch (distributed tensors keep
+// theirs). Only for
+// checks that must see plain tensors (NOTE: [Plain dropout on local shards]); the kernel must
+// behave as LibTorch's otherwise.
+void register_autograd_kernel_for_every_tensor(const char* qualified_name,
+                                               const std::function<torch::CppFunction()>& make);
 
 // A candidate: the layouts the inputs would need and the outputs it produces.
 struct Strategy {
