@@ -84,6 +84,15 @@ at::Tensor redistribute(const at::Tensor& dtensor, const Placements& placements,
                         const ShardSizes& sizes = ShardSizes::Chunk());
 // Same, to a complete target spec (no such exchange: every rank must pass the same spec).
 at::Tensor redistribute(const at::Tensor& dtensor, const SpecPtr& target);
+// Onto another mesh with the same root: a slice of the tensor's mesh (mesh -> mesh["tp"]),
+// the root itself, or a larger slice. Dims both meshes have take their target placement on
+// the tensor's mesh first (an ordinary redistribute); dims the target drops become Replicate
+// there (every group then holds the same value, as a tensor on a slice does); dims the target
+// adds take the given Replicate() (the tensor is the same in every group along them) or
+// Shard(d) (each group's tensor is its own block along d: per-group batches as one batch split
+// over "dp"; shapes exchanged). Then each rank keeps its block. Differentiable.
+at::Tensor redistribute(const at::Tensor& dtensor, const DeviceMesh& mesh,
+                        const Placements& placements);
 
 // Inspection.
 const DTensorSpec& spec(const at::Tensor& dtensor);
