@@ -129,12 +129,7 @@ std::shared_ptr<FSDPModule> fully_shard(torch::nn::Module& module, const DeviceM
   // Check everything before changing anything; every check reads replicated information
   // (module structure, shapes, placements), so every rank raises the same error.
   std::vector<Candidate> candidates;
-  // The module itself, then its submodules. (named_modules with include_self needs the module
-  // held by a shared_ptr; a model on the stack, `Net net; fully_shard(net, mesh)`, is not.)
-  std::vector<std::pair<std::string, torch::nn::Module*>> owners{{"", &module}};
-  for (const auto& item : module.named_modules(/*name_prefix=*/"", /*include_self=*/false))
-    owners.emplace_back(item.key(), item.value().get());
-  for (const auto& [prefix, owner_ptr] : owners) {
+  for (const auto& [prefix, owner_ptr] : modules_with_self(module)) {
     torch::nn::Module& owner = *owner_ptr;
     for (const auto& param : owner.named_parameters(/*recurse=*/false)) {
       const at::Tensor& t = param.value();

@@ -480,4 +480,11 @@ void distribute_parameter(torch::nn::Module& module, const std::string& name,
                     distribute_tensor(current.detach(), mesh, placements, std::nullopt));
 }
 
+std::vector<std::pair<std::string, torch::nn::Module*>> modules_with_self(torch::nn::Module& module) {
+  std::vector<std::pair<std::string, torch::nn::Module*>> out{{"", &module}};
+  for (const auto& item : module.named_modules(/*name_prefix=*/"", /*include_self=*/false))
+    out.emplace_back(item.key(), item.value().get());
+  return out;
+}
+
 }  // namespace tessera

@@ -6,6 +6,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "tessera/parallel/module.h"
 #include "tessera/parallel/tensor_parallel.h"
 #include "tessera/tensor/api.h"
 #include "tessera/tensor/dtensor_impl.h"
@@ -70,8 +71,8 @@ std::vector<Target> resolve(torch::nn::Module& root, const std::string& key) {
 }
 
 bool subtree_has_anchor(torch::nn::Module& m) {
-  for (const auto& item : m.named_modules("", /*include_self=*/true)) {
-    auto b = tp::detail::find_boundary(*item.value());
+  for (const auto& item : modules_with_self(m)) {
+    auto b = tp::detail::find_boundary(*item.second);
     if (b && b->anchored && b->has_param_style) return true;
   }
   return false;

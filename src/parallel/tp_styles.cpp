@@ -238,8 +238,8 @@ void SequenceParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) 
   b->sequence_dim = seq_;
   // Parameters and buffers replicated, from src_data_rank (PyTorch assumes equal values
   // without a check; its distribute_module replicates the buffers a style leaves alone).
-  for (const auto& item : module.named_modules("", /*include_self=*/true)) {
-    auto& m = *item.value();
+  for (const auto& item : modules_with_self(module)) {
+    auto& m = *item.second;
     for (const auto& p : m.named_parameters(/*recurse=*/false))
       if (p.value().defined()) tp::distribute_parameter(*this, m, p.key(), mesh, Replicate());
     for (const auto& p : m.named_buffers(/*recurse=*/false))

@@ -163,6 +163,36 @@ TEST(Habits, FullyShardOnAModuleNotHeldByASharedPtr) {
   }, {std::chrono::seconds(120)});
 }
 
+// `torch::nn::LinearImpl lin(...); parallelize_module(lin, mesh, ColwiseParallel())`: a
+// module on the stack is parallelized like a held one (forward and gradients as one device).
+TEST(Habits, ParallelizeModuleOnAModuleNotHeldByASharedPtr) {
+  constexpr int world = 3;
+  torch::manual_seed(8);
+  torch::nn::Linear ref(7, 5);
+  ref->to(at::kDouble);
+  const auto x = test::randn({4, 7}, 63, at::kDouble);
+  const at::Tensor want = ref(x);
+  want.pow(2).sum().backward();
+  std::vector<std::unique_ptr<torch::nn::LinearImpl>> lins;  // no shared_ptr holds them
+  for (int r = 0; r < world; ++r) {
+    lins.push_back(std::make_unique<torch::nn::LinearImpl>(7, 5));
+    lins.back()->to(at::kDouble);
+    at::NoGradGuard no_grad;
+    lins.back()->weight.copy_(ref->weight);
+    lins.back()->bias.copy_(ref->bias);
+  }
+  tessera::testing::run_ranks(world, [&](int rank) {
+    auto mesh = init_device_mesh("cpu", {world}, {"tp"});
+    torch::nn::LinearImpl& lin = *lins[static_cast<size_t>(rank)];
+    parallelize_module(lin, mesh, ColwiseParallel().use_local_output(false));
+    const at::Tensor y = lin.forward(x);
+    ASSERT_TRUE(test::full_matches(y, want.detach()));
+    y.pow(2).sum().backward();
+    ASSERT_TRUE(test::full_matches(lin.weight.grad(), ref->weight.grad()));
+    ASSERT_TRUE(test::full_matches(lin.bias.grad(), ref->bias.grad()));
+  });
+}
+
 // std::cout << dt cannot read a distributed tensor's data: every rank gets an error naming the
 // ways out, and those give one device's value.
 TEST(Habits, PrintingADistributedTensorNamesTheWayOut) {

@@ -11,6 +11,7 @@
 #include <functional>
 #include <string>
 #include <typeindex>
+#include <utility>
 #include <vector>
 
 #include <torch/nn/module.h>
@@ -67,5 +68,10 @@ void distribute_module(torch::nn::Module& module, const DeviceMesh& mesh,
 // copy is sliced locally: every rank must hold the same initial values).
 void distribute_parameter(torch::nn::Module& module, const std::string& name,
                           const DeviceMesh& mesh, const Placements& placements);
+
+// The module itself ("") then its submodules, with their paths: what
+// named_modules(include_self=true) gives, also for a module no shared_ptr holds (a model on
+// the stack, `Net net;`), which LibTorch's named_modules refuses.
+std::vector<std::pair<std::string, torch::nn::Module*>> modules_with_self(torch::nn::Module& module);
 
 }  // namespace tessera
