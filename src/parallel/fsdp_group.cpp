@@ -375,7 +375,8 @@ void FsdpGroup::reduce(const std::vector<size_t>& ready) {
     size_t index;
     at::Tensor full;   // local, reduce dtype, flat
     at::Tensor shard;  // this rank's rows, flat
-    Placements placements;
+    Placements placements;  // as reduced: Partial where summed (or averaged)
+    int64_t replicas;       // ranks whose replicated gradients are averaged
   };
   std::vector<Item> items;
   c10::ScalarType reduce_dtype = c10::ScalarType::Undefined;
@@ -396,10 +397,24 @@ void FsdpGroup::reduce(const std::vector<size_t>& ready) {
     if (s != *target_spec) g = redistribute(g, target_spec);
     reduce_dtype = reduce_dtype == c10::ScalarType::Undefined
                        ? g.scalar_type() : at::promote_types(reduce_dtype, g.scalar_type());
-    items.push_back({i, local_of(g), {}, target});
+    items.push_back({i, local_of(g), {}, target, 1});
+    // NOTE: [Replicated gradients are averaged] (data_parallel.cpp), as replicate does: a
+    // gradient replicated over a data-parallel dim is one value everywhere (a replicated
+    // batch) or each rank's own (plain per-rank batches, FSDP2's habit); the mean over the dim
+    // is right in both, and is FSDP2's average in the second. So it is reduced as a sum of
+    // 1/size shares.
+    for (int64_t d = 0; d < root_.ndim(); ++d) {
+      if (root_.size(d) == 1 || !target[d].is_replicate() || !like.placement(d).is_replicate())
+        continue;
+      items.back().placements[static_cast<size_t>(d)] = Partial();
+      items.back().replicas *= root_.size(d);
+    }
   }
   reduce_dtype = options.mp_policy().reduce_dtype.value_or(reduce_dtype);
-  for (auto& it : items) it.full = it.full.to(reduce_dtype).contiguous().view({-1});
+  for (auto& it : items) {
+    it.full = it.full.to(reduce_dtype).contiguous().view({-1});
+    if (it.replicas > 1) it.full = it.full.div(static_cast<double>(it.replicas));
+  }
   auto rows_of = [&](const Item& it, int64_t r) {
     const auto& p = params[it.index];
     return it.full.narrow(0, p.row_offsets[r] * p.row_numel, p.rows[r] * p.row_numel);
