@@ -11,6 +11,7 @@
 # TESSERA_PIP_CACHE   where the virtual environment is kept (default /var/cache/tessera),
 #                     so a second run downloads nothing
 # BUILD_DIR           build folder (default build-pip)
+# TESSERA_CMAKE_ARGS  more configure arguments (CI passes -DTESSERA_BUILD_BENCHMARKS=OFF)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=${TESSERA_PIP_TORCH:-2.15.0}
@@ -38,8 +39,9 @@ cuda_args=()
 if [ -x /usr/local/cuda/bin/nvcc ]; then
   cuda_args=(-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
 fi
+# shellcheck disable=SC2086  # TESSERA_CMAKE_ARGS is a list of arguments
 bash scripts/build.sh -DCMAKE_PREFIX_PATH="$prefix" -DPython3_EXECUTABLE="$VENV/bin/python" \
-  "${cuda_args[@]}" | tee "$BUILD_DIR.log" | grep -E "Tessera:|error|FAILED|warning: .*fmt" || true
+  "${cuda_args[@]}" ${TESSERA_CMAKE_ARGS:-} | tee "$BUILD_DIR.log" | grep -E "Tessera:|error|FAILED|warning: .*fmt" || true
 grep -q "Tessera: NCCL path ON" "$BUILD_DIR/CMakeCache.txt" 2>/dev/null ||
   grep -q "TESSERA_WITH_NCCL" "$BUILD_DIR/build.ninja" ||
   echo "check-pip-torch: note: built without the NCCL path"
