@@ -1,5 +1,6 @@
 #pragma once
-// A minimal 8-bit RGB image and a PNG writer (libpng), enough for the examples' pictures.
+// A minimal 8-bit RGB image and a PNG writer (libpng), enough for the examples' pictures,
+// with text in a built-in bitmap font (there is no font library to depend on).
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -33,3 +34,11 @@ struct RgbImage {
 
 // Writes `image` as an 8-bit RGB PNG; throws std::runtime_error naming the path on failure.
 void write_png(const std::string& path, const RgbImage& image);
+
+// ---- Text (bitmap_font.cpp) ----
+// 5x7 glyphs (letters, digits, space and .,:-+=|/()[]<>%_'?) on a 6-pixel advance, with 2
+// rows below the baseline for descenders. Each font pixel is drawn as a scale x scale square.
+int text_width(const std::string& text, int scale);
+int text_height(int scale);
+// Draws `text` with its top-left corner at (x, y); a character without a glyph shows as '?'.
+void draw_text(RgbImage& image, int x, int y, const std::string& text, Rgb color, int scale);
