@@ -106,55 +106,47 @@ Rgb diverging_color(double t) {
 }
 
 // Where the blocks meet along one dim: the running sums of the shard table, last one left out.
-std::vector<int64_t> cut_positions(const ShardTable& table) {
-  std::vector<int64_t> cuts;
+std::vector<int> cut_positions(const ShardTable& table) {
+  std::vector<int> cuts;
   int64_t offset = 0;
-  for (size_t i = 0; i + 1 < table.size(); ++i) cuts.push_back(offset += table[i]);
+  for (size_t i = 0; i + 1 < table.size(); ++i)
+    cuts.push_back(static_cast<int>(offset += table[i]));
   return cuts;
 }
 
-// Three panels (input | prediction | target) of one 2-D field each, on one colour scale,
-// enlarged `scale` times. Each panel shows the block boundaries as solid lines, and the rows
-// and columns that the 3x3 convolutions read from a neighbour as translucent bands (kConvHalo
-// wide on each side of a cut).
-RgbImage draw_panels(const std::vector<at::Tensor>& fields, const ShardTable& row_blocks,
-                     const ShardTable& col_blocks, int scale) {
-  const int rows = static_cast<int>(fields.at(0).size(0));
-  const int cols = static_cast<int>(fields.at(0).size(1));
-  const int margin = 8;
-  const int n = static_cast<int>(fields.size());
-  RgbImage image(n * cols * scale + (n + 1) * margin, rows * scale + 2 * margin, Rgb{48, 48, 48});
+std::vector<double> field_values(const at::Tensor& field) {
+  const auto values = field.to(at::kDouble).contiguous();
+  return {values.data_ptr<double>(), values.data_ptr<double>() + values.numel()};
+}
+
+// Input | prediction | target of one 2-D field each, on one colour scale (symmetric about
+// zero, as far as the input reaches), enlarged `scale` times. Each panel shows the block
+// boundaries as solid lines and, dashed, the rows and columns that the 3x3 convolutions read
+// from a neighbour (kConvHalo deep on each side of a cut).
+RgbImage draw_fields(const std::string& heading, const std::vector<at::Tensor>& fields,
+                     const ShardTable& row_blocks, const ShardTable& col_blocks, int scale) {
   const double vmax = std::max(1e-6, fields.at(0).abs().max().item<double>());
-  const Rgb boundary{20, 20, 20};
-  const Rgb halo_shade{255, 196, 0};  // amber: apart from every colour of the ramp
-  const double halo_alpha = 0.45;
-  for (int p = 0; p < n; ++p) {
-    const int x0 = margin + p * (cols * scale + margin);
-    const int y0 = margin;
-    const auto values = fields[p].contiguous();
-    const float* v = values.data_ptr<float>();
-    for (int y = 0; y < rows * scale; ++y)
-      for (int x = 0; x < cols * scale; ++x)
-        image.set(x0 + x, y0 + y, diverging_color(v[(y / scale) * cols + x / scale] / vmax));
-    for (int64_t cut : cut_positions(row_blocks)) {
-      const int y = y0 + static_cast<int>(cut) * scale;
-      image.fill_rect(x0, y - kConvHalo * scale, x0 + cols * scale, y + kConvHalo * scale, halo_shade, halo_alpha);
-    }
-    for (int64_t cut : cut_positions(col_blocks)) {
-      const int x = x0 + static_cast<int>(cut) * scale;
-      image.fill_rect(x - kConvHalo * scale, y0, x + kConvHalo * scale, y0 + rows * scale, halo_shade, halo_alpha);
-    }
-    // Lines after the bands so that where bands cross the lines stay solid.
-    for (int64_t cut : cut_positions(row_blocks)) {
-      const int y = y0 + static_cast<int>(cut) * scale;
-      image.fill_rect(x0, y - 1, x0 + cols * scale, y + 1, boundary);
-    }
-    for (int64_t cut : cut_positions(col_blocks)) {
-      const int x = x0 + static_cast<int>(cut) * scale;
-      image.fill_rect(x - 1, y0, x + 1, y0 + rows * scale, boundary);
-    }
-  }
-  return image;
+  FigureSpec spec;
+  spec.heading = heading;
+  spec.rows = static_cast<int>(fields.at(0).size(0));
+  spec.cols = static_cast<int>(fields.at(0).size(1));
+  spec.cell = scale;
+  const char* titles[] = {"input", "prediction", "target"};
+  for (size_t i = 0; i < fields.size(); ++i)
+    spec.panels.push_back({titles[i], field_values(fields[i])});
+  spec.scale = {[vmax](double v) { return diverging_color(v / vmax); }, -vmax, vmax, "temperature"};
+  CutOverlay cuts;
+  cuts.row_cuts = cut_positions(row_blocks);
+  cuts.col_cuts = cut_positions(col_blocks);
+  cuts.halo = kConvHalo;
+  if (!cuts.row_cuts.empty() || !cuts.col_cuts.empty())
+    spec.legend = {{Mark::kLine, cuts.line, "rank boundary"},
+                   {Mark::kDashedOutline, cuts.band,
+                    "halo: rows/cols a 3x3 conv reads across the boundary (" +
+                        std::to_string(kConvHalo) + " deep)"}};
+  Figure figure = draw_figure(spec);
+  for (const PanelArea& area : figure.panels) draw_cuts(figure.image, area, cuts);
+  return figure.image;
 }
 
 }  // namespace
@@ -304,12 +296,16 @@ int run(int argc, char** argv) {
       const auto& table = spec(input).shard_table(dim);
       return table.empty() ? ShardTable{size} : table;
     };
-    const auto image = draw_panels({whole_input[0][0], prediction[0][0], whole_target[0][0]},
-                                   blocks_along(2), blocks_along(3), scale);
+    const std::string heading =
+        "sample 0 after " + std::to_string(steps) + " training steps on 4 ranks";
+    const auto image =
+        draw_fields(heading, {whole_input[0][0], prediction[0][0], whole_target[0][0]},
+                    blocks_along(2), blocks_along(3), scale);
     write_png(out_path, image);
-    std::printf("wrote %s (%dx%d: input | prediction | target of sample 0; lines: rank "
-                "boundaries, shaded: halo rows/cols)\n",
-                out_path.c_str(), image.width(), image.height());
+    std::printf(
+        "wrote %s (%dx%d: input | prediction | target of sample 0; lines: rank "
+        "boundaries, dashed: halo rows/cols)\n",
+        out_path.c_str(), image.width(), image.height());
     const double total_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     std::printf("%s in %.1f s\n", check_ok ? "OK" : "FAILED", total_seconds);

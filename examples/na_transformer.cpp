@@ -89,35 +89,46 @@ Rgb field_colour(double v) {
   return {mix(245, 170, t), mix(245, 30, t), mix(245, 40, t)};
 }
 
-// Panels of one field each, side by side, enlarged `scale` times. Each panel shows the block
-// boundaries (lines) and the rows / columns within `halo` of a cut (amber bands): the K/V rows
-// the attention reads from a neighbouring block.
-RgbImage draw_panels(const std::vector<at::Tensor>& fields, const ShardTable& row_blocks,
-                     const ShardTable& col_blocks, int halo, int scale) {
-  const int rows = static_cast<int>(fields.at(0).size(0));
-  const int cols = static_cast<int>(fields.at(0).size(1));
-  const int margin = 8;
-  const int n = static_cast<int>(fields.size());
-  RgbImage image(n * cols * scale + (n + 1) * margin, rows * scale + 2 * margin, Rgb{48, 48, 48});
-  std::vector<int> row_cuts, col_cuts;
-  for (size_t i = 0, at = 0; i + 1 < row_blocks.size(); ++i) row_cuts.push_back(static_cast<int>(at += row_blocks[i]));
-  for (size_t i = 0, at = 0; i + 1 < col_blocks.size(); ++i) col_cuts.push_back(static_cast<int>(at += col_blocks[i]));
-  for (int p = 0; p < n; ++p) {
-    const int x0 = margin + p * (cols * scale + margin), y0 = margin;
-    const auto values = fields[p].to(at::kDouble).contiguous();
-    const double* v = values.data_ptr<double>();
-    for (int y = 0; y < rows * scale; ++y)
-      for (int x = 0; x < cols * scale; ++x)
-        image.set(x0 + x, y0 + y, field_colour(v[(y / scale) * cols + x / scale]));
-    const Rgb amber{255, 196, 0}, line{20, 20, 20};
-    for (int c : row_cuts)
-      image.fill_rect(x0, y0 + (c - halo) * scale, x0 + cols * scale, y0 + (c + halo) * scale, amber, 0.25);
-    for (int c : col_cuts)
-      image.fill_rect(x0 + (c - halo) * scale, y0, x0 + (c + halo) * scale, y0 + rows * scale, amber, 0.25);
-    for (int c : row_cuts) image.fill_rect(x0, y0 + c * scale - 1, x0 + cols * scale, y0 + c * scale + 1, line);
-    for (int c : col_cuts) image.fill_rect(x0 + c * scale - 1, y0, x0 + c * scale + 1, y0 + rows * scale, line);
-  }
-  return image;
+// Where the blocks meet: the first row (column) of every block but the first.
+std::vector<int> cut_positions(const ShardTable& table) {
+  std::vector<int> cuts;
+  int64_t offset = 0;
+  for (size_t i = 0; i + 1 < table.size(); ++i)
+    cuts.push_back(static_cast<int>(offset += table[i]));
+  return cuts;
+}
+
+std::vector<double> field_values(const at::Tensor& field) {
+  const auto values = field.to(at::kDouble).contiguous();
+  return {values.data_ptr<double>(), values.data_ptr<double>() + values.numel()};
+}
+
+// Noisy input | prediction | clean target, side by side, enlarged `scale` times. Each panel
+// shows the block boundaries (lines) and, dashed so that the field stays visible, the rows /
+// columns within `halo` of a cut: the K/V rows the attention reads from a neighbouring block.
+RgbImage draw_fields(const std::string& heading, const std::vector<at::Tensor>& fields,
+                     const ShardTable& row_blocks, const ShardTable& col_blocks, int halo,
+                     int scale) {
+  FigureSpec spec;
+  spec.heading = heading;
+  spec.rows = static_cast<int>(fields.at(0).size(0));
+  spec.cols = static_cast<int>(fields.at(0).size(1));
+  spec.cell = scale;
+  const char* titles[] = {"noisy input", "prediction", "clean target"};
+  for (size_t i = 0; i < fields.size(); ++i)
+    spec.panels.push_back({titles[i], field_values(fields[i])});
+  spec.scale = {field_colour, -1.5, 1.5, "field value"};
+  CutOverlay cuts;
+  cuts.row_cuts = cut_positions(row_blocks);
+  cuts.col_cuts = cut_positions(col_blocks);
+  cuts.halo = halo;
+  spec.legend = {
+      {Mark::kLine, cuts.line, "rank boundary"},
+      {Mark::kDashedOutline, cuts.band,
+       "halo: K/V rows/cols read across the boundary (" + std::to_string(halo) + " deep)"}};
+  Figure figure = draw_figure(spec);
+  for (const PanelArea& area : figure.panels) draw_cuts(figure.image, area, cuts);
+  return figure.image;
 }
 
 double train_step(NATransformer& model, torch::optim::AdamW& opt, const at::Tensor& x, const at::Tensor& y) {
@@ -278,12 +289,16 @@ int run(int argc, char** argv) {
               tolerance);
 
   const int scale = static_cast<int>(std::max<int64_t>(4, (240 + cols - 1) / cols));
-  const auto image = draw_panels({test.noisy[0].squeeze(-1), prediction[0].squeeze(-1), test.clean[0].squeeze(-1)},
-                                 row_blocks, col_blocks, halo, scale);
+  const std::string heading =
+      "held-out field after " + std::to_string(steps) + " training steps on 4 ranks";
+  const auto image = draw_fields(
+      heading, {test.noisy[0].squeeze(-1), prediction[0].squeeze(-1), test.clean[0].squeeze(-1)},
+      row_blocks, col_blocks, halo, scale);
   write_png(out_path, image);
-  std::printf("wrote %s (%dx%d: noisy input | prediction | clean target of a held-out field; lines: "
-              "block boundaries, amber: K/V rows read across a cut)\n",
-              out_path.c_str(), image.width(), image.height());
+  std::printf(
+      "wrote %s (%dx%d: noisy input | prediction | clean target of a held-out field; lines: "
+      "block boundaries, dashed: K/V rows read across a cut)\n",
+      out_path.c_str(), image.width(), image.height());
   std::printf("%s in %.1f s\n", ok ? "OK" : "FAILED", seconds_since(started));
   return ok ? 0 : 1;
 }
