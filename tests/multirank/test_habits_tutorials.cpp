@@ -467,7 +467,8 @@ TEST(HabitsTutorial, DdpNoSyncAccumulatesMicroBatches) {
 // demo_checkpoint: train, then rank 0 alone saves the model with torch.save, a barrier, every
 // rank reads the file and training goes on: one device trained as long. With torch DDP's own
 // feeding (ReplicateOptions::local_batches: plain parameters); the file is read the way
-// Python's load_state_dict writes it, a copy_ into each parameter.
+// Python's load_state_dict writes it, a copy_ into each parameter (LibTorch's
+// torch::load(model) does set_ instead: see DISABLED_DdpTorchLoadIntoTheWrappedModel).
 TEST(HabitsTutorial, DdpCheckpointSavedByRankZeroLoadedByEveryRank) {
   const std::vector<int64_t> rows = {6, 3};
   const auto inits = toy_inits(2);
@@ -527,6 +528,41 @@ TEST(HabitsTutorial, DdpRankZeroTorchSaveOfDistributedParametersNamesTheWayOut) 
       kRun);
 }
 
+// Disabled: SILENTLY WRONG today. The tutorial's load line in LibTorch, torch::load(model,
+// path), into a model under replicate (local batches or the default options) loads the right
+// values, but the next backward communicates nothing: InputArchive::read calls set_ on each
+// parameter, autograd then drops the parameter's gradient accumulator, and with it the
+// post-hook replicate registered on it. Every rank steps on its own gradient and the
+// replicas drift apart.
+TEST(HabitsTutorial, DISABLED_DdpTorchLoadIntoTheWrappedModel) {
+  const std::vector<int64_t> rows = {6, 3};
+  const auto inits = toy_inits(2);
+  const auto ref = ddp_reference(inits[0], rows, 4);
+  for (bool local_batches : {true, false}) {
+    const std::string path = fresh_dir("ddp") + "/model.checkpoint";
+    tessera::testing::run_ranks(
+        2,
+        [&](int rank) {
+          at::set_num_threads(1);
+          auto mesh = init_device_mesh("cpu", {2}, {"dp"});
+          auto model = clone_of(inits[rank]);
+          auto ddp = replicate(*model, mesh, ReplicateOptions().local_batches(local_batches));
+          torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.05));
+          ddp_step(*model, opt, rows, rank, 0);
+          ddp_step(*model, opt, rows, rank, 1);
+          checkpoint::export_module(*model, path);  // (torch::save on rank 0 for local batches)
+          barrier(mesh);
+          torch::load(model, path);
+          ddp_step(*model, opt, rows, rank, 2);
+          ddp_step(*model, opt, rows, rank, 3);
+          expect_parameters(*model, *ref,
+                            std::string(local_batches ? "local batches" : "default") + ", rank " +
+                                std::to_string(rank));
+        },
+        kRun);
+  }
+}
+
 // =============================================================================================
 // Getting Started with Fully Sharded Data Parallel (FSDP2)
 
@@ -554,6 +590,48 @@ TEST(HabitsTutorial, FsdpEveryLayerThenRootOptimizerAfter) {
           const std::string ctx = std::to_string(world) + " ranks, rank " + std::to_string(rank);
           fsdp_test::expect_losses(train_stack(*model, opt, dx, dy, 3), expected, ctx);
           expect_parameters(*model, *ref, ctx);
+        },
+        kRun);
+  }
+}
+
+// Disabled: SILENTLY WRONG today. The FSDP2 tutorial feeds each rank its own plain batch
+// (torch.randn on every rank) to the fully_shard'ed model; FSDP2 then averages the ranks'
+// gradients (DDP's semantics, one device on the mean of the ranks' losses). Tessera raises
+// nothing, but fully_shard's reduce takes a gradient that is Replicate over the shard dim (a
+// plain batch reads as replicated) as this rank's rows without averaging: each rank's rows
+// step on its own batch's gradient.
+TEST(HabitsTutorial, DISABLED_FsdpPlainPerRankBatchesTrainAsFsdp2) {
+  const auto proto = make_stack();
+  for (int world : {2, 3}) {
+    auto ref = clone_of(proto);
+    {
+      torch::optim::Adam opt(ref->parameters(), torch::optim::AdamOptions(0.01));
+      for (int s = 0; s < 3; ++s) {
+        opt.zero_grad();
+        at::Tensor total = at::zeros({}, at::kDouble);
+        for (int r = 0; r < world; ++r)
+          total = total + at::mse_loss(ref->forward(data({3, 7}, s, r, 0)), data({3, 3}, s, r, 1));
+        (total / world).backward();
+        opt.step();
+      }
+    }
+    tessera::testing::run_ranks(
+        world,
+        [&](int rank) {
+          at::set_num_threads(1);
+          auto mesh = init_device_mesh("cpu", {world}, {"dp"});
+          auto model = clone_of(proto);
+          shard_stack(*model, mesh);
+          torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(0.01));
+          for (int s = 0; s < 3; ++s) {
+            opt.zero_grad();
+            at::mse_loss(model->forward(data({3, 7}, s, rank, 0)), data({3, 3}, s, rank, 1))
+                .backward();
+            opt.step();
+          }
+          expect_parameters(*model, *ref,
+                            std::to_string(world) + " ranks, rank " + std::to_string(rank));
         },
         kRun);
   }
@@ -927,6 +1005,28 @@ TEST(HabitsTutorial, TpTwoDimDataTimesTensorParallelWithFullyShard) {
         return from_local(rows_of(t, rows, mesh.coordinate()[0]), mesh, {Shard(0), Replicate()});
       },
       ids, labels, *ref, expected, "from_local batches");
+}
+
+// Disabled: SILENTLY WRONG today. The tutorial's 2-D recipe verbatim: its 1-D plan (local
+// outputs), fully_shard over "dp", and each dp group's own plain rows (2 and 2: even, so
+// FSDP's average of the groups' gradients is one device's). No error and the first losses
+// are each group's own, but the parameters differ from one device after the first step: the
+// plain activations read as replicated over "dp", and fully_shard keeps a gradient
+// replicated over "dp" as this rank's rows without averaging it (as in
+// DISABLED_FsdpPlainPerRankBatchesTrainAsFsdp2). (The same recipe on batches declared with
+// from_local raises on every rank: the local outputs drop the dp sharding.)
+TEST(HabitsTutorial, DISABLED_TpTwoDimTutorialVerbatimWithPlainBatches) {
+  const auto proto = make_tiny();
+  const auto ids = tokens({4, 5}, kVocab, 80), labels = tokens({4, 5}, kVocab, 81);
+  auto ref = clone_of(proto);
+  const auto expected = train_tiny_reference(*ref, ids, labels);
+  const ShardTable rows = {2, 2};
+  train_two_dim(
+      proto, sequence_parallel_plan(),
+      [&](const at::Tensor& t, const DeviceMesh& mesh) {
+        return rows_of(t, rows, mesh.coordinate()[0]);
+      },
+      ids, labels, *ref, expected, "plain batches");
 }
 
 // =============================================================================================
