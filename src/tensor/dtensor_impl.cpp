@@ -45,6 +45,10 @@ bool DTensorImpl::has_storage() const {
   TORCH_CHECK(false, kNoDataPointer);
   return false;
 }
+const c10::Storage& DTensorImpl::storage() const {
+  TORCH_CHECK(false, kNoDataPointer);
+  return storage_;
+}
 #endif
 
 void DTensorImpl::refresh_global_metadata() {

@@ -35,6 +35,9 @@ class DTensorImpl final : public c10::TensorImpl {
   // for a distributed tensor is an error that says what to use instead (NOTE: [No data
   // pointer] in dtensor_impl.cpp). 2.x has a per-tensor message for the same check.
   bool has_storage() const override;
+  // The same for code that asks for the storage itself (torch::save's pickler): ATen's own
+  // "Cannot access storage of DTensorImpl" named no way out.
+  const c10::Storage& storage() const override;
 #endif
 
  private:
