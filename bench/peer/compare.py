@@ -254,9 +254,11 @@ def main():
     for s in SUITES:
         if only and s.name not in only:
             continue
+        before = load()
         recs = run_all(s.pytorch(a)) + run_all(s.tessera(a))
         every += recs
-        out += [s.table(s.title, recs), ""]
+        out += [s.table(s.title, recs), "",
+                f"Load average (1/5/15 min) before / after this suite: {before} / {load()}", ""]
     errors = [f"- {r['impl']} {r['case']} {r['variant']}: {r['error']}" for r in every
               if r.get("error")]
     if errors:
