@@ -11,6 +11,9 @@
 # LibTorch inside that torch (build-peer-<major.minor>, or PEER_BUILD), so both sides run the
 # same ATen, as in the Debian 13 run.
 set -euo pipefail
+case ${PEER_PYTHON:-} in  # a relative path keeps meaning the caller's directory
+  */*) PEER_PYTHON=$(cd "$(dirname "$PEER_PYTHON")" && pwd)/$(basename "$PEER_PYTHON") ;;
+esac
 cd "$(dirname "$0")/../.."
 if [ -n "${PEER_PYTHON:-}" ]; then
   "$PEER_PYTHON" -c 'import torch, numpy' 2>/dev/null || {
