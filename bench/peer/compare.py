@@ -2,8 +2,10 @@
 matching C++ programs (bench/peer/tessera_peer.cpp) one after the other on this machine, and
 prints one side-by-side table per suite (markdown) with ratios.
 
-Normally started through bench/peer/run.sh, which runs it inside the Debian 13 root where
-PyTorch 2.6 and LibTorch 2.6 are both installed. Directly:
+Normally started through bench/peer/run.sh: inside the Debian 13 root where PyTorch 2.6 and
+LibTorch 2.6 are both installed, or, with PEER_PYTHON, on this host with that interpreter's
+torch (e.g. pip's 2.15 in a venv). The PyTorch programs run with the interpreter that runs
+this script. Directly:
     python3 bench/peer/compare.py [--build build] [--ranks 4] [--iters 20] [--only ops,train]
                                   [--json results.json]
 
@@ -219,6 +221,21 @@ SUITES = [
 ]
 
 
+def libtorch_version(build):
+    """The version of the LibTorch the Tessera build folder was configured against."""
+    try:
+        with open(os.path.join(build, "CMakeCache.txt")) as f:
+            torch_dir = next(l.split("=", 1)[1].strip() for l in f if l.startswith("Torch_DIR:"))
+        with open(os.path.join(torch_dir, "TorchConfigVersion.cmake")) as f:
+            return next(l.split('"')[1] for l in f if "PACKAGE_VERSION \"" in l)
+    except (OSError, StopIteration, IndexError):
+        return "unknown"
+
+
+def load():
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--build", default="build", help="Tessera build folder")
@@ -230,20 +247,23 @@ def main():
     only = [s for s in a.only.split(",") if s]
     import torch
 
-    header = (f"PyTorch {torch.__version__} (python3-torch), Tessera against LibTorch "
-              f"{torch.__version__.split('+')[0]}; {os.cpu_count()} cores; "
-              f"1 intra-op thread per process")
+    header = (f"PyTorch {torch.__version__} ({sys.executable}), Tessera against LibTorch "
+              f"{libtorch_version(a.build)} ({a.build}); {os.cpu_count()} cores; "
+              f"1 intra-op thread per process; load average (1/5/15 min) at start {load()}")
     every, out = [], [header, ""]
     for s in SUITES:
         if only and s.name not in only:
             continue
+        before = load()
         recs = run_all(s.pytorch(a)) + run_all(s.tessera(a))
         every += recs
-        out += [s.table(s.title, recs), ""]
+        out += [s.table(s.title, recs), "",
+                f"Load average (1/5/15 min) before / after this suite: {before} / {load()}", ""]
     errors = [f"- {r['impl']} {r['case']} {r['variant']}: {r['error']}" for r in every
               if r.get("error")]
     if errors:
         out += ["Failed cases:", *errors, ""]
+    out.append(f"Load average (1/5/15 min) at the end: {load()}")
     print("\n".join(out))
     if a.json:
         with open(a.json, "w") as f:

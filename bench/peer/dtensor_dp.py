@@ -9,9 +9,11 @@ CPU allocator bytes during one step (see peak_step_bytes).
 
 FSDP2 on CPU in PyTorch 2.6 needs two things (see fsdp2_cpu_shim / FSDP2_OPTIONS):
   * torch.cpu.Stream has no record_event / wait_event / wait_stream, which FSDP2 calls; on CPU
-    every op is synchronous, so no-ops are exact;
+    every op is synchronous, so no-ops are exact (2.15 has its own, which are kept);
   * with reshard_after_forward=True backward fails on CPU ("modified by an inplace
     operation"), so parameters stay unsharded from forward to backward (resharded after it).
+    2.15 runs it, but the option stays False on every version: Tessera's fully_shard rows
+    use reshard_after_forward(false) too.
 """
 import gc
 
@@ -38,9 +40,12 @@ def mlp():
 def fsdp2_cpu_shim():
     import torch.cpu as torch_cpu
 
-    torch_cpu.Stream.record_event = lambda self, event=None: torch_cpu.Event()
-    torch_cpu.Stream.wait_event = lambda self, event: None
-    torch_cpu.Stream.wait_stream = lambda self, stream: None
+    shims = dict(record_event=lambda self, event=None: torch_cpu.Event(),
+                 wait_event=lambda self, event: None,
+                 wait_stream=lambda self, stream: None)
+    for name, fn in shims.items():
+        if not hasattr(torch_cpu.Stream, name):  # PyTorch 2.15 has all three
+            setattr(torch_cpu.Stream, name, fn)
 
 
 def build(variant, mesh):

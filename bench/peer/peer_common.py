@@ -13,7 +13,8 @@ import statistics
 import sys
 import time
 
-# Debian's PyTorch 2.6 is built without libuv: its TCPStore needs the classic backend.
+# Debian's PyTorch 2.6 is built without libuv: its TCPStore needs the classic backend (kept
+# for pip's 2.15 too, which has libuv; it only carries the rendezvous).
 os.environ.setdefault("USE_LIBUV", "0")
 
 
