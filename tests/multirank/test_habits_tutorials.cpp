@@ -601,7 +601,7 @@ TEST(HabitsTutorial, FsdpEveryLayerThenRootOptimizerAfter) {
 // nothing, but fully_shard's reduce takes a gradient that is Replicate over the shard dim (a
 // plain batch reads as replicated) as this rank's rows without averaging: each rank's rows
 // step on its own batch's gradient.
-TEST(HabitsTutorial, DISABLED_FsdpPlainPerRankBatchesTrainAsFsdp2) {
+TEST(HabitsTutorial, FsdpPlainPerRankBatchesTrainAsFsdp2) {
   const auto proto = make_stack();
   for (int world : {2, 3}) {
     auto ref = clone_of(proto);
@@ -1007,26 +1007,31 @@ TEST(HabitsTutorial, TpTwoDimDataTimesTensorParallelWithFullyShard) {
       ids, labels, *ref, expected, "from_local batches");
 }
 
-// Disabled: SILENTLY WRONG today. The tutorial's 2-D recipe verbatim: its 1-D plan (local
-// outputs), fully_shard over "dp", and each dp group's own plain rows (2 and 2: even, so
-// FSDP's average of the groups' gradients is one device's). No error and the first losses
-// are each group's own, but the parameters differ from one device after the first step: the
-// plain activations read as replicated over "dp", and fully_shard keeps a gradient
-// replicated over "dp" as this rank's rows without averaging it (as in
-// DISABLED_FsdpPlainPerRankBatchesTrainAsFsdp2). (The same recipe on batches declared with
-// from_local raises on every rank: the local outputs drop the dp sharding.)
-TEST(HabitsTutorial, DISABLED_TpTwoDimTutorialVerbatimWithPlainBatches) {
+// The tutorial's 2-D recipe verbatim: its 1-D plan (local outputs), fully_shard over "dp",
+// and each dp group's own plain rows. The plain ids reach the embedding on mesh["tp"] as one
+// value over "dp" (NOTE: [Plain inputs on a slice]); they differ, so every rank raises naming
+// from_local, where this trained silently wrong before (the tensor-parallel rules split work
+// over a "replicated" dp dim). The working form of the recipe is
+// TpTwoDimDataTimesTensorParallelWithFullyShard (distributed batches and outputs).
+TEST(HabitsTutorial, TpTwoDimTutorialVerbatimWithPlainBatches) {
   const auto proto = make_tiny();
   const auto ids = tokens({4, 5}, kVocab, 80), labels = tokens({4, 5}, kVocab, 81);
   auto ref = clone_of(proto);
   const auto expected = train_tiny_reference(*ref, ids, labels);
   const ShardTable rows = {2, 2};
-  train_two_dim(
-      proto, sequence_parallel_plan(),
-      [&](const at::Tensor& t, const DeviceMesh& mesh) {
-        return rows_of(t, rows, mesh.coordinate()[0]);
-      },
-      ids, labels, *ref, expected, "plain batches");
+  try {
+    train_two_dim(
+        proto, sequence_parallel_plan(),
+        [&](const at::Tensor& t, const DeviceMesh& mesh) {
+          return rows_of(t, rows, mesh.coordinate()[0]);
+        },
+        ids, labels, *ref, expected, "plain batches");
+    ADD_FAILURE() << "per-group plain batches on mesh[\"tp\"] did not raise";
+  } catch (const std::exception& e) {
+    const std::string msg = e.what();
+    for (const char* needle : {"differs across mesh dim(s) 'dp'", "from_local", "failed after it"})
+      EXPECT_NE(msg.find(needle), std::string::npos) << needle << " missing from: " << msg;
+  }
 }
 
 // =============================================================================================
