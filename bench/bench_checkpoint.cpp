@@ -58,7 +58,8 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"tessera::checkpoint save/load throughput vs torch::save/load of each rank's shards"};
+  CLI::App app{
+      "tessera::checkpoint save/load throughput vs torch::save/load of each rank's shards"};
   int64_t mb = 256;
   int reps = 3;
   std::string base = fs::temp_directory_path().string();
@@ -90,7 +91,8 @@ int main(int argc, char** argv) {
     moved.insert(name, from_local(at::zeros({shifted[rank], cols}), mesh, {Shard(0)},
                                   {ShardSizes::Given(0, shifted)}));
   }
-  const double my_mb = static_cast<double>(chunk_sizes(rows, world)[rank] * cols * 4 * kTensors) / (1 << 20);
+  const double my_mb =
+      static_cast<double>(chunk_sizes(rows, world)[rank] * cols * 4 * kTensors) / (1 << 20);
   const std::string root = base + "/tessera-bench-ckpt-" + std::to_string(world);
   if (rank == 0) fs::remove_all(root), fs::create_directories(root);
   comm::all_gather_ints(group, {0});
@@ -100,7 +102,8 @@ int main(int argc, char** argv) {
     save_t.push_back(timed(group, [&] { ckpt::save(state, dir); }));
     load_t.push_back(timed(group, [&] { ckpt::load(target, dir); }));
     reshard_t.push_back(timed(group, [&] { ckpt::load(moved, dir); }));
-    const std::string file = root + "/torch-" + std::to_string(r) + "-rank" + std::to_string(rank) + ".pt";
+    const std::string file =
+        root + "/torch-" + std::to_string(r) + "-rank" + std::to_string(rank) + ".pt";
     std::vector<at::Tensor> locals;
     for (const auto& [name, v] : state.items()) locals.push_back(to_local(std::get<at::Tensor>(v)));
     tsave_t.push_back(timed(group, [&] {
@@ -118,10 +121,11 @@ int main(int argc, char** argv) {
   if (rank == 0) {
     const double s = median(save_t), l = median(load_t), rs = median(reshard_t);
     const double ts = median(tsave_t), tl = median(tload_t);
-    std::printf("%d rank(s), %lld MiB state (%d float32 tensors of [%lld, %lld], Shard(0)), %.1f MiB "
-                "per rank, median of %d, slowest rank; files in %s\n",
-                world, (long long)mb, kTensors, (long long)rows, (long long)cols, my_mb, reps,
-                root.c_str());
+    std::printf(
+        "%d rank(s), %lld MiB state (%d float32 tensors of [%lld, %lld], Shard(0)), %.1f MiB "
+        "per rank, median of %d, slowest rank; files in %s\n",
+        world, (long long)mb, kTensors, (long long)rows, (long long)cols, my_mb, reps,
+        root.c_str());
     std::printf("%-44s %10s %12s\n", "", "seconds", "MB/s / rank");
     auto row = [&](const char* what, double t) {
       std::printf("%-44s %10.3f %12.0f\n", what, t, my_mb * 1.048576 / t);

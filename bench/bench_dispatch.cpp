@@ -51,9 +51,9 @@ struct AdamCase {
       auto p = at::randn({16, 16});
       if (distributed) p = distribute_tensor(p, f.mesh, {Replicate()}, std::nullopt);
       p = p.detach().requires_grad_();
-      p.mutable_grad() = distributed ? distribute_tensor(at::randn({16, 16}), f.mesh,
-                                                         {Replicate()}, std::nullopt)
-                                     : at::randn({16, 16});
+      p.mutable_grad() =
+          distributed ? distribute_tensor(at::randn({16, 16}), f.mesh, {Replicate()}, std::nullopt)
+                      : at::randn({16, 16});
       params.push_back(p);
     }
     adam = std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3));
@@ -76,8 +76,7 @@ const std::vector<Case>& cases() {
        [] { benchmark::DoNotOptimize(at::mm(fx().da, fx().dm)); }},
       {"view", [] { benchmark::DoNotOptimize(fx().a.view({64})); },
        [] { benchmark::DoNotOptimize(fx().da.view({64})); }},
-      {"adam_step_50", [] { adam_case(false).adam->step(); },
-       [] { adam_case(true).adam->step(); }},
+      {"adam_step_50", [] { adam_case(false).adam->step(); }, [] { adam_case(true).adam->step(); }},
       {"add", [] { benchmark::DoNotOptimize(at::add(fx().a, fx().b)); },
        [] { benchmark::DoNotOptimize(at::add(fx().da, fx().db)); }},
       {"mul_scalar", [] { benchmark::DoNotOptimize(fx().a * 2.0); },

@@ -104,7 +104,8 @@ class OpStackTracking {
 // peers) counts as that op's self time.
 class OpProfile {
  public:
-  OpProfile() : handle_(at::addThreadLocalCallback(at::RecordFunctionCallback(&on_start, &on_end))) {
+  OpProfile()
+      : handle_(at::addThreadLocalCallback(at::RecordFunctionCallback(&on_start, &on_end))) {
     t_profile = this;
   }
   ~OpProfile() {
@@ -172,7 +173,8 @@ struct ConvLayer {
   const char* name;
   int64_t c_in, c_out, level;
 };
-const std::vector<ConvLayer> kUnetConvs = {{"encode", 1, 8, 1}, {"coarse", 8, 16, 2}, {"decode", 24, 8, 1}};
+const std::vector<ConvLayer> kUnetConvs = {
+    {"encode", 1, 8, 1}, {"coarse", 8, 16, 2}, {"decode", 24, 8, 1}};
 
 at::Tensor seeded_randn(const std::vector<int64_t>& shape, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -291,8 +293,8 @@ HaloBytes unet_halo_bytes(const Block& b, int64_t H, int64_t W, int64_t B) {
 struct PhaseComm {
   int64_t halo_calls = 0, halo_exchanges = 0;  // send_recv calls; those that moved rows
   int64_t halo_sent = 0, halo_received = 0;
-  int64_t ar_calls = 0, ar_sent = 0;          // all_reduce (ring bytes as recorded)
-  int64_t other_calls = 0, other_sent = 0;    // anything else (metadata excluded)
+  int64_t ar_calls = 0, ar_sent = 0;        // all_reduce (ring bytes as recorded)
+  int64_t other_calls = 0, other_sent = 0;  // anything else (metadata excluded)
 };
 
 // Runs f with a CommDebugMode (the byte and call totals) and a Recorder (which exchanges moved
@@ -378,7 +380,8 @@ struct DistConvResult {
   std::vector<double> alone;  // both ranks convolve their own rows with plain ATen, no halo
   std::vector<double> cpu;    // per step, the larger rank's thread CPU time (Tessera step)
   std::map<std::string, double> profile;  // one more step on this rank, self time per op
-  // per rank: halo fwd recv, halo bwd recv, halo calls, all_reduce calls, all_reduce bytes, other calls
+  // per rank: halo fwd recv, halo bwd recv, halo calls, all_reduce calls, all_reduce bytes, other
+  // calls
   std::vector<std::vector<double>> per_rank;
 };
 
@@ -393,12 +396,12 @@ DistConvResult time_distributed_conv(const ConvConfig& c) {
   distribute_module(*conv, mesh);
   const auto rows = ShardSizes::Given(2, {c.first_rows, c.height - c.first_rows});
   const Placements split = {Shard(2)};
-  auto x = distribute_tensor(seeded_randn({c.batch, c.channels, c.height, c.width}, 1), mesh,
-                             split, std::nullopt, rows)
+  auto x = distribute_tensor(seeded_randn({c.batch, c.channels, c.height, c.width}, 1), mesh, split,
+                             std::nullopt, rows)
                .detach()
                .requires_grad_();
-  const auto g = distribute_tensor(seeded_randn({c.batch, c.channels, c.height, c.width}, 2),
-                                   mesh, split, std::nullopt, rows);
+  const auto g = distribute_tensor(seeded_randn({c.batch, c.channels, c.height, c.width}, 2), mesh,
+                                   split, std::nullopt, rows);
   DistConvResult r;
   {
     // The ceiling on this machine: the same work per rank, both ranks at once, no halo and no
@@ -444,14 +447,16 @@ DistConvResult time_distributed_conv(const ConvConfig& c) {
   const auto b = record_phase([&] { out.backward(g); });
   const auto w = record_phase([&] { reduce_grads(*conv, mesh); });
   std::vector<double> mine(2 * 6, 0.0);
-  const std::vector<double> v = {double(f.c.halo_received), double(b.c.halo_received),
+  const std::vector<double> v = {double(f.c.halo_received),
+                                 double(b.c.halo_received),
                                  double(f.c.halo_calls + b.c.halo_calls),
                                  double(f.c.ar_calls + b.c.ar_calls + w.c.ar_calls),
                                  double(f.c.ar_sent + b.c.ar_sent + w.c.ar_sent),
                                  double(f.c.other_calls + b.c.other_calls + w.c.other_calls)};
   std::copy(v.begin(), v.end(), mine.begin() + 6 * me);
   const auto all = sum_over(pg, mine);
-  for (int k = 0; k < 2; ++k) r.per_rank.emplace_back(all.begin() + 6 * k, all.begin() + 6 * (k + 1));
+  for (int k = 0; k < 2; ++k)
+    r.per_rank.emplace_back(all.begin() + 6 * k, all.begin() + 6 * (k + 1));
   return r;
 }
 
@@ -463,8 +468,10 @@ void print_profiles(const std::map<std::string, double>& a, const std::map<std::
   for (const auto& [name, t] : a)
     if (!b.count(name)) ops.emplace_back(0.0, name);
   std::sort(ops.rbegin(), ops.rend());
-  std::printf("  self time per op in one profiled step, ms (Tessera's kernel code and waits for peers"
-              " count in the enclosing op):\n  %-44s %10s %10s\n", "op", name_a, name_b);
+  std::printf(
+      "  self time per op in one profiled step, ms (Tessera's kernel code and waits for peers"
+      " count in the enclosing op):\n  %-44s %10s %10s\n",
+      "op", name_a, name_b);
   double rest_a = 0, rest_b = 0;
   for (const auto& [name, t] : a) rest_a += t;
   for (const auto& [name, t] : b) rest_b += t;
@@ -482,28 +489,35 @@ void report_conv(const ConvConfig& c, const SingleConvResult& single, const Dist
                  const char* mode) {
   const auto& t1 = single.times;
   const double m1 = median(t1), m2 = median(d.times), ma = median(d.alone);
-  std::printf("\n== 1. Halo conv2d forward+backward: 1 rank vs 2 ranks (%s, 1 thread each) ==\n", mode);
-  std::printf("input [%lld, %lld, %lld, %lld], Conv2d %lld->%lld 3x3 padding 1, step = forward +"
-              " out.backward(g) (+ weight-gradient all-reduce on 2 ranks); rows split %lld + %lld\n",
-              (long long)c.batch, (long long)c.channels, (long long)c.height, (long long)c.width,
-              (long long)c.channels, (long long)c.channels, (long long)c.first_rows,
-              (long long)(c.height - c.first_rows));
-  std::printf("median of %d steps after %d warm-up (2 ranks: the slower rank's time per step);"
-              " %u cores here: the 2-rank runs use %s\n",
-              c.iters, c.warmup, std::thread::hardware_concurrency(),
-              std::thread::hardware_concurrency() <= 2 ? "all of them" : "two of them");
+  std::printf("\n== 1. Halo conv2d forward+backward: 1 rank vs 2 ranks (%s, 1 thread each) ==\n",
+              mode);
+  std::printf(
+      "input [%lld, %lld, %lld, %lld], Conv2d %lld->%lld 3x3 padding 1, step = forward +"
+      " out.backward(g) (+ weight-gradient all-reduce on 2 ranks); rows split %lld + %lld\n",
+      (long long)c.batch, (long long)c.channels, (long long)c.height, (long long)c.width,
+      (long long)c.channels, (long long)c.channels, (long long)c.first_rows,
+      (long long)(c.height - c.first_rows));
+  std::printf(
+      "median of %d steps after %d warm-up (2 ranks: the slower rank's time per step);"
+      " %u cores here: the 2-rank runs use %s\n",
+      c.iters, c.warmup, std::thread::hardware_concurrency(),
+      std::thread::hardware_concurrency() <= 2 ? "all of them" : "two of them");
   std::printf("  1 rank : %8.1f ms/step  (min %.1f, max %.1f)\n", 1e3 * m1,
-              1e3 * *std::min_element(t1.begin(), t1.end()), 1e3 * *std::max_element(t1.begin(), t1.end()));
-  std::printf("  2 ranks, plain conv of own rows only, at once: %8.1f ms/step -> ceiling %.2fx on this machine\n",
-              1e3 * ma, m1 / ma);
+              1e3 * *std::min_element(t1.begin(), t1.end()),
+              1e3 * *std::max_element(t1.begin(), t1.end()));
+  std::printf(
+      "  2 ranks, plain conv of own rows only, at once: %8.1f ms/step -> ceiling %.2fx on this "
+      "machine\n",
+      1e3 * ma, m1 / ma);
   std::printf("  2 ranks: %8.1f ms/step  (min %.1f, max %.1f)\n", 1e3 * m2,
               1e3 * *std::min_element(d.times.begin(), d.times.end()),
               1e3 * *std::max_element(d.times.begin(), d.times.end()));
-  std::printf("  speed-up T(1)/T(2) = %.2fx  (goal >= 1.85x; ideal 2x); %.0f%% of the ceiling\n", m1 / m2,
-              100 * ma / m2);
-  std::printf("  2 ranks, thread CPU time of the slower rank: %.1f ms/step (%.2fx of half the 1-rank"
-              " time: local work the halo path adds)\n",
-              1e3 * median(d.cpu), median(d.cpu) / (m1 / 2));
+  std::printf("  speed-up T(1)/T(2) = %.2fx  (goal >= 1.85x; ideal 2x); %.0f%% of the ceiling\n",
+              m1 / m2, 100 * ma / m2);
+  std::printf(
+      "  2 ranks, thread CPU time of the slower rank: %.1f ms/step (%.2fx of half the 1-rank"
+      " time: local work the halo path adds)\n",
+      1e3 * median(d.cpu), median(d.cpu) / (m1 / 2));
   print_profiles(single.profile, d.profile, "1 rank", "2 ranks/r0", 10);
 
   std::printf("\n== 2a. Halo bytes of one step, single conv on 2 ranks ==\n");
@@ -515,15 +529,17 @@ void report_conv(const ConvConfig& c, const SingleConvResult& single, const Dist
     const auto& v = d.per_rank[k];
     const int64_t cut_sides = 1;  // one cut between the two blocks
     const int64_t fmin = cut_sides * row_in, bmin = cut_sides * row_grad;
-    std::printf("%4d %14.0f %14lld %14.0f %14lld %8.3f %9.0f %13.0f\n", k, v[0], (long long)fmin, v[1],
-                (long long)bmin, (v[0] + v[1]) / double(fmin + bmin), v[3], v[4]);
+    std::printf("%4d %14.0f %14lld %14.0f %14lld %8.3f %9.0f %13.0f\n", k, v[0], (long long)fmin,
+                v[1], (long long)bmin, (v[0] + v[1]) / double(fmin + bmin), v[3], v[4]);
   }
-  std::printf("  minimum: 1 input row (%lld ch x %lld cols x 4 B) forward and 1 output-gradient row"
-              " backward per cut side\n",
-              (long long)c.channels, (long long)c.width);
-  std::printf("  all_reduce: the weight and bias gradients (%lld floats), ring bytes 2(n-1)/n x size;"
-              " send_recv calls per step: %.0f\n",
-              (long long)(c.channels * c.channels * 9 + c.channels), d.per_rank[0][2]);
+  std::printf(
+      "  minimum: 1 input row (%lld ch x %lld cols x 4 B) forward and 1 output-gradient row"
+      " backward per cut side\n",
+      (long long)c.channels, (long long)c.width);
+  std::printf(
+      "  all_reduce: the weight and bias gradients (%lld floats), ring bytes 2(n-1)/n x size;"
+      " send_recv calls per step: %.0f\n",
+      (long long)(c.channels * c.channels * 9 + c.channels), d.per_rank[0][2]);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -564,7 +580,8 @@ UnetStepComm unet_step_comm(const DeviceMesh& mesh, int64_t B, int64_t H, int64_
   const auto b = record_phase([&] { loss.backward(); });
   const auto g = record_phase([&] { reduce_grads(*model, mesh); });
   r.fwd = f.c, r.bwd = b.c, r.grads = g.c;
-  for (const auto* ph : {&f, &b, &g}) r.records.insert(r.records.end(), ph->records.begin(), ph->records.end());
+  for (const auto* ph : {&f, &b, &g})
+    r.records.insert(r.records.end(), ph->records.begin(), ph->records.end());
   // The same backward with the parameters frozen (the input takes their place as the leaf
   // that needs a gradient, so every conv still sends its gradient halo): what is left are
   // the normalisation statistics; the difference is the weight gradients.
@@ -605,11 +622,13 @@ void unet_bytes_2x2(int64_t B, int64_t size) {
     auto mesh = init_device_mesh("cpu", {2, 2}, {"h", "w"});
     per[rank] = unet_step_comm(mesh, B, size, size, rows, cols);
   });
-  std::printf("\n== 2b. Halo bytes of one step, domain_demo U-Net on a 2x2 mesh (uneven shards) ==\n");
-  std::printf("field [%lld, 1, %lld, %lld], rows %lld + %lld, cols %lld + %lld, float32; step = forward +"
-              " mse_loss + backward + gradient all-reduce; halo bytes received by each rank\n",
-              (long long)B, (long long)size, (long long)size, (long long)rows[0], (long long)rows[1],
-              (long long)cols[0], (long long)cols[1]);
+  std::printf(
+      "\n== 2b. Halo bytes of one step, domain_demo U-Net on a 2x2 mesh (uneven shards) ==\n");
+  std::printf(
+      "field [%lld, 1, %lld, %lld], rows %lld + %lld, cols %lld + %lld, float32; step = forward +"
+      " mse_loss + backward + gradient all-reduce; halo bytes received by each rank\n",
+      (long long)B, (long long)size, (long long)size, (long long)rows[0], (long long)rows[1],
+      (long long)cols[0], (long long)cols[1]);
   std::printf("%4s %-16s %10s %10s %10s %10s %8s %11s %8s\n", "rank", "block (rows x cols)",
               "halo fwd", "min fwd", "halo bwd", "min bwd", "ratio", "dim-by-dim", "ratio");
   int64_t tot_meas = 0, tot_min = 0, tot_dims = 0;
@@ -625,39 +644,49 @@ void unet_bytes_2x2(int64_t B, int64_t size) {
     std::snprintf(blk, sizeof blk, "[%lld,%lld)x[%lld,%lld)", (long long)p.block.h0,
                   (long long)p.block.h1, (long long)p.block.w0, (long long)p.block.w1);
     std::printf("%4d %-16s %10lld %10lld %10lld %10lld %8.4f %11lld %8.4f\n", k, blk,
-                (long long)p.fwd.halo_received, (long long)a.fwd_min, (long long)p.bwd.halo_received,
-                (long long)a.bwd_min, double(meas) / mn, (long long)dims, double(meas) / dims);
+                (long long)p.fwd.halo_received, (long long)a.fwd_min,
+                (long long)p.bwd.halo_received, (long long)a.bwd_min, double(meas) / mn,
+                (long long)dims, double(meas) / dims);
   }
   std::printf("%4s %-16s %10s %10s %10s %10s %8.4f %11lld %8.4f\n", "all", "", "", "", "", "",
               double(tot_meas) / tot_min, (long long)tot_dims, double(tot_meas) / tot_dims);
-  std::printf("  min = in-domain cells of each 3x3 conv's halo-1 window owned by other ranks (corners"
-              " included) x c_in (fwd) / x c_out (bwd), x batch x 4 B\n"
-              "  dim-by-dim = the same plus the fill cells beyond the domain edge that the column"
-              " exchange of the row-extended forward window carries\n");
+  std::printf(
+      "  min = in-domain cells of each 3x3 conv's halo-1 window owned by other ranks (corners"
+      " included) x c_in (fwd) / x c_out (bwd), x batch x 4 B\n"
+      "  dim-by-dim = the same plus the fill cells beyond the domain edge that the column"
+      " exchange of the row-extended forward window carries\n");
   const auto& p = per[0];
-  std::printf("collectives of the same step on rank 0 (bytes sent; all_reduce: ring bytes 2(n-1)/n x payload):\n");
+  std::printf(
+      "collectives of the same step on rank 0 (bytes sent; all_reduce: ring bytes 2(n-1)/n x "
+      "payload):\n");
   std::printf("  %-34s %6s %10s\n", "", "calls", "bytes");
   std::printf("  %-34s %6lld %10lld  (%lld moved rows)\n", "send_recv, forward (halo)",
-              (long long)p.fwd.halo_calls, (long long)p.fwd.halo_sent, (long long)p.fwd.halo_exchanges);
+              (long long)p.fwd.halo_calls, (long long)p.fwd.halo_sent,
+              (long long)p.fwd.halo_exchanges);
   std::printf("  %-34s %6lld %10lld  (%lld moved rows)\n", "send_recv, backward (gradient halo)",
-              (long long)p.bwd.halo_calls, (long long)p.bwd.halo_sent, (long long)p.bwd.halo_exchanges);
+              (long long)p.bwd.halo_calls, (long long)p.bwd.halo_sent,
+              (long long)p.bwd.halo_exchanges);
   // Group norm's forward statistics travel as all-gathers (one per sharded dim), the only
   // collectives of forward besides the halos.
   std::printf("  %-34s %6lld %10lld\n", "all_gather, forward (norm stats)",
-              (long long)(p.fwd.ar_calls + p.fwd.other_calls), (long long)(p.fwd.ar_sent + p.fwd.other_sent));
+              (long long)(p.fwd.ar_calls + p.fwd.other_calls),
+              (long long)(p.fwd.ar_sent + p.fwd.other_sent));
   const auto& fz = p.bwd_frozen;
   std::printf("  %-34s %6lld %10lld\n", "all_reduce, backward (norm stats)", (long long)fz.ar_calls,
               (long long)fz.ar_sent);
-  std::printf("  %-34s %6lld %10lld  (%lld in backward, %lld after it)\n", "all_reduce, weight gradients",
+  std::printf("  %-34s %6lld %10lld  (%lld in backward, %lld after it)\n",
+              "all_reduce, weight gradients",
               (long long)(p.bwd.ar_calls - fz.ar_calls + p.grads.ar_calls),
               (long long)(p.bwd.ar_sent - fz.ar_sent + p.grads.ar_sent),
               (long long)(p.bwd.ar_calls - fz.ar_calls), (long long)p.grads.ar_calls);
-  std::printf("  %-34s %6lld %10lld\n", "other", (long long)(p.bwd.other_calls + p.grads.other_calls),
+  std::printf("  %-34s %6lld %10lld\n", "other",
+              (long long)(p.bwd.other_calls + p.grads.other_calls),
               (long long)(p.bwd.other_sent + p.grads.other_sent));
   std::map<std::pair<int64_t, int64_t>, int> sizes;
   for (const auto& a : all_reduces(p.records)) ++sizes[{a.group, a.payload}];
   std::printf("  all_reduce payloads (group size:bytes x calls):");
-  for (const auto& [k, n] : sizes) std::printf(" %lld:%lldx%d", (long long)k.first, (long long)k.second, n);
+  for (const auto& [k, n] : sizes)
+    std::printf(" %lld:%lldx%d", (long long)k.first, (long long)k.second, n);
   std::printf("\n");
 }
 
@@ -665,9 +694,9 @@ void unet_bytes_2x2(int64_t B, int64_t size) {
 // (3): peak memory.
 
 struct MemResult {
-  int64_t base = 0;      // live bytes before the step (parameters, input, target)
-  int64_t peak_fwd = 0;  // highest live bytes up to the end of forward + loss
-  int64_t peak = 0;      // highest live bytes during the whole step
+  int64_t base = 0;                   // live bytes before the step (parameters, input, target)
+  int64_t peak_fwd = 0;               // highest live bytes up to the end of forward + loss
+  int64_t peak = 0;                   // highest live bytes during the whole step
   std::vector<std::string> peak_ops;  // ops on the stack at the peak
 };
 
@@ -716,12 +745,15 @@ MemResult plain_memory(int64_t B, int64_t rows, int64_t cols) {
 
 void memory_report(const std::vector<std::pair<int64_t, int64_t>>& fields) {
   std::vector<std::string> last_sites;
-  std::printf("\n== 3. Peak memory per rank, U-Net forward+backward: 1 rank vs 2x2 mesh (even shards) ==\n");
-  std::printf("bytes from the CPU allocator, counted per rank thread; peak = highest live bytes during the"
-              " step, the parameters, input and target allocated before it included; P=4: the largest"
-              " rank; 'tile' = the plain module alone on one rank's quarter\n");
-  std::printf("%-12s %9s %9s %9s %9s %9s %9s %8s %7s %11s\n", "field", "P=1 MiB", "P=4 MiB", "tile MiB",
-              "P=1 fwd", "P=4 fwd", "tile fwd", "P4/P1", "goal", "P4/tile");
+  std::printf(
+      "\n== 3. Peak memory per rank, U-Net forward+backward: 1 rank vs 2x2 mesh (even shards) "
+      "==\n");
+  std::printf(
+      "bytes from the CPU allocator, counted per rank thread; peak = highest live bytes during the"
+      " step, the parameters, input and target allocated before it included; P=4: the largest"
+      " rank; 'tile' = the plain module alone on one rank's quarter\n");
+  std::printf("%-12s %9s %9s %9s %9s %9s %9s %8s %7s %11s\n", "field", "P=1 MiB", "P=4 MiB",
+              "tile MiB", "P=1 fwd", "P=4 fwd", "tile fwd", "P4/P1", "goal", "P4/tile");
   for (const auto& [size, B] : fields) {
     const MemResult single = plain_memory(B, size, size);
     const MemResult tile = plain_memory(B, size / 2, size / 2);
@@ -737,8 +769,10 @@ void memory_report(const std::vector<std::pair<int64_t, int64_t>>& fields) {
         distribute_module(*model, mesh);
         const Placements hw = {Shard(2), Shard(3)};
         // Each rank slices its block from a full copy; cloning the block lets the copy die.
-        at::Tensor x = distribute_tensor(seeded_randn({B, 1, size, size}, 3), mesh, hw, std::nullopt);
-        at::Tensor y = distribute_tensor(seeded_randn({B, 1, size, size}, 4), mesh, hw, std::nullopt);
+        at::Tensor x =
+            distribute_tensor(seeded_randn({B, 1, size, size}, 3), mesh, hw, std::nullopt);
+        at::Tensor y =
+            distribute_tensor(seeded_randn({B, 1, size, size}, 4), mesh, hw, std::nullopt);
         x = from_local(to_local(x).clone(), mesh, hw);
         y = from_local(to_local(y).clone(), mesh, hw);
         per[rank] = measure_step_memory(model, x, y, counters[rank]);
@@ -754,23 +788,25 @@ void memory_report(const std::vector<std::pair<int64_t, int64_t>>& fields) {
     last_sites = {op_path(single.peak_ops), op_path(worst.peak_ops), op_path(tile.peak_ops)};
     const double mib = 1.0 / (1 << 20);
     char name[32];
-    std::snprintf(name, sizeof name, "%lldx%lld b%lld", (long long)size, (long long)size, (long long)B);
-    std::printf("%-12s %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %8.3f %7.3f %11.3f\n", name, single.peak * mib,
-                worst.peak * mib, tile.peak * mib, single.peak_fwd * mib, worst.peak_fwd * mib,
-                tile.peak_fwd * mib, double(worst.peak) / single.peak, 0.25 + 0.05,
-                double(worst.peak) / tile.peak);
+    std::snprintf(name, sizeof name, "%lldx%lld b%lld", (long long)size, (long long)size,
+                  (long long)B);
+    std::printf("%-12s %9.2f %9.2f %9.2f %9.2f %9.2f %9.2f %8.3f %7.3f %11.3f\n", name,
+                single.peak * mib, worst.peak * mib, tile.peak * mib, single.peak_fwd * mib,
+                worst.peak_fwd * mib, tile.peak_fwd * mib, double(worst.peak) / single.peak,
+                0.25 + 0.05, double(worst.peak) / tile.peak);
   }
   if (!fields.empty()) {
     // The window path's largest extra buffer: a halo-extended copy of the decode conv's input.
     const auto [size, B] = fields.back();
     const double window = double(B) * 24 * (size / 2 + 2) * (size / 2 + 2) * 4 / (1 << 20);
-    std::printf("  one halo-extended copy of the decode conv's input (%lld x 24 x %lld x %lld floats) on a"
-                " rank of the last field: %.2f MiB\n",
-                (long long)B, (long long)(size / 2 + 2), (long long)(size / 2 + 2), window);
+    std::printf(
+        "  one halo-extended copy of the decode conv's input (%lld x 24 x %lld x %lld floats) on a"
+        " rank of the last field: %.2f MiB\n",
+        (long long)B, (long long)(size / 2 + 2), (long long)(size / 2 + 2), window);
   }
   if (!last_sites.empty())
-    std::printf("  where the last field peaks: P=1 in %s; P=4 in %s; tile in %s\n", last_sites[0].c_str(),
-                last_sites[1].c_str(), last_sites[2].c_str());
+    std::printf("  where the last field peaks: P=1 in %s; P=4 in %s; tile in %s\n",
+                last_sites[0].c_str(), last_sites[1].c_str(), last_sites[2].c_str());
 }
 
 // ---------------------------------------------------------------------------------------
@@ -824,11 +860,15 @@ UnetPairTimes time_unet_pair(int64_t tile, int64_t B, int warmup, int iters) {
     torch::manual_seed(0);
     HeatNet model;
     std::shared_ptr<ReplicatedModule> ddp;
-    if (bucketed) ddp = replicate(*model, mesh);
-    else distribute_module(*model, mesh);
+    if (bucketed)
+      ddp = replicate(*model, mesh);
+    else
+      distribute_module(*model, mesh);
     const Placements rows = {Shard(2)};
-    const auto x = distribute_tensor(seeded_randn({B, 1, 2 * tile, tile}, 3), mesh, rows, std::nullopt);
-    const auto y = distribute_tensor(seeded_randn({B, 1, 2 * tile, tile}, 4), mesh, rows, std::nullopt);
+    const auto x =
+        distribute_tensor(seeded_randn({B, 1, 2 * tile, tile}, 3), mesh, rows, std::nullopt);
+    const auto y =
+        distribute_tensor(seeded_randn({B, 1, 2 * tile, tile}, 4), mesh, rows, std::nullopt);
     for (int i = 0; i < warmup + iters; ++i) {
       clear_grads(*model);
       barrier(pg);
@@ -882,8 +922,10 @@ int64_t messages(const PhaseComm& fwd_bwd, int neighbours_per_dim) {
 }
 
 void scaling_model(const ScalingInputs& in, int64_t tile, int64_t B, double alpha, double beta) {
-  std::printf("\n== 4. Weak scaling model: fixed %lldx%lld tile (batch %lld) per rank, 2-D decomposition ==\n",
-              (long long)tile, (long long)tile, (long long)B);
+  std::printf(
+      "\n== 4. Weak scaling model: fixed %lldx%lld tile (batch %lld) per rank, 2-D decomposition "
+      "==\n",
+      (long long)tile, (long long)tile, (long long)B);
   // The all-reduces of one step: payload and which group (one mesh dim of the 3x3 = 3
   // members -> sqrt(P) at scale; the whole mesh = 9 -> P).
   const auto ars = all_reduces(in.records);
@@ -898,43 +940,56 @@ void scaling_model(const ScalingInputs& in, int64_t tile, int64_t B, double alph
   const double bytes_corner = double(std::max(c.halo_sent, c.halo_received));
   const double bytes_interior = double(std::max(i.halo_sent, i.halo_received));
   std::printf("measured inputs (one run):\n");
-  std::printf("  T_compute = %.2f ms  (one rank, plain module on one tile, one thread, median)\n", 1e3 * in.t_compute);
+  std::printf("  T_compute = %.2f ms  (one rank, plain module on one tile, one thread, median)\n",
+              1e3 * in.t_compute);
   const double local = in.pair.local_factor();
   if (local > 0)
-    std::printf("  local work of the halo path: 2 ranks (%s), one %lldx%lld tile each, rows cut: Tessera"
-                " step %.2f ms vs the plain module on each tile at once %.2f ms: x%.2f (thread CPU time"
-                " %.2f vs %.2f ms: x%.2f)\n",
-                in.pair_mode, (long long)tile, (long long)tile, 1e3 * in.pair.dist, 1e3 * in.pair.alone, local,
-                1e3 * in.pair.dist_cpu, 1e3 * in.pair.alone_cpu, in.pair.dist_cpu / in.pair.alone_cpu);
+    std::printf(
+        "  local work of the halo path: 2 ranks (%s), one %lldx%lld tile each, rows cut: Tessera"
+        " step %.2f ms vs the plain module on each tile at once %.2f ms: x%.2f (thread CPU time"
+        " %.2f vs %.2f ms: x%.2f)\n",
+        in.pair_mode, (long long)tile, (long long)tile, 1e3 * in.pair.dist, 1e3 * in.pair.alone,
+        local, 1e3 * in.pair.dist_cpu, 1e3 * in.pair.alone_cpu,
+        in.pair.dist_cpu / in.pair.alone_cpu);
   if (local > 0)
-    std::printf("  (weight gradients in replicate()'s buckets; reduced one parameter at a time as they"
-                " arrive instead: %.2f ms, x%.2f)\n",
-                1e3 * in.pair.unbucketed, in.pair.unbucketed / in.pair.alone);
-  if (local > 0) print_profiles(in.pair.alone_profile, in.pair.dist_profile, "plain tile", "Tessera/r0", 12);
-  std::printf("  halo per step, 3x3 mesh of %lldx%lld tiles: corner rank %lld B in %lld messages,"
-              " interior rank %lld B in %lld messages (%lld exchanges with rows of %lld calls)\n",
-              (long long)tile, (long long)tile, (long long)bytes_corner, (long long)msg_corner,
-              (long long)bytes_interior, (long long)msg_interior, (long long)i.halo_exchanges,
-              (long long)i.halo_calls);
+    std::printf(
+        "  (weight gradients in replicate()'s buckets; reduced one parameter at a time as they"
+        " arrive instead: %.2f ms, x%.2f)\n",
+        1e3 * in.pair.unbucketed, in.pair.unbucketed / in.pair.alone);
+  if (local > 0)
+    print_profiles(in.pair.alone_profile, in.pair.dist_profile, "plain tile", "Tessera/r0", 12);
+  std::printf(
+      "  halo per step, 3x3 mesh of %lldx%lld tiles: corner rank %lld B in %lld messages,"
+      " interior rank %lld B in %lld messages (%lld exchanges with rows of %lld calls)\n",
+      (long long)tile, (long long)tile, (long long)bytes_corner, (long long)msg_corner,
+      (long long)bytes_interior, (long long)msg_interior, (long long)i.halo_exchanges,
+      (long long)i.halo_calls);
   {
     const auto mc = unet_halo_bytes(in.corner_block, 3 * tile, 3 * tile, B);
     const auto mi = unet_halo_bytes(in.interior_block, 3 * tile, 3 * tile, B);
-    std::printf("  received vs the analytic minimum: corner %lld / %lld B (%.4f), interior %lld / %lld B (%.4f)\n",
-                (long long)c.halo_received, (long long)(mc.fwd_min + mc.bwd_min),
-                double(c.halo_received) / double(mc.fwd_min + mc.bwd_min), (long long)i.halo_received,
-                (long long)(mi.fwd_min + mi.bwd_min), double(i.halo_received) / double(mi.fwd_min + mi.bwd_min));
+    std::printf(
+        "  received vs the analytic minimum: corner %lld / %lld B (%.4f), interior %lld / %lld B "
+        "(%.4f)\n",
+        (long long)c.halo_received, (long long)(mc.fwd_min + mc.bwd_min),
+        double(c.halo_received) / double(mc.fwd_min + mc.bwd_min), (long long)i.halo_received,
+        (long long)(mi.fwd_min + mi.bwd_min),
+        double(i.halo_received) / double(mi.fwd_min + mi.bwd_min));
   }
-  std::printf("  all_reduce per step: %zu calls (%d over the whole mesh, %zu over one mesh dim),"
-              " %.0f B of payload in all\n",
-              ars.size(), whole, ars.size() - whole, ar_payload);
-  std::printf("network: alpha = %.1f us per message, beta = %.1f GB/s per link (InfiniBand HDR"
-              " 200 Gb/s class); collectives blocking, nothing overlapped\n",
-              alpha * 1e6, beta / 1e9);
-  std::printf("  T_halo = messages x alpha + bytes / beta (interior rank for P >= 16; neighbour"
-              " exchanges do not grow with P)\n");
-  std::printf("  all_reduce of b bytes over n ranks: tree = 2 ceil(log2 n) (alpha + b/beta)"
-              " (binomial reduce + broadcast);\n"
-              "                                       ring = 2(n-1) alpha + 2(n-1)/n b/beta\n");
+  std::printf(
+      "  all_reduce per step: %zu calls (%d over the whole mesh, %zu over one mesh dim),"
+      " %.0f B of payload in all\n",
+      ars.size(), whole, ars.size() - whole, ar_payload);
+  std::printf(
+      "network: alpha = %.1f us per message, beta = %.1f GB/s per link (InfiniBand HDR"
+      " 200 Gb/s class); collectives blocking, nothing overlapped\n",
+      alpha * 1e6, beta / 1e9);
+  std::printf(
+      "  T_halo = messages x alpha + bytes / beta (interior rank for P >= 16; neighbour"
+      " exchanges do not grow with P)\n");
+  std::printf(
+      "  all_reduce of b bytes over n ranks: tree = 2 ceil(log2 n) (alpha + b/beta)"
+      " (binomial reduce + broadcast);\n"
+      "                                       ring = 2(n-1) alpha + 2(n-1)/n b/beta\n");
   auto allreduce_time = [&](int64_t P, bool tree) {
     double t = 0;
     const int64_t side = static_cast<int64_t>(std::lround(std::sqrt(double(P))));
@@ -948,26 +1003,29 @@ void scaling_model(const ScalingInputs& in, int64_t tile, int64_t B, double alph
     }
     return t;
   };
-  std::printf("\n%6s %7s %10s %12s %12s %10s %9s %9s %10s\n", "P", "mesh", "T_halo us", "T_ar tree us",
-              "T_ar ring us", "T(P) ms", "eff tree", "eff ring", "eff x loc");
+  std::printf("\n%6s %7s %10s %12s %12s %10s %9s %9s %10s\n", "P", "mesh", "T_halo us",
+              "T_ar tree us", "T_ar ring us", "T(P) ms", "eff tree", "eff ring", "eff x loc");
   for (int64_t P : {1, 4, 16, 64, 256, 1024}) {
     const int64_t side = static_cast<int64_t>(std::lround(std::sqrt(double(P))));
     double halo = 0;
     if (P == 4) halo = msg_corner * alpha + bytes_corner / beta;
     if (P >= 16) halo = msg_interior * alpha + bytes_interior / beta;
-    const double tree = P > 1 ? allreduce_time(P, true) : 0, ring = P > 1 ? allreduce_time(P, false) : 0;
+    const double tree = P > 1 ? allreduce_time(P, true) : 0,
+                 ring = P > 1 ? allreduce_time(P, false) : 0;
     const double tp = in.t_compute + halo + tree;
     const double tp_ring = in.t_compute + halo + ring;
     const double tp_local = in.t_compute * (P == 1 || local <= 0 ? 1.0 : local) + halo + tree;
     char mesh[16];
     std::snprintf(mesh, sizeof mesh, "%lldx%lld", (long long)side, (long long)side);
-    std::printf("%6lld %7s %10.1f %12.1f %12.1f %10.2f %8.1f%% %8.1f%% %9.1f%%\n", (long long)P, mesh,
-                halo * 1e6, tree * 1e6, ring * 1e6, tp * 1e3, 100 * in.t_compute / tp,
+    std::printf("%6lld %7s %10.1f %12.1f %12.1f %10.2f %8.1f%% %8.1f%% %9.1f%%\n", (long long)P,
+                mesh, halo * 1e6, tree * 1e6, ring * 1e6, tp * 1e3, 100 * in.t_compute / tp,
                 100 * in.t_compute / tp_ring, 100 * in.t_compute / tp_local);
   }
-  std::printf("  T(P) = T_compute + T_halo + T_ar (tree); efficiency = T(1) / T(P); goal >= 90%% at 1024\n"
-              "  eff ring: the same with ring all-reduces; eff x loc: tree, with T_compute multiplied by the"
-              " measured local work factor of the halo path (P > 1)\n");
+  std::printf(
+      "  T(P) = T_compute + T_halo + T_ar (tree); efficiency = T(1) / T(P); goal >= 90%% at 1024\n"
+      "  eff ring: the same with ring all-reduces; eff x loc: tree, with T_compute multiplied by "
+      "the"
+      " measured local work factor of the halo path (P > 1)\n");
 }
 
 ScalingInputs measure_scaling_comm(int64_t tile, int64_t B) {
@@ -975,11 +1033,15 @@ ScalingInputs measure_scaling_comm(int64_t tile, int64_t B) {
   std::vector<UnetStepComm> per(9);
   tessera::testing::RunOptions opts;
   opts.timeout = std::chrono::minutes(5);
-  tessera::testing::run_ranks(9, [&](int rank) {
-    at::set_num_threads(1);
-    auto mesh = init_device_mesh("cpu", {3, 3}, {"h", "w"});
-    per[rank] = unet_step_comm(mesh, B, 3 * tile, 3 * tile, {tile, tile, tile}, {tile, tile, tile});
-  }, opts);
+  tessera::testing::run_ranks(
+      9,
+      [&](int rank) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {3, 3}, {"h", "w"});
+        per[rank] =
+            unet_step_comm(mesh, B, 3 * tile, 3 * tile, {tile, tile, tile}, {tile, tile, tile});
+      },
+      opts);
   s.corner = add(add(per[0].fwd, per[0].bwd), per[0].grads);
   s.interior = add(add(per[4].fwd, per[4].bwd), per[4].grads);
   s.records = per[4].records;
@@ -1016,7 +1078,8 @@ std::vector<std::pair<int64_t, int64_t>> parse_fields(const std::vector<std::str
 }  // namespace
 
 int run(int argc, char** argv) {
-  CLI::App app{"Tessera domain parallelism: halo conv speed-up, halo bytes, peak memory, scaling model"};
+  CLI::App app{
+      "Tessera domain parallelism: halo conv speed-up, halo bytes, peak memory, scaling model"};
   ConvConfig conv{1, 16, 1024, 1024, -1, 2, 7};
   int64_t unet_size = 64, unet_batch = 4, tile = 256, tile_batch = 1;
   int tile_iters = 15;
@@ -1029,12 +1092,17 @@ int run(int argc, char** argv) {
   app.add_option("--first-rows", conv.first_rows, "rows on rank 0 (default: half)");
   app.add_option("--warmup", conv.warmup, "untimed steps")->capture_default_str();
   app.add_option("--iters", conv.iters, "timed steps (median reported)")->capture_default_str();
-  app.add_option("--unet-size", unet_size, "U-Net field size for the 2x2 byte count")->capture_default_str();
-  app.add_option("--unet-batch", unet_batch, "U-Net batch for the 2x2 byte count")->capture_default_str();
-  app.add_option("--mem-fields", mem_fields, "U-Net fields for peak memory, SIZExBATCH")->capture_default_str();
-  app.add_option("--tile", tile, "per-rank tile of the scaling model (even)")->capture_default_str();
+  app.add_option("--unet-size", unet_size, "U-Net field size for the 2x2 byte count")
+      ->capture_default_str();
+  app.add_option("--unet-batch", unet_batch, "U-Net batch for the 2x2 byte count")
+      ->capture_default_str();
+  app.add_option("--mem-fields", mem_fields, "U-Net fields for peak memory, SIZExBATCH")
+      ->capture_default_str();
+  app.add_option("--tile", tile, "per-rank tile of the scaling model (even)")
+      ->capture_default_str();
   app.add_option("--tile-batch", tile_batch, "batch of the scaling model")->capture_default_str();
-  app.add_option("--tile-iters", tile_iters, "timed steps of the scaling model's tile timings")->capture_default_str();
+  app.add_option("--tile-iters", tile_iters, "timed steps of the scaling model's tile timings")
+      ->capture_default_str();
   app.add_option("--alpha-us", alpha_us, "model: latency per message, us")->capture_default_str();
   app.add_option("--beta-gbs", beta_gbs, "model: bandwidth per link, GB/s")->capture_default_str();
   app.add_flag("--skip-timing", skip_timing,
@@ -1081,7 +1149,8 @@ int run(int argc, char** argv) {
     const DistConvResult d = on_two_ranks([&] { return time_distributed_conv(conv); });
     if (rank == 0) report_conv(conv, t1, d, mode);
     std::fflush(stdout);
-    unet_pair = on_two_ranks([&] { return time_unet_pair(tile, tile_batch, conv.warmup, tile_iters); });
+    unet_pair =
+        on_two_ranks([&] { return time_unet_pair(tile, tile_batch, conv.warmup, tile_iters); });
   }
 
   if (rank == 0) {

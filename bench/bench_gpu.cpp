@@ -46,12 +46,12 @@ namespace naf = tessera::nn::functional;
 namespace {
 
 struct Config {
-  int batches = 7;          // per-op: timed batches (median)
-  double batch_ms = 10;     // per-op: a batch lasts at least this long
-  int64_t max_batch = 4096; // per-op: at most this many calls in a batch
-  int warmup = 3;           // na2d, steps: untimed calls
-  int iters = 10;           // na2d, steps: timed calls (median)
-  double case_budget_s = 3; // na2d, steps: stop timing a case after this long (>= 3 samples)
+  int batches = 7;           // per-op: timed batches (median)
+  double batch_ms = 10;      // per-op: a batch lasts at least this long
+  int64_t max_batch = 4096;  // per-op: at most this many calls in a batch
+  int warmup = 3;            // na2d, steps: untimed calls
+  int iters = 10;            // na2d, steps: timed calls (median)
+  double case_budget_s = 3;  // na2d, steps: stop timing a case after this long (>= 3 samples)
   std::vector<int64_t> na_sizes = {64, 128, 256};
   int64_t na_kernel = 7, na_heads = 4, na_head_dim = 32;
   int64_t mlp_in = 1024, mlp_hidden = 4096, mlp_out = 1024, mlp_batch = 256;
@@ -117,8 +117,12 @@ double per_step_ms(const std::function<void()>& fn, const Config& c) {
 
 // One result row. value < 0: none (see error).
 struct Record {
-  Record(std::string suite_, std::string name_, std::string variant_, std::string dtype_, std::string unit_)
-      : suite(std::move(suite_)), name(std::move(name_)), variant(std::move(variant_)), dtype(std::move(dtype_)),
+  Record(std::string suite_, std::string name_, std::string variant_, std::string dtype_,
+         std::string unit_)
+      : suite(std::move(suite_)),
+        name(std::move(name_)),
+        variant(std::move(variant_)),
+        dtype(std::move(dtype_)),
         unit(std::move(unit_)) {}
   std::string suite, name, variant, dtype, unit;
   double value = -1;
@@ -139,8 +143,8 @@ class Results {
 
   void add(Record r) {
     if (r.error.empty())
-      std::fprintf(stderr, "bench_gpu: %-6s %-34s %-12s %-9s %12.3f %s\n", r.suite.c_str(), r.name.c_str(),
-                   r.variant.c_str(), r.dtype.c_str(), r.value, r.unit.c_str());
+      std::fprintf(stderr, "bench_gpu: %-6s %-34s %-12s %-9s %12.3f %s\n", r.suite.c_str(),
+                   r.name.c_str(), r.variant.c_str(), r.dtype.c_str(), r.value, r.unit.c_str());
     else
       std::fprintf(stderr, "bench_gpu: %-6s %-34s %-12s %-9s %s\n", r.suite.c_str(), r.name.c_str(),
                    r.variant.c_str(), r.dtype.c_str(), r.error.c_str());
@@ -151,7 +155,8 @@ class Results {
   // table, not the end of the run).
   void run(Record r, const std::function<double()>& timed) {
     if (seconds_since(started_) > budget_s_) {
-      r.error = "skipped: past the run's budget of " + std::to_string(static_cast<int>(budget_s_)) + " s";
+      r.error =
+          "skipped: past the run's budget of " + std::to_string(static_cast<int>(budget_s_)) + " s";
       add(std::move(r));
       return;
     }
@@ -169,7 +174,7 @@ class Results {
   json to_json() const {
     json records = json::array();
     for (const auto& r : rows_) {
-      json j = {{"suite", r.suite}, {"case", r.name},   {"impl", "tessera"},
+      json j = {{"suite", r.suite},     {"case", r.name},   {"impl", "tessera"},
                 {"variant", r.variant}, {"dtype", r.dtype}, {"unit", r.unit}};
       j["value"] = r.error.empty() ? json(r.value) : json(nullptr);
       if (!r.method.empty()) j["method"] = r.method;
@@ -191,12 +196,12 @@ class Results {
   }
 
   void print_table(std::FILE* f) const {
-    std::fprintf(f, "%-6s %-34s %-12s %-9s %14s %10s\n", "suite", "case", "variant", "dtype", "value",
-                 "vs plain");
+    std::fprintf(f, "%-6s %-34s %-12s %-9s %14s %10s\n", "suite", "case", "variant", "dtype",
+                 "value", "vs plain");
     for (const auto& r : rows_) {
       if (!r.error.empty()) {
-        std::fprintf(f, "%-6s %-34s %-12s %-9s %14s  (%s)\n", r.suite.c_str(), r.name.c_str(), r.variant.c_str(),
-                     r.dtype.c_str(), "-", r.error.c_str());
+        std::fprintf(f, "%-6s %-34s %-12s %-9s %14s  (%s)\n", r.suite.c_str(), r.name.c_str(),
+                     r.variant.c_str(), r.dtype.c_str(), "-", r.error.c_str());
         continue;
       }
       const double p = plain_of(r);
@@ -240,15 +245,33 @@ struct OpCase {
 void per_op_costs(const tessera::DeviceMesh* mesh, const Config& c, Results& out) {
   at::manual_seed(0);
   const std::vector<OpCase> cases = {
-      {"add 64x64", [](const at::Tensor& a, const at::Tensor& b) -> Fn { return [=] { at::add(a, b); }; }, 64, 64},
-      {"add 1024x1024", [](const at::Tensor& a, const at::Tensor& b) -> Fn { return [=] { at::add(a, b); }; }, 1024, 1024},
-      {"mul 64x64", [](const at::Tensor& a, const at::Tensor& b) -> Fn { return [=] { at::mul(a, b); }; }, 64, 64},
-      {"matmul 64x64", [](const at::Tensor& a, const at::Tensor& b) -> Fn { return [=] { at::matmul(a, b); }; }, 64, 64, true},
-      {"matmul 1024x1024", [](const at::Tensor& a, const at::Tensor& b) -> Fn { return [=] { at::matmul(a, b); }; }, 1024, 1024, true},
-      {"view 64x64 -> 4096", [](const at::Tensor& a, const at::Tensor&) -> Fn { return [=] { a.view({4096}); }; }, 64, 64},
-      {"reshape 64x64 -> 32x128", [](const at::Tensor& a, const at::Tensor&) -> Fn { return [=] { a.reshape({32, 128}); }; }, 64, 64},
-      {"sum 64x64", [](const at::Tensor& a, const at::Tensor&) -> Fn { return [=] { a.sum(); }; }, 64, 64},
-      {"sum 1024x1024", [](const at::Tensor& a, const at::Tensor&) -> Fn { return [=] { a.sum(); }; }, 1024, 1024},
+      {"add 64x64",
+       [](const at::Tensor& a, const at::Tensor& b) -> Fn { return [=] { at::add(a, b); }; }, 64,
+       64},
+      {"add 1024x1024",
+       [](const at::Tensor& a, const at::Tensor& b) -> Fn { return [=] { at::add(a, b); }; }, 1024,
+       1024},
+      {"mul 64x64",
+       [](const at::Tensor& a, const at::Tensor& b) -> Fn { return [=] { at::mul(a, b); }; }, 64,
+       64},
+      {"matmul 64x64",
+       [](const at::Tensor& a, const at::Tensor& b) -> Fn { return [=] { at::matmul(a, b); }; }, 64,
+       64, true},
+      {"matmul 1024x1024",
+       [](const at::Tensor& a, const at::Tensor& b) -> Fn { return [=] { at::matmul(a, b); }; },
+       1024, 1024, true},
+      {"view 64x64 -> 4096",
+       [](const at::Tensor& a, const at::Tensor&) -> Fn { return [=] { a.view({4096}); }; }, 64,
+       64},
+      {"reshape 64x64 -> 32x128",
+       [](const at::Tensor& a, const at::Tensor&) -> Fn { return [=] {
+                                                            a.reshape({32, 128});
+                                                          }; },
+       64, 64},
+      {"sum 64x64", [](const at::Tensor& a, const at::Tensor&) -> Fn { return [=] { a.sum(); }; },
+       64, 64},
+      {"sum 1024x1024",
+       [](const at::Tensor& a, const at::Tensor&) -> Fn { return [=] { a.sum(); }; }, 1024, 1024},
   };
   for (const auto& oc : cases) {
     const at::Tensor a = at::randn({oc.rows, oc.cols}, cuda_f32());
@@ -265,7 +288,8 @@ void per_op_costs(const tessera::DeviceMesh* mesh, const Config& c, Results& out
       out.run(r, [&] {
         const tessera::Placements pa = {variant == "R" ? tessera::Placement(tessera::Replicate())
                                                        : tessera::Placement(tessera::Shard(0))};
-        const tessera::Placements pb = oc.second_replicated ? tessera::Placements{tessera::Replicate()} : pa;
+        const tessera::Placements pb =
+            oc.second_replicated ? tessera::Placements{tessera::Replicate()} : pa;
         const auto da = tessera::distribute_tensor(a, *mesh, pa);
         const auto db = tessera::distribute_tensor(b, *mesh, pb);
         return per_call_us(oc.make(da, db), c);
@@ -337,8 +361,8 @@ void na2d_cases(const Config& c, Results& out) {
     for (const auto dtype : {at::kFloat, at::kBFloat16}) {
       const std::string dname = dtype == at::kFloat ? "float32" : "bfloat16";
       const std::string name = "na2d " + std::to_string(size) + "x" + std::to_string(size) + " k" +
-                               std::to_string(c.na_kernel) + " h" + std::to_string(c.na_heads) + " d" +
-                               std::to_string(c.na_head_dim);
+                               std::to_string(c.na_kernel) + " h" + std::to_string(c.na_heads) +
+                               " d" + std::to_string(c.na_head_dim);
       at::manual_seed(3);
       const std::vector<int64_t> shape = {1, size, size, c.na_heads, c.na_head_dim};
       const auto opts = cuda_f32();
@@ -381,8 +405,9 @@ torch::nn::Sequential make_mlp(const Config& c) {
 }
 
 void step_cases(const tessera::DeviceMesh* mesh, const Config& c, Results& out) {
-  const std::string name = "MLP " + std::to_string(c.mlp_in) + "-" + std::to_string(c.mlp_hidden) + "-" +
-                           std::to_string(c.mlp_out) + " step, batch " + std::to_string(c.mlp_batch);
+  const std::string name = "MLP " + std::to_string(c.mlp_in) + "-" + std::to_string(c.mlp_hidden) +
+                           "-" + std::to_string(c.mlp_out) + " step, batch " +
+                           std::to_string(c.mlp_batch);
   at::manual_seed(5);
   const at::Tensor x = at::randn({c.mlp_batch, c.mlp_in}, cuda_f32());
   const at::Tensor y = at::randn({c.mlp_batch, c.mlp_out}, cuda_f32());
@@ -433,26 +458,33 @@ int main(int argc, char** argv) {
   app.add_option("--format", format, "stdout: table or json")
       ->check(CLI::IsMember({"table", "json"}))
       ->capture_default_str();
-  app.add_option("--only", only, "suites, comma-separated: ops, na2d, steps")->capture_default_str();
+  app.add_option("--only", only, "suites, comma-separated: ops, na2d, steps")
+      ->capture_default_str();
   app.add_option("--batches", c.batches, "per-op: timed batches (median)")->capture_default_str();
-  app.add_option("--batch-ms", c.batch_ms, "per-op: minimum batch length, ms")->capture_default_str();
-  app.add_option("--max-batch", c.max_batch, "per-op: most calls in one batch")->capture_default_str();
+  app.add_option("--batch-ms", c.batch_ms, "per-op: minimum batch length, ms")
+      ->capture_default_str();
+  app.add_option("--max-batch", c.max_batch, "per-op: most calls in one batch")
+      ->capture_default_str();
   app.add_option("--warmup", c.warmup, "na2d, steps: untimed calls")->capture_default_str();
   app.add_option("--iters", c.iters, "na2d, steps: timed calls (median)")->capture_default_str();
-  app.add_option("--case-budget-s", c.case_budget_s, "na2d, steps: seconds of timing per case (at least 3 calls)")
+  app.add_option("--case-budget-s", c.case_budget_s,
+                 "na2d, steps: seconds of timing per case (at least 3 calls)")
       ->capture_default_str();
   double budget_s = 45;
-  app.add_option("--budget-s", budget_s, "cases that start after this many seconds are reported as skipped")
+  app.add_option("--budget-s", budget_s,
+                 "cases that start after this many seconds are reported as skipped")
       ->capture_default_str();
-  app.add_option("--na-sizes", c.na_sizes, "na2d: field sizes (height = width)")->capture_default_str();
+  app.add_option("--na-sizes", c.na_sizes, "na2d: field sizes (height = width)")
+      ->capture_default_str();
   app.add_option("--na-kernel", c.na_kernel, "na2d: kernel")->capture_default_str();
   app.add_option("--na-heads", c.na_heads, "na2d: heads")->capture_default_str();
   app.add_option("--na-head-dim", c.na_head_dim, "na2d: head dim")->capture_default_str();
   app.add_option("--mlp-hidden", c.mlp_hidden, "steps: MLP hidden width")->capture_default_str();
   app.add_option("--mlp-batch", c.mlp_batch, "steps: batch")->capture_default_str();
   std::string device = "cuda";
-  app.add_option("--device", device,
-                 "cuda; cpu only checks the program where there is no GPU (Gloo mesh, not a benchmark)")
+  app.add_option(
+         "--device", device,
+         "cuda; cpu only checks the program where there is no GPU (Gloo mesh, not a benchmark)")
       ->check(CLI::IsMember({"cuda", "cpu"}))
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -481,8 +513,9 @@ int main(int argc, char** argv) {
 #else
   meta["nccl"] = false;
 #endif
-  meta["timing"] = {{"per_op", {{"batches", c.batches}, {"batch_ms", c.batch_ms}, {"max_batch", c.max_batch}}},
-                    {"per_step", {{"warmup", c.warmup}, {"iters", c.iters}, {"case_budget_s", c.case_budget_s}}}};
+  meta["timing"] = {
+      {"per_op", {{"batches", c.batches}, {"batch_ms", c.batch_ms}, {"max_batch", c.max_batch}}},
+      {"per_step", {{"warmup", c.warmup}, {"iters", c.iters}, {"case_budget_s", c.case_budget_s}}}};
 
   meta["budget_s"] = budget_s;
   Results results(out_file, meta, budget_s);

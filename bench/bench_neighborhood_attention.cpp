@@ -98,7 +98,8 @@ at::Tensor dense_bias(int64_t size, int64_t k) {
   const auto m = axis_mask(size, k);
   const int64_t n = size * size;
   const auto allowed = (m.view({size, 1, size, 1}) & m.view({1, size, 1, size})).reshape({n, n});
-  return at::zeros({n, n}).masked_fill_(allowed.logical_not(), -std::numeric_limits<float>::infinity());
+  return at::zeros({n, n}).masked_fill_(allowed.logical_not(),
+                                        -std::numeric_limits<float>::infinity());
 }
 
 // softmax(Q K^T * scale + bias) V per head; q, k, v [1, S, S, H, D] -> [1, S, S, H, D].
@@ -107,12 +108,15 @@ at::Tensor dense_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const auto sizes = q.sizes().vec();
   const int64_t n = sizes[1] * sizes[2], h = sizes[3], d = sizes[4];
   auto heads_first = [&](const at::Tensor& t) { return t.reshape({n, h, d}).permute({1, 0, 2}); };
-  const auto scores = at::matmul(heads_first(q), heads_first(k).transpose(1, 2)) * (1.0 / std::sqrt(double(d))) + bias;
+  const auto scores =
+      at::matmul(heads_first(q), heads_first(k).transpose(1, 2)) * (1.0 / std::sqrt(double(d))) +
+      bias;
   const auto out = at::matmul(at::softmax(scores, -1), heads_first(v));  // [H, N, D]
   return out.permute({1, 0, 2}).reshape(sizes);
 }
 
-at::Tensor na_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t kernel) {
+at::Tensor na_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        int64_t kernel) {
   return naf::na2d(q, k, v, {kernel});
 }
 
@@ -158,11 +162,14 @@ double max_diff(const LocalResult& a, const LocalResult& b) {
 
 void local_part(Shape na_shape, int64_t dense_size, int warmup, int reps) {
   std::printf("\n== a. Local na2d forward+backward vs dense masked attention (1 thread) ==\n");
-  std::printf("q, k, v [1, S, S, %lld heads, %lld], float32, k=%lld (dilation 1, stride 1, not causal);"
-              " step = forward + out.backward(g); median of %d after %d warm-up;\n"
-              "peak = bytes allocated above q, k, v and g during one step\n",
-              (long long)na_shape.heads, (long long)na_shape.head_dim, (long long)na_shape.kernel, reps, warmup);
-  std::printf("%-34s %10s %12s %14s %10s\n", "variant", "field", "ms / step", "peak MiB", "max |Δ|");
+  std::printf(
+      "q, k, v [1, S, S, %lld heads, %lld], float32, k=%lld (dilation 1, stride 1, not causal);"
+      " step = forward + out.backward(g); median of %d after %d warm-up;\n"
+      "peak = bytes allocated above q, k, v and g during one step\n",
+      (long long)na_shape.heads, (long long)na_shape.head_dim, (long long)na_shape.kernel, reps,
+      warmup);
+  std::printf("%-34s %10s %12s %14s %10s\n", "variant", "field", "ms / step", "peak MiB",
+              "max |Δ|");
   Shape dense_shape = na_shape;
   dense_shape.size = dense_size;
   std::vector<int64_t> sizes = {dense_size};
@@ -172,25 +179,27 @@ void local_part(Shape na_shape, int64_t dense_size, int warmup, int reps) {
     Shape s = na_shape;
     s.size = size;
     Inputs in = make_inputs(s);
-    const auto na = time_local(in, [&](auto& q, auto& k, auto& v) { return na_attention(q, k, v, s.kernel); },
-                               warmup, reps);
+    const auto na = time_local(
+        in, [&](auto& q, auto& k, auto& v) { return na_attention(q, k, v, s.kernel); }, warmup,
+        reps);
     if (size == dense_size) {
       const auto bias = dense_bias(size, s.kernel);  // a constant of the layer: not in the step
-      dense = time_local(in, [&](auto& q, auto& k, auto& v) { return dense_attention(q, k, v, bias); },
-                         warmup, reps);
+      dense = time_local(
+          in, [&](auto& q, auto& k, auto& v) { return dense_attention(q, k, v, bias); }, warmup,
+          reps);
       std::printf("%-34s %4lldx%-5lld %12.1f %14.2f %10s\n", "dense masked (matmul, softmax)",
                   (long long)size, (long long)size, 1e3 * dense.seconds, mib(dense.peak), "");
-      std::printf("%-34s %4lldx%-5lld %12.1f %14.2f %10.1e\n", "na2d", (long long)size, (long long)size,
-                  1e3 * na.seconds, mib(na.peak), max_diff(na, dense));
+      std::printf("%-34s %4lldx%-5lld %12.1f %14.2f %10.1e\n", "na2d", (long long)size,
+                  (long long)size, 1e3 * na.seconds, mib(na.peak), max_diff(na, dense));
       std::printf("%-34s %10s %11.1fx %13.1fx\n", "  dense / na2d", "", dense.seconds / na.seconds,
                   double(dense.peak) / double(na.peak));
     } else {
-      std::printf("%-34s %4lldx%-5lld %12.1f %14.2f %10s\n", "na2d", (long long)size, (long long)size,
-                  1e3 * na.seconds, mib(na.peak), "");
+      std::printf("%-34s %4lldx%-5lld %12.1f %14.2f %10s\n", "na2d", (long long)size,
+                  (long long)size, 1e3 * na.seconds, mib(na.peak), "");
       const double scale = std::pow(double(size) / double(dense_size), 4);  // N^2
       std::printf("%-34s %4lldx%-5lld %12.0f %14.0f %10s   (dense x (N/N_dense)^2, not run)\n",
-                  "dense masked, extrapolated", (long long)size, (long long)size, 1e3 * dense.seconds * scale,
-                  mib(dense.peak) * scale, "");
+                  "dense masked, extrapolated", (long long)size, (long long)size,
+                  1e3 * dense.seconds * scale, mib(dense.peak) * scale, "");
       std::printf("%-34s %10s %11.0fx %13.0fx\n", "  dense (extrapolated) / na2d", "",
                   dense.seconds * scale / na.seconds, mib(dense.peak) * scale / mib(na.peak));
     }
@@ -231,19 +240,22 @@ std::pair<int64_t, int64_t> reads(int64_t a, int64_t e, int64_t L, int64_t k) {
 
 struct DistResult {
   std::vector<double> times, alone, solo;  // solo: rank 0's own rows, rank 1 idle
-  // per rank: fwd bytes received, bwd bytes received, fwd calls, bwd calls, fwd rows min, bwd rows min
+  // per rank: fwd bytes received, bwd bytes received, fwd calls, bwd calls, fwd rows min, bwd rows
+  // min
   std::vector<std::vector<double>> per_rank;
   double max_diff = -1;  // against the 1-rank result (rank 0 only)
 };
 
-DistResult time_distributed(const Shape& s, int64_t first_rows, int warmup, int reps, const LocalResult* single) {
+DistResult time_distributed(const Shape& s, int64_t first_rows, int warmup, int reps,
+                            const LocalResult* single) {
   auto mesh = tessera::init_device_mesh("cpu", {2});
   auto pg = mesh.group(0);
   const int me = static_cast<int>(mesh.coordinate()[0]);
   const auto rows = tessera::ShardSizes::Given(1, {first_rows, s.size - first_rows});
   const tessera::Placements split = {tessera::Shard(1)};
   auto dist = [&](uint64_t seed) {
-    return tessera::distribute_tensor(seeded_randn(s.dims(), seed), mesh, split, std::nullopt, rows);
+    return tessera::distribute_tensor(seeded_randn(s.dims(), seed), mesh, split, std::nullopt,
+                                      rows);
   };
   Inputs in{dist(1).detach().requires_grad_(), dist(2).detach().requires_grad_(),
             dist(3).detach().requires_grad_(), dist(4)};
@@ -253,7 +265,8 @@ DistResult time_distributed(const Shape& s, int64_t first_rows, int warmup, int 
     // no Tessera).
     Inputs local{tessera::to_local(in.q).detach().clone().requires_grad_(),
                  tessera::to_local(in.k).detach().clone().requires_grad_(),
-                 tessera::to_local(in.v).detach().clone().requires_grad_(), tessera::to_local(in.g).clone()};
+                 tessera::to_local(in.v).detach().clone().requires_grad_(),
+                 tessera::to_local(in.g).clone()};
     for (int i = 0; i < warmup + reps; ++i) {
       clear_grads(local);
       barrier(pg);
@@ -306,11 +319,12 @@ DistResult time_distributed(const Shape& s, int64_t first_rows, int warmup, int 
   const int64_t fwd_rows = e > a ? overlap(reads(a, e, s.size, s.kernel), oa, oe) : 0;
   const int64_t bwd_rows = oe > oa ? overlap(reads(oa, oe, s.size, s.kernel), a, e) : 0;
   std::vector<double> mine(2 * 6, 0.0);
-  const std::vector<double> v = {double(fwd_recv), double(bwd_recv), double(fwd_calls),
+  const std::vector<double> v = {double(fwd_recv),  double(bwd_recv), double(fwd_calls),
                                  double(bwd_calls), double(fwd_rows), double(bwd_rows)};
   std::copy(v.begin(), v.end(), mine.begin() + 6 * me);
   const auto all = sum_over(pg, mine);
-  for (int k = 0; k < 2; ++k) r.per_rank.emplace_back(all.begin() + 6 * k, all.begin() + 6 * (k + 1));
+  for (int k = 0; k < 2; ++k)
+    r.per_rank.emplace_back(all.begin() + 6 * k, all.begin() + 6 * (k + 1));
   // The same values as one rank (collective: both ranks).
   LocalResult mine_full;
   mine_full.out = tessera::full_tensor(out.detach());
@@ -321,58 +335,72 @@ DistResult time_distributed(const Shape& s, int64_t first_rows, int warmup, int 
   return r;
 }
 
-void report_distributed(const Shape& s, int64_t first_rows, double t1, const DistResult& d, const char* mode,
-                        int warmup, int reps) {
+void report_distributed(const Shape& s, int64_t first_rows, double t1, const DistResult& d,
+                        const char* mode, int warmup, int reps) {
   const double t2 = median(d.times), ta = median(d.alone);
   std::printf("\n== b. Domain parallel: 1 rank vs 2 ranks (%s, 1 thread each) ==\n", mode);
-  std::printf("q, k, v [1, %lld, %lld, %lld, %lld] float32, k=%lld, rows split %lld + %lld; step = forward +"
-              " out.backward(g); median of %d after %d warm-up (2 ranks: the slower rank's time);"
-              " %u cores here\n",
-              (long long)s.size, (long long)s.size, (long long)s.heads, (long long)s.head_dim, (long long)s.kernel,
-              (long long)first_rows, (long long)(s.size - first_rows), reps, warmup,
-              std::thread::hardware_concurrency());
+  std::printf(
+      "q, k, v [1, %lld, %lld, %lld, %lld] float32, k=%lld, rows split %lld + %lld; step = forward "
+      "+"
+      " out.backward(g); median of %d after %d warm-up (2 ranks: the slower rank's time);"
+      " %u cores here\n",
+      (long long)s.size, (long long)s.size, (long long)s.heads, (long long)s.head_dim,
+      (long long)s.kernel, (long long)first_rows, (long long)(s.size - first_rows), reps, warmup,
+      std::thread::hardware_concurrency());
   std::printf("  %-62s %10s %10s\n", "", "ms / step", "speed-up");
   std::printf("  %-62s %10.1f %10s\n", "1 rank, plain na2d on the whole field", 1e3 * t1, "");
   const double ts = median(d.solo);
-  std::printf("  %-62s %10.1f %9.2fx\n", "1 rank, plain na2d on rank 0's rows only (rank 1 idle)", 1e3 * ts, t1 / ts);
-  std::printf("  %-62s %10.1f %9.2fx  (%.2fx slower than alone: the cores' shared memory bandwidth)\n",
-              "2 ranks, plain na2d on each rank's own rows, at once (ceiling)", 1e3 * ta, t1 / ta, ta / ts);
-  std::printf("  %-62s %10.1f %9.2fx  (goal >= 1.8x; %.0f%% of the ceiling)\n", "2 ranks, distributed na2d",
-              1e3 * t2, t1 / t2, 100 * ta / t2);
+  std::printf("  %-62s %10.1f %9.2fx\n", "1 rank, plain na2d on rank 0's rows only (rank 1 idle)",
+              1e3 * ts, t1 / ts);
+  std::printf(
+      "  %-62s %10.1f %9.2fx  (%.2fx slower than alone: the cores' shared memory bandwidth)\n",
+      "2 ranks, plain na2d on each rank's own rows, at once (ceiling)", 1e3 * ta, t1 / ta, ta / ts);
+  std::printf("  %-62s %10.1f %9.2fx  (goal >= 1.8x; %.0f%% of the ceiling)\n",
+              "2 ranks, distributed na2d", 1e3 * t2, t1 / t2, 100 * ta / t2);
   if (d.max_diff >= 0)
     std::printf("  2 ranks vs 1 rank: max |Δ| of out, dq, dk, dv = %.1e\n", d.max_diff);
-  const int64_t row_bytes = s.size * s.heads * (s.head_dim + s.head_dim) * 4;  // one K row + one V row
-  std::printf("  halo bytes received by each rank (CommDebugMode), against the exact minimum: the other rank's"
-              " K and V rows its windows reach\n  (rows x W %lld x H_kv %lld x (D + Dv) %lld x 4 B)\n",
-              (long long)s.size, (long long)s.heads, (long long)(2 * s.head_dim));
-  std::printf("  forward: K and V rows read; backward: the dK and dV rows sent home (its minimum when the"
-              " forward's K/V windows are kept; a backward that fetches them again receives 2x)\n");
-  std::printf("  %4s %14s %14s %8s %14s %14s %8s %6s\n", "rank", "fwd received", "fwd minimum", "ratio",
-              "bwd received", "bwd minimum", "ratio", "calls");
+  const int64_t row_bytes =
+      s.size * s.heads * (s.head_dim + s.head_dim) * 4;  // one K row + one V row
+  std::printf(
+      "  halo bytes received by each rank (CommDebugMode), against the exact minimum: the other "
+      "rank's"
+      " K and V rows its windows reach\n  (rows x W %lld x H_kv %lld x (D + Dv) %lld x 4 B)\n",
+      (long long)s.size, (long long)s.heads, (long long)(2 * s.head_dim));
+  std::printf(
+      "  forward: K and V rows read; backward: the dK and dV rows sent home (its minimum when the"
+      " forward's K/V windows are kept; a backward that fetches them again receives 2x)\n");
+  std::printf("  %4s %14s %14s %8s %14s %14s %8s %6s\n", "rank", "fwd received", "fwd minimum",
+              "ratio", "bwd received", "bwd minimum", "ratio", "calls");
   for (int k = 0; k < 2; ++k) {
     const auto& v = d.per_rank[k];
     const double fmin = v[4] * double(row_bytes), bmin = v[5] * double(row_bytes);
-    std::printf("  %4d %14.0f %14.0f %8.3f %14.0f %14.0f %8.3f %6.0f\n", k, v[0], fmin, v[0] / fmin, v[1], bmin,
-                v[1] / bmin, v[2] + v[3]);
+    std::printf("  %4d %14.0f %14.0f %8.3f %14.0f %14.0f %8.3f %6.0f\n", k, v[0], fmin, v[0] / fmin,
+                v[1], bmin, v[1] / bmin, v[2] + v[3]);
   }
 }
 
 }  // namespace
 
 int run(int argc, char** argv) {
-  CLI::App app{"Tessera neighbourhood attention: local NA vs dense masked attention, 1 rank vs 2 ranks"};
+  CLI::App app{
+      "Tessera neighbourhood attention: local NA vs dense masked attention, 1 rank vs 2 ranks"};
   Shape local_shape, dist_shape;
   dist_shape.size = 256;
   int64_t dense_size = 64, first_rows = -1;
   int warmup = 1, reps = 3, dist_reps = 5;
   bool skip_local = false, skip_dist = false;
-  app.add_option("--size", local_shape.size, "part a: NA field height = width")->capture_default_str();
-  app.add_option("--dense-size", dense_size, "part a: field of the dense comparison (NA runs there too)")
+  app.add_option("--size", local_shape.size, "part a: NA field height = width")
+      ->capture_default_str();
+  app.add_option("--dense-size", dense_size,
+                 "part a: field of the dense comparison (NA runs there too)")
       ->capture_default_str();
   app.add_option("--heads", local_shape.heads, "heads (both parts)")->capture_default_str();
-  app.add_option("--head-dim", local_shape.head_dim, "head dim D = Dv (both parts)")->capture_default_str();
-  app.add_option("--kernel", local_shape.kernel, "kernel size k (both parts)")->capture_default_str();
-  app.add_option("--dist-size", dist_shape.size, "part b: field height = width")->capture_default_str();
+  app.add_option("--head-dim", local_shape.head_dim, "head dim D = Dv (both parts)")
+      ->capture_default_str();
+  app.add_option("--kernel", local_shape.kernel, "kernel size k (both parts)")
+      ->capture_default_str();
+  app.add_option("--dist-size", dist_shape.size, "part b: field height = width")
+      ->capture_default_str();
   app.add_option("--first-rows", first_rows, "part b: rows on rank 0 (default: half)");
   app.add_option("--warmup", warmup, "untimed steps")->capture_default_str();
   app.add_option("--reps", reps, "part a: timed steps (median)")->capture_default_str();
@@ -380,9 +408,10 @@ int run(int argc, char** argv) {
   app.add_flag("--skip-local", skip_local, "skip part a");
   app.add_flag("--skip-dist", skip_dist, "skip part b");
   bool glibc_mmap = false;
-  app.add_flag("--glibc-mmap", glibc_mmap,
-               "keep glibc's default: blocks over its mmap threshold (at most 32 MiB) are mapped and "
-               "unmapped on every allocation");
+  app.add_flag(
+      "--glibc-mmap", glibc_mmap,
+      "keep glibc's default: blocks over its mmap threshold (at most 32 MiB) are mapped and "
+      "unmapped on every allocation");
   CLI11_PARSE(app, argc, argv);
   if (!glibc_mmap) {
     // The kernels allocate K-sized temporaries per tap. glibc serves blocks over its mmap
@@ -413,26 +442,33 @@ int run(int argc, char** argv) {
     LocalResult single;
     if (rank == 0) {
       Inputs in = make_inputs(dist_shape);
-      single = time_local(in, [&](auto& q, auto& k, auto& v) { return na_attention(q, k, v, dist_shape.kernel); },
-                          warmup, dist_reps);
+      single = time_local(
+          in, [&](auto& q, auto& k, auto& v) { return na_attention(q, k, v, dist_shape.kernel); },
+          warmup, dist_reps);
     }
     DistResult d;
     if (world == 2) {
       barrier(pair.group(0));
-      d = time_distributed(dist_shape, first_rows, warmup, dist_reps, rank == 0 ? &single : nullptr);
+      d = time_distributed(dist_shape, first_rows, warmup, dist_reps,
+                           rank == 0 ? &single : nullptr);
     } else {
       std::mutex mu;
       tessera::testing::RunOptions opts;
       opts.timeout = std::chrono::minutes(10);
       opts.collective_timeout = std::chrono::minutes(5);
-      tessera::testing::run_ranks(2, [&](int r) {
-        at::set_num_threads(1);  // per thread
-        auto res = time_distributed(dist_shape, first_rows, warmup, dist_reps, r == 0 ? &single : nullptr);
-        std::lock_guard<std::mutex> lock(mu);
-        if (r == 0) d = std::move(res);
-      }, opts);
+      tessera::testing::run_ranks(
+          2,
+          [&](int r) {
+            at::set_num_threads(1);  // per thread
+            auto res = time_distributed(dist_shape, first_rows, warmup, dist_reps,
+                                        r == 0 ? &single : nullptr);
+            std::lock_guard<std::mutex> lock(mu);
+            if (r == 0) d = std::move(res);
+          },
+          opts);
     }
-    if (rank == 0) report_distributed(dist_shape, first_rows, single.seconds, d, mode, warmup, dist_reps);
+    if (rank == 0)
+      report_distributed(dist_shape, first_rows, single.seconds, d, mode, warmup, dist_reps);
     std::fflush(stdout);
   }
   if (rank == 0 && !skip_local) local_part(local_shape, dense_size, warmup, reps);
@@ -447,5 +483,6 @@ int run(int argc, char** argv) {
 }
 
 int main(int argc, char** argv) {
-  return counting_bench_main<bench::ProcessCountingAllocator>("bench_neighborhood_attention", run, argc, argv);
+  return counting_bench_main<bench::ProcessCountingAllocator>("bench_neighborhood_attention", run,
+                                                              argc, argv);
 }

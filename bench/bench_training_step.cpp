@@ -25,8 +25,9 @@ DeviceMesh& mesh() {
 }
 
 void step(benchmark::State& state, bool distributed) {
-  auto model = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64), torch::nn::ReLU(),
-                              torch::nn::Linear(64, 8));
+  auto model =
+      torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64),
+                            torch::nn::ReLU(), torch::nn::Linear(64, 8));
   at::Tensor x = at::randn({16, 32}), y = at::randn({16, 8});
   if (distributed) {
     distribute_module(*model, mesh());

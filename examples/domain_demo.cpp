@@ -12,7 +12,8 @@
 // ("dp", "h"), the batch split unevenly over "dp" and the rows over "h". --dp 4 is plain data
 // parallelism. Either way replicate() sums every weight gradient in one bucket per step.
 //
-//   tessera-run -n 4 ./build/examples/domain_demo [--dp 1|2|4] [--steps 40] [--size 64] [--out domain_demo.png]
+//   tessera-run -n 4 ./build/examples/domain_demo [--dp 1|2|4] [--steps 40] [--size 64] [--out
+//   domain_demo.png]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -39,7 +40,7 @@ namespace {
 constexpr int64_t kBatch = 5;  // odd: data parallel ranks get uneven batches
 constexpr int kDiffusionSteps = 16;
 constexpr double kDiffusivity = 0.2;  // explicit 5-point scheme is stable below 0.25
-constexpr int64_t kConvHalo = 1;      // a 3x3 convolution with padding 1 reads 1 row/col beyond a block
+constexpr int64_t kConvHalo = 1;  // a 3x3 convolution with padding 1 reads 1 row/col beyond a block
 
 struct HeatData {
   at::Tensor initial;  // [B, 1, N, N] temperatures at t = 0
@@ -82,7 +83,6 @@ HeatData make_heat_data(int64_t batch, int64_t size, uint64_t seed) {
   return data;
 }
 
-
 // Uneven blocks, all of even size so that pooling by 2 then upsampling by 2 gives back the
 // skip connection's layout: 64 rows split 24 + 40 and 64 columns 36 + 28.
 ShardTable uneven_even_split(int64_t size, int64_t first_sixteenths) {
@@ -96,13 +96,17 @@ double max_abs_difference(const at::Tensor& a, const at::Tensor& b) {
 
 // Diverging blue-white-red ramp: cold is blue, zero is white, hot is red. t in [-1, 1].
 Rgb diverging_color(double t) {
-  static const Rgb stops[] = {{33, 62, 145}, {105, 150, 205}, {246, 246, 246}, {226, 128, 98}, {160, 22, 38}};
+  static const Rgb stops[] = {
+      {33, 62, 145}, {105, 150, 205}, {246, 246, 246}, {226, 128, 98}, {160, 22, 38}};
   constexpr int kSegments = 4;
   const double pos = (std::clamp(t, -1.0, 1.0) + 1) / 2 * kSegments;
   const int i = std::min(static_cast<int>(pos), kSegments - 1);
   const double f = pos - i;
-  auto mix = [f](uint8_t a, uint8_t b) { return static_cast<uint8_t>(std::lround(a + f * (b - a))); };
-  return {mix(stops[i].r, stops[i + 1].r), mix(stops[i].g, stops[i + 1].g), mix(stops[i].b, stops[i + 1].b)};
+  auto mix = [f](uint8_t a, uint8_t b) {
+    return static_cast<uint8_t>(std::lround(a + f * (b - a)));
+  };
+  return {mix(stops[i].r, stops[i + 1].r), mix(stops[i].g, stops[i + 1].g),
+          mix(stops[i].b, stops[i + 1].b)};
 }
 
 // Where the blocks meet along one dim: the running sums of the shard table, last one left out.
@@ -152,16 +156,20 @@ RgbImage draw_fields(const std::string& heading, const std::vector<at::Tensor>& 
 }  // namespace
 
 int run(int argc, char** argv) {
-  CLI::App app{"Domain-parallel training of a small U-Net on 2-D heat diffusion (4 ranks, 2x2 mesh)"};
+  CLI::App app{
+      "Domain-parallel training of a small U-Net on 2-D heat diffusion (4 ranks, 2x2 mesh)"};
   std::string out_path = "domain_demo.png";
   int steps = 40;
   int64_t size = 64;
   int dp = 1;
   app.add_option("--out", out_path, "PNG to write on rank 0")->capture_default_str();
-  app.add_option("--dp", dp, "data-parallel ranks (1: 2x2 domain mesh; 2: dp x rows; 4: data parallel only)")
+  app.add_option("--dp", dp,
+                 "data-parallel ranks (1: 2x2 domain mesh; 2: dp x rows; 4: data parallel only)")
       ->capture_default_str()
       ->check(CLI::IsMember({1, 2, 4}));
-  app.add_option("--steps", steps, "training steps")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--steps", steps, "training steps")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--size", size, "field height and width (even, at least 16)")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{16}, int64_t{4096}));
@@ -185,9 +193,13 @@ int run(int argc, char** argv) {
 
   // The same data on every rank, then each rank keeps its own block (no communication).
   const HeatData data = make_heat_data(kBatch, size, /*seed=*/2024);
-  const ShardTable row_blocks = dp == 4 ? ShardTable{} : uneven_even_split(size, 6);  // 24 + 40 for 64
-  const ShardTable col_blocks = dp == 1 ? uneven_even_split(size, 9) : ShardTable{};  // 36 + 28 for 64
-  const ShardTable batch_blocks = dp == 2 ? ShardTable{2, 3} : dp == 4 ? ShardTable{2, 1, 1, 1} : ShardTable{};
+  const ShardTable row_blocks =
+      dp == 4 ? ShardTable{} : uneven_even_split(size, 6);  // 24 + 40 for 64
+  const ShardTable col_blocks =
+      dp == 1 ? uneven_even_split(size, 9) : ShardTable{};  // 36 + 28 for 64
+  const ShardTable batch_blocks = dp == 2   ? ShardTable{2, 3}
+                                  : dp == 4 ? ShardTable{2, 1, 1, 1}
+                                            : ShardTable{};
   const Placements spatial = dp == 1   ? Placements{Shard(2), Shard(3)}
                              : dp == 2 ? Placements{Shard(0), Shard(2)}
                                        : Placements{Shard(0)};
@@ -216,21 +228,23 @@ int run(int argc, char** argv) {
   torch::optim::Adam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(lr));
 
   if (rank == 0 && dp == 1)
-    std::printf("%lld fields of %lldx%lld on a 2x2 mesh: rows split %s over \"h\", cols %s over \"w\"\n",
-                static_cast<long long>(kBatch), static_cast<long long>(size),
-                static_cast<long long>(size), shape_str(row_blocks).c_str(),
-                shape_str(col_blocks).c_str());
+    std::printf(
+        "%lld fields of %lldx%lld on a 2x2 mesh: rows split %s over \"h\", cols %s over \"w\"\n",
+        static_cast<long long>(kBatch), static_cast<long long>(size), static_cast<long long>(size),
+        shape_str(row_blocks).c_str(), shape_str(col_blocks).c_str());
   if (rank == 0 && dp == 2)
-    std::printf("%lld fields of %lldx%lld on a 2x2 mesh: samples split %s over \"dp\", rows %s over \"h\"\n",
-                static_cast<long long>(kBatch), static_cast<long long>(size),
-                static_cast<long long>(size), shape_str(batch_blocks).c_str(),
-                shape_str(row_blocks).c_str());
+    std::printf(
+        "%lld fields of %lldx%lld on a 2x2 mesh: samples split %s over \"dp\", rows %s over "
+        "\"h\"\n",
+        static_cast<long long>(kBatch), static_cast<long long>(size), static_cast<long long>(size),
+        shape_str(batch_blocks).c_str(), shape_str(row_blocks).c_str());
   if (rank == 0 && dp == 4)
     std::printf("%lld fields of %lldx%lld, samples split %s over 4 data-parallel ranks\n",
                 static_cast<long long>(kBatch), static_cast<long long>(size),
                 static_cast<long long>(size), shape_str(batch_blocks).c_str());
 
-  auto train_step = [](HeatNet& net, torch::optim::Adam& opt, const at::Tensor& x, const at::Tensor& y) {
+  auto train_step = [](HeatNet& net, torch::optim::Adam& opt, const at::Tensor& x,
+                       const at::Tensor& y) {
     opt.zero_grad();
     auto loss = torch::mse_loss(net->forward(x), y);
     loss.backward();
@@ -257,19 +271,22 @@ int run(int argc, char** argv) {
 
     if (step == 1) {
       // The same step on one device, on the whole fields.
-      const double reference_loss = train_step(reference, reference_optimizer, data.initial, data.later);
+      const double reference_loss =
+          train_step(reference, reference_optimizer, data.initial, data.later);
       double max_param_diff = 0;
       const auto reference_params = reference->named_parameters();
       for (const auto& item : model->named_parameters()) {
         const auto whole = full_tensor(item.value()).detach();  // collective: all ranks, same order
-        max_param_diff = std::max(max_param_diff, max_abs_difference(whole, reference_params[item.key()]));
+        max_param_diff =
+            std::max(max_param_diff, max_abs_difference(whole, reference_params[item.key()]));
       }
       const double loss_diff = std::abs(loss - reference_loss);
       const double tolerance = 1e-4;
       check_ok = loss_diff <= tolerance && max_param_diff <= tolerance;
       if (rank == 0)
-        std::printf("check vs one device after step 1: loss |Δ| = %.1e, max param |Δ| = %.1e -> %s\n",
-                    loss_diff, max_param_diff, check_ok ? "OK" : "MISMATCH (tolerance 1e-4)");
+        std::printf(
+            "check vs one device after step 1: loss |Δ| = %.1e, max param |Δ| = %.1e -> %s\n",
+            loss_diff, max_param_diff, check_ok ? "OK" : "MISMATCH (tolerance 1e-4)");
     }
     if (rank == 0 && (step == 1 || step % print_every == 0 || step == steps))
       std::printf("%s step %*d/%d  loss %.3e\n", progress_bar(step, steps).c_str(),

@@ -18,8 +18,9 @@ struct HeatNetImpl : nn::Module {
     coarse = register_module("coarse", nn::Conv2d(nn::Conv2dOptions(8, 16, 3).padding(1)));
     coarse_norm = register_module("coarse_norm", nn::GroupNorm(nn::GroupNormOptions(4, 16)));
     upsample = register_module(
-        "upsample", nn::Upsample(nn::UpsampleOptions().scale_factor(std::vector<double>{2, 2})
-                                     .mode(torch::kNearest)));
+        "upsample",
+        nn::Upsample(
+            nn::UpsampleOptions().scale_factor(std::vector<double>{2, 2}).mode(torch::kNearest)));
     decode = register_module("decode", nn::Conv2d(nn::Conv2dOptions(16 + 8, 8, 3).padding(1)));
     head = register_module("head", nn::Conv2d(nn::Conv2dOptions(8, 1, 1)));
   }

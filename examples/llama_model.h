@@ -31,7 +31,7 @@ struct LlamaConfig {
   int64_t n_heads = 4;
   int64_t ffn_hidden = 172;  // SwiGLU hidden width
   int64_t max_seq_len = 64;
-  double dropout = 0.0;       // attention-probability and residual dropout
+  double dropout = 0.0;  // attention-probability and residual dropout
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
 
@@ -65,7 +65,9 @@ inline torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& c
 
 struct AttentionImpl : nn::Module {
   explicit AttentionImpl(const LlamaConfig& c) : head_dim(c.head_dim()), dropout(c.dropout) {
-    auto proj = [&](int64_t in, int64_t out) { return nn::Linear(nn::LinearOptions(in, out).bias(false)); };
+    auto proj = [&](int64_t in, int64_t out) {
+      return nn::Linear(nn::LinearOptions(in, out).bias(false));
+    };
     wq = register_module("wq", proj(c.dim, c.n_heads * head_dim));
     wk = register_module("wk", proj(c.dim, c.n_heads * head_dim));
     wv = register_module("wv", proj(c.dim, c.n_heads * head_dim));
@@ -142,7 +144,8 @@ struct TransformerImpl : nn::Module {
     layers = register_module("layers", nn::ModuleList());
     for (int64_t i = 0; i < c.n_layers; ++i) layers->push_back(TransformerBlock(c));
     norm = register_module("norm", RMSNorm(c.dim, c.norm_eps));
-    output = register_module("output", nn::Linear(nn::LinearOptions(c.dim, c.vocab_size).bias(false)));
+    output =
+        register_module("output", nn::Linear(nn::LinearOptions(c.dim, c.vocab_size).bias(false)));
     // Rotary tables for every position: angle(p, i) = p * theta^(-2i / head_dim).
     const int64_t half = c.head_dim() / 2;
     const auto inv_freq =

@@ -82,14 +82,15 @@ inline tessera::ParallelizePlan tensor_parallel_plan(const PlanOptions& o = {}) 
   if (sp) {
     plan.emplace_back("layers.*.attention_norm", SequenceParallel());
     // x is laid out; the rotary tables and the mask pass through.
-    plan.emplace_back("layers.*.attention",
-                      PrepareModuleInput()
-                          .input_layouts({Shard(1), std::nullopt, std::nullopt, std::nullopt})
-                          .desired_input_layouts({Replicate(), std::nullopt, std::nullopt, std::nullopt}));
+    plan.emplace_back(
+        "layers.*.attention",
+        PrepareModuleInput()
+            .input_layouts({Shard(1), std::nullopt, std::nullopt, std::nullopt})
+            .desired_input_layouts({Replicate(), std::nullopt, std::nullopt, std::nullopt}));
     plan.emplace_back("layers.*.ffn_norm", SequenceParallel());
-    plan.emplace_back("layers.*.feed_forward", PrepareModuleInput()
-                                                   .input_layouts({Shard(1)})
-                                                   .desired_input_layouts({Replicate()}));
+    plan.emplace_back(
+        "layers.*.feed_forward",
+        PrepareModuleInput().input_layouts({Shard(1)}).desired_input_layouts({Replicate()}));
   }
   plan.emplace_back("layers.*.attention.wq", head_colwise());
   plan.emplace_back("layers.*.attention.wk", head_colwise());

@@ -54,12 +54,12 @@ struct NABlockImpl : torch::nn::Module {
   NABlockImpl(const NAConfig& c, const BlockConfig& b) {
     namespace nn = torch::nn;
     norm1 = register_module("norm1", nn::LayerNorm(nn::LayerNormOptions({c.dim})));
-    attn = register_module(
-        "attn", tessera::nn::NeighborhoodAttention2d(
-                    tessera::nn::NeighborhoodAttentionOptions(c.dim, c.heads, {b.kernel})
-                        .dilation({b.dilation})
-                        .rpb(c.rpb)
-                        .qkv_bias(c.qkv_bias)));
+    attn = register_module("attn",
+                           tessera::nn::NeighborhoodAttention2d(
+                               tessera::nn::NeighborhoodAttentionOptions(c.dim, c.heads, {b.kernel})
+                                   .dilation({b.dilation})
+                                   .rpb(c.rpb)
+                                   .qkv_bias(c.qkv_bias)));
     norm2 = register_module("norm2", nn::LayerNorm(nn::LayerNormOptions({c.dim})));
     fc1 = register_module("fc1", nn::Linear(c.dim, c.mlp_ratio * c.dim));
     fc2 = register_module("fc2", nn::Linear(c.mlp_ratio * c.dim, c.dim));
@@ -83,8 +83,7 @@ struct NATransformerImpl : torch::nn::Module {
   explicit NATransformerImpl(const NAConfig& c) : config(c) {
     namespace nn = torch::nn;
     embed = register_module("embed", nn::Linear(c.c_in, c.dim));
-    for (size_t i = 0; i < c.blocks.size(); ++i)
-    {
+    for (size_t i = 0; i < c.blocks.size(); ++i) {
       blocks.push_back(register_module("block" + std::to_string(i), NABlock(c, c.blocks[i])));
       blocks.back()->module_forward = c.module_forward;
     }

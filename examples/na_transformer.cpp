@@ -84,7 +84,9 @@ ShardTable split(int64_t size, int64_t first) { return {first, size - first}; }
 // Blue - white - red for [-1.5, 1.5].
 Rgb field_colour(double v) {
   const double t = std::clamp(v / 1.5, -1.0, 1.0);
-  auto mix = [](double a, double b, double f) { return static_cast<uint8_t>(std::lround(a + f * (b - a))); };
+  auto mix = [](double a, double b, double f) {
+    return static_cast<uint8_t>(std::lround(a + f * (b - a)));
+  };
   if (t < 0) return {mix(245, 40, -t), mix(245, 80, -t), mix(245, 160, -t)};
   return {mix(245, 170, t), mix(245, 30, t), mix(245, 40, t)};
 }
@@ -131,7 +133,8 @@ RgbImage draw_fields(const std::string& heading, const std::vector<at::Tensor>& 
   return figure.image;
 }
 
-double train_step(NATransformer& model, torch::optim::AdamW& opt, const at::Tensor& x, const at::Tensor& y) {
+double train_step(NATransformer& model, torch::optim::AdamW& opt, const at::Tensor& x,
+                  const at::Tensor& y) {
   opt.zero_grad();
   auto loss = torch::mse_loss(model->forward(x), y);
   loss.backward();
@@ -142,7 +145,8 @@ double train_step(NATransformer& model, torch::optim::AdamW& opt, const at::Tens
 }  // namespace
 
 int run(int argc, char** argv) {
-  CLI::App app{"Domain-parallel training of a neighbourhood-attention transformer (4 ranks, 2x2 mesh)"};
+  CLI::App app{
+      "Domain-parallel training of a neighbourhood-attention transformer (4 ranks, 2x2 mesh)"};
   std::string out_path = "na_transformer.png";
   int steps = 40;
   int64_t rows = 40, cols = 36, first_rows = 16, first_cols = 20, batch = 4;
@@ -150,19 +154,36 @@ int run(int argc, char** argv) {
   bool use_double = false;
   NAConfig config;
   app.add_option("--out", out_path, "PNG to write on rank 0")->capture_default_str();
-  app.add_option("--steps", steps, "training steps")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--rows", rows, "field height")->capture_default_str()->check(CLI::Range(int64_t{12}, int64_t{1024}));
-  app.add_option("--cols", cols, "field width")->capture_default_str()->check(CLI::Range(int64_t{12}, int64_t{1024}));
-  app.add_option("--first-rows", first_rows, "rows of the top blocks (mesh dim \"h\")")->capture_default_str();
-  app.add_option("--first-cols", first_cols, "columns of the left blocks (mesh dim \"w\")")->capture_default_str();
-  app.add_option("--batch", batch, "fields per step")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--dim", config.dim, "model width")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--heads", config.heads, "attention heads")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--steps", steps, "training steps")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--rows", rows, "field height")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{12}, int64_t{1024}));
+  app.add_option("--cols", cols, "field width")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{12}, int64_t{1024}));
+  app.add_option("--first-rows", first_rows, "rows of the top blocks (mesh dim \"h\")")
+      ->capture_default_str();
+  app.add_option("--first-cols", first_cols, "columns of the left blocks (mesh dim \"w\")")
+      ->capture_default_str();
+  app.add_option("--batch", batch, "fields per step")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--dim", config.dim, "model width")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--heads", config.heads, "attention heads")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--lr", lr, "AdamW learning rate")->capture_default_str();
-  app.add_option("--noise", noise, "noise standard deviation (the shapes are at -1 and 1)")->capture_default_str();
+  app.add_option("--noise", noise, "noise standard deviation (the shapes are at -1 and 1)")
+      ->capture_default_str();
   app.add_flag("--module-forward", config.module_forward,
-               "the modules' own forward (Linear): shows the gathers of a Linear on a block cut along H and W");
-  app.add_flag("--double", use_double, "train in float64 (the check against one device then holds to ~1e-12)");
+               "the modules' own forward (Linear): shows the gathers of a Linear on a block cut "
+               "along H and W");
+  app.add_flag("--double", use_double,
+               "train in float64 (the check against one device then holds to ~1e-12)");
   CLI11_PARSE(app, argc, argv);
   if (config.dim % config.heads != 0) {
     std::fprintf(stderr, "--dim must be a multiple of --heads\n");
@@ -178,11 +199,13 @@ int run(int argc, char** argv) {
   const auto started = Clock::now();
   tessera::init_process_group();
   const int rank = tessera::get_rank();
-  TORCH_CHECK(tessera::get_world_size() == 4, "na_transformer runs on 4 ranks: tessera-run -n 4 na_transformer");
+  TORCH_CHECK(tessera::get_world_size() == 4,
+              "na_transformer runs on 4 ranks: tessera-run -n 4 na_transformer");
   auto mesh = tessera::init_device_mesh("cpu", {2, 2}, {"h", "w"});
 
   const ShardTable row_blocks = split(rows, first_rows), col_blocks = split(cols, first_cols);
-  const Placements spatial = {tessera::Shard(1), tessera::Shard(2)};  // rows over "h", cols over "w"
+  const Placements spatial = {tessera::Shard(1),
+                              tessera::Shard(2)};  // rows over "h", cols over "w"
   const auto blocks = tessera::ShardSizes::Given({{}, row_blocks, col_blocks, {}});
   auto distribute = [&](const at::Tensor& t) {
     return tessera::distribute_tensor(t, mesh, spatial, std::nullopt, blocks);
@@ -201,7 +224,8 @@ int run(int argc, char** argv) {
   torch::optim::AdamW reference_optimizer(reference->parameters(), adamw);
 
   int halo = 0;  // the widest K/V halo of a cut away from the field's edges: (k / 2) * d
-  for (const auto& b : config.blocks) halo = std::max<int>(halo, static_cast<int>((b.kernel / 2) * b.dilation));
+  for (const auto& b : config.blocks)
+    halo = std::max<int>(halo, static_cast<int>((b.kernel / 2) * b.dilation));
   if (rank == 0) {
     std::printf("NA transformer: dim %lld, %lld heads, blocks", static_cast<long long>(config.dim),
                 static_cast<long long>(config.heads));
@@ -210,10 +234,12 @@ int run(int argc, char** argv) {
                   b.dilation > 1 ? (", d=" + std::to_string(b.dilation)).c_str() : "");
     int64_t n_params = 0;
     for (const auto& p : reference->parameters()) n_params += p.numel();
-    std::printf(", rpb, %lld parameters (%s)\n", static_cast<long long>(n_params), use_double ? "float64" : "float32");
-    std::printf("%lld fields of %lldx%lld per step on a 2x2 mesh: rows %s over \"h\", cols %s over \"w\"\n",
-                static_cast<long long>(batch), static_cast<long long>(rows), static_cast<long long>(cols),
-                tessera::shape_str(row_blocks).c_str(), tessera::shape_str(col_blocks).c_str());
+    std::printf(", rpb, %lld parameters (%s)\n", static_cast<long long>(n_params),
+                use_double ? "float64" : "float32");
+    std::printf(
+        "%lld fields of %lldx%lld per step on a 2x2 mesh: rows %s over \"h\", cols %s over \"w\"\n",
+        static_cast<long long>(batch), static_cast<long long>(rows), static_cast<long long>(cols),
+        tessera::shape_str(row_blocks).c_str(), tessera::shape_str(col_blocks).c_str());
   }
   {
     const auto probe = distribute(at::zeros({1, rows, cols, 1}, dtype));
@@ -226,7 +252,8 @@ int run(int argc, char** argv) {
   }
 
   std::string step_communication;
-  double training_seconds = 0, reference_seconds = 0, loss = 0, reference_loss = 0, max_loss_diff = 0;
+  double training_seconds = 0, reference_seconds = 0, loss = 0, reference_loss = 0,
+         max_loss_diff = 0;
   const int print_every = std::max(1, steps / 10);
   if (rank == 0) std::printf("%22s %6s %12s %12s %9s\n", "", "step", "4 ranks", "1 device", "|Δ|");
   for (int step = 1; step <= steps; ++step) {
@@ -265,8 +292,9 @@ int run(int argc, char** argv) {
                                          : item.value().detach());
   if (rank != 0) return 0;
 
-  std::printf("trained %d steps in %.1f s (%.0f ms/step on 4 ranks; one device %.0f ms/step)\n", steps,
-              training_seconds, 1000 * training_seconds / steps, 1000 * reference_seconds / steps);
+  std::printf("trained %d steps in %.1f s (%.0f ms/step on 4 ranks; one device %.0f ms/step)\n",
+              steps, training_seconds, 1000 * training_seconds / steps,
+              1000 * reference_seconds / steps);
   if (!step_communication.empty())
     std::printf("communication of one training step (rank 0):\n%s", step_communication.c_str());
   double max_param_diff = 0;
@@ -278,15 +306,17 @@ int run(int argc, char** argv) {
   }
   const double input_mse = at::mse_loss(test.noisy, test.clean).item<double>();
   const double model_mse = at::mse_loss(prediction, test.clean).item<double>();
-  std::printf("held-out fields: noisy input MSE %.4f, prediction MSE %.4f (%.1fx lower)\n", input_mse,
-              model_mse, input_mse / model_mse);
+  std::printf("held-out fields: noisy input MSE %.4f, prediction MSE %.4f (%.1fx lower)\n",
+              input_mse, model_mse, input_mse / model_mse);
   // Sums in another order (per block, then all-reduced) differ by rounding only: float32
   // parameters stay within ~1e-6 after tens of steps, float64 within ~1e-12.
   const double tolerance = use_double ? 1e-10 : 1e-5;
   const bool ok = max_param_diff <= tolerance && max_loss_diff <= tolerance;
-  std::printf("vs one device: max loss |Δ| %.1e, max parameter |Δ| after %d steps %.1e (%s) -> %s (tolerance %.0e)\n",
-              max_loss_diff, steps, max_param_diff, worst.empty() ? "-" : worst.c_str(), ok ? "OK" : "MISMATCH",
-              tolerance);
+  std::printf(
+      "vs one device: max loss |Δ| %.1e, max parameter |Δ| after %d steps %.1e (%s) -> %s "
+      "(tolerance %.0e)\n",
+      max_loss_diff, steps, max_param_diff, worst.empty() ? "-" : worst.c_str(),
+      ok ? "OK" : "MISMATCH", tolerance);
 
   const int scale = static_cast<int>(std::max<int64_t>(4, (240 + cols - 1) / cols));
   const std::string heading =

@@ -76,7 +76,8 @@ void write_png(const std::string& path, const RgbImage& image) {
   FILE* file = std::fopen(path.c_str(), "wb");
   if (!file)
     throw std::runtime_error("write_png: cannot open " + path + ": " + std::strerror(errno));
-  png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, &error, on_png_error, on_png_warning);
+  png_structp png =
+      png_create_write_struct(PNG_LIBPNG_VER_STRING, &error, on_png_error, on_png_warning);
   png_infop info = png ? png_create_info_struct(png) : nullptr;
   if (!png || !info) {
     png_destroy_write_struct(png ? &png : nullptr, nullptr);

@@ -13,7 +13,8 @@ int main() {
   init_process_group();
   const int rank = get_rank();
   const int world = get_world_size();
-  TORCH_CHECK(world == 4, "redistribute_tour runs on 4 ranks: tessera-run -n 4 ", "redistribute_tour");
+  TORCH_CHECK(world == 4, "redistribute_tour runs on 4 ranks: tessera-run -n 4 ",
+              "redistribute_tour");
   auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
 
   // Only rank 0's data pipeline holds the tensor; shard sizes along dim 0 are uneven: 7 + 2 + 0 + 4
@@ -21,23 +22,26 @@ int main() {
   at::manual_seed(0);
   const auto full = at::randn({13, 6});
   at::Tensor on_src = rank == 0 ? full : at::Tensor();
-  auto dt = scatter_tensor(on_src, 0, mesh, {Shard(0), Shard(0)},
-                           ShardSizes::Given(0, {7, 2, 0, 4}));
+  auto dt =
+      scatter_tensor(on_src, 0, mesh, {Shard(0), Shard(0)}, ShardSizes::Given(0, {7, 2, 0, 4}));
   if (rank == 0) std::printf("%s\n", to_string(dt).c_str());
 
   const std::vector<Placements> tour = {
-      {Shard(0), Replicate()}, {Shard(1), Shard(0)}, {Replicate(), Shard(1)},
+      {Shard(0), Replicate()}, {Shard(1), Shard(0)},       {Replicate(), Shard(1)},
       {Shard(1), Shard(1)},    {Replicate(), Replicate()}, {Shard(0), Shard(1)},
   };
   bool ok = true;
   CommDebugMode total;  // everything the tour moves, checks included
-  if (rank == 0) std::printf("\n%-14s %-10s %-32s %s\n", "placements", "local", "collectives (rank 0: calls, bytes sent)", "check");
+  if (rank == 0)
+    std::printf("\n%-14s %-10s %-32s %s\n", "placements", "local",
+                "collectives (rank 0: calls, bytes sent)", "check");
   for (const auto& p : tour) {
     std::string moved;
     {
       CommDebugMode step;  // just this redistribute
       dt = redistribute(dt, p);
-      for (auto& [kind, calls] : step.get_comm_counts()) moved += kind + "x" + std::to_string(calls) + " ";
+      for (auto& [kind, calls] : step.get_comm_counts())
+        moved += kind + "x" + std::to_string(calls) + " ";
       moved += std::to_string(step.total_bytes_sent()) + " B";
       if (step.get_total_counts() == 0) moved = "none (local slice)";
     }

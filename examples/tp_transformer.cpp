@@ -42,7 +42,8 @@ Batch make_batch(int64_t batch, int64_t seq, int64_t vocab, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   const auto start = at::randint(0, vocab, {batch, 1}, gen, at::kLong);
   const auto stride = at::randint(1, 8, {batch, 1}, gen, at::kLong);
-  const auto walk = at::remainder(start + stride * at::arange(seq + 1, at::kLong).view({1, -1}), vocab);
+  const auto walk =
+      at::remainder(start + stride * at::arange(seq + 1, at::kLong).view({1, -1}), vocab);
   return {walk.narrow(1, 0, seq).contiguous(), walk.narrow(1, 1, seq).contiguous()};
 }
 
@@ -71,18 +72,34 @@ int run(int argc, char** argv) {
   int64_t batch = 8, seq = 31, dp = 1;
   double lr = 1e-2;
   bool no_sp = false;
-  app.add_option("--steps", steps, "training steps")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--batch", batch, "sequences per step")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--seq", seq, "tokens per sequence")->capture_default_str()->check(CLI::Range(int64_t{2}, int64_t{64}));
+  app.add_option("--steps", steps, "training steps")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--batch", batch, "sequences per step")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--seq", seq, "tokens per sequence")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{2}, int64_t{64}));
   app.add_option("--dim", c.dim, "model width")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--heads", c.n_heads, "attention heads")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--layers", c.n_layers, "transformer blocks")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--ffn", c.ffn_hidden, "SwiGLU hidden width")->capture_default_str()->check(CLI::PositiveNumber);
-  app.add_option("--vocab", c.vocab_size, "vocabulary size")->capture_default_str()->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
+  app.add_option("--heads", c.n_heads, "attention heads")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--layers", c.n_layers, "transformer blocks")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--ffn", c.ffn_hidden, "SwiGLU hidden width")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--vocab", c.vocab_size, "vocabulary size")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{2}, int64_t{1} << 20));
   app.add_option("--lr", lr, "AdamW learning rate")->capture_default_str();
-  app.add_flag("--no-sequence-parallel", no_sp, "tensor parallel only: norms replicated, all-reduces");
+  app.add_flag("--no-sequence-parallel", no_sp,
+               "tensor parallel only: norms replicated, all-reduces");
   app.add_option("--dp", dp, "data-parallel size: batch split and fully_shard over it")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   if (c.dim % c.n_heads != 0 || (c.dim / c.n_heads) % 2 != 0) {
     std::fprintf(stderr, "--dim must split into --heads heads of an even size\n");
@@ -94,7 +111,9 @@ int run(int argc, char** argv) {
   init_process_group();
   const int rank = get_rank(), world = get_world_size();
   if (world % dp != 0) {
-    if (rank == 0) std::fprintf(stderr, "--dp %lld does not divide %d ranks\n", static_cast<long long>(dp), world);
+    if (rank == 0)
+      std::fprintf(stderr, "--dp %lld does not divide %d ranks\n", static_cast<long long>(dp),
+                   world);
     return 2;
   }
   auto mesh = init_device_mesh("cpu", {dp, world / dp}, {"dp", "tp"});
@@ -123,12 +142,14 @@ int run(int argc, char** argv) {
     fully_shard(*model, mesh["dp"]);
   }
   if (rank == 0) {
-    std::printf("%lld-layer transformer, dim %lld, %lld heads, vocab %lld on %d ranks: %lld x %lld (dp x tp, %s%s)\n",
-                static_cast<long long>(c.n_layers), static_cast<long long>(c.dim),
-                static_cast<long long>(c.n_heads), static_cast<long long>(c.vocab_size), world,
-                static_cast<long long>(dp), static_cast<long long>(world / dp),
-                no_sp ? "tensor parallel" : "tensor + sequence parallel",
-                dp > 1 ? ", fully_shard over dp" : "");
+    std::printf(
+        "%lld-layer transformer, dim %lld, %lld heads, vocab %lld on %d ranks: %lld x %lld (dp x "
+        "tp, %s%s)\n",
+        static_cast<long long>(c.n_layers), static_cast<long long>(c.dim),
+        static_cast<long long>(c.n_heads), static_cast<long long>(c.vocab_size), world,
+        static_cast<long long>(dp), static_cast<long long>(world / dp),
+        no_sp ? "tensor parallel" : "tensor + sequence parallel",
+        dp > 1 ? ", fully_shard over dp" : "");
     // The parameters the optimizer steps (with fully_shard: this rank's rows of its shard).
     const auto params = model->named_parameters();
     const auto& wq = params["layers.0.attention.wq.weight"];
@@ -138,7 +159,8 @@ int run(int argc, char** argv) {
                 shape_str(spec(emb).local_sizes()).c_str(), shape_str(emb.sizes().vec()).c_str());
   }
 
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(lr).weight_decay(0.01));
+  torch::optim::AdamW optimizer(model->parameters(),
+                                torch::optim::AdamWOptions(lr).weight_decay(0.01));
   std::string step_communication;
   const int print_every = std::max(1, steps / 8);
   double loss = 0, training_seconds = 0;
@@ -157,7 +179,8 @@ int run(int argc, char** argv) {
     } else {
       loss = train_step(model, optimizer, b);
     }
-    training_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    training_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (rank == 0 && (step == 1 || step % print_every == 0 || step == steps))
       std::printf("%s step %*d/%d  loss %.4f\n", progress_bar(step, steps).c_str(),
                   static_cast<int>(std::to_string(steps).size()), step, steps, loss);
@@ -168,7 +191,7 @@ int run(int argc, char** argv) {
   std::vector<std::pair<std::string, at::Tensor>> trained;
   for (const auto& item : model->named_parameters())
     trained.emplace_back(item.key(), is_dtensor(item.value()) ? full_tensor(item.value()).detach()
-                                                               : item.value().detach());
+                                                              : item.value().detach());
   if (rank != 0) return 0;
   std::printf("trained %d steps in %.1f s (%.0f ms/step)\n", steps, training_seconds,
               1000 * training_seconds / steps);
@@ -183,14 +206,16 @@ int run(int argc, char** argv) {
   double max_param_diff = 0;
   const auto reference_params = reference->named_parameters();
   for (const auto& [name, value] : trained)
-    max_param_diff = std::max(max_param_diff, (value - reference_params[name]).abs().max().item<double>());
+    max_param_diff =
+        std::max(max_param_diff, (value - reference_params[name]).abs().max().item<double>());
   // float32 with other summation orders: the losses agree to a few units in the 4th digit;
   // a parameter may differ by up to about one AdamW step (lr) where its gradient is near 0.
   const double loss_diff = std::abs(loss - reference_loss);
   const bool ok = loss_diff <= 2e-3 * (1 + std::abs(reference_loss)) && max_param_diff <= lr;
   std::printf("final loss %.5f, one device %.5f (|Δ| %.1e); max parameter |Δ| %.1e -> %s\n", loss,
               reference_loss, loss_diff, max_param_diff, ok ? "OK" : "MISMATCH");
-  const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  const double total =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   std::printf("%s in %.1f s\n", ok ? "OK" : "FAILED", total);
   return ok ? 0 : 1;
 }

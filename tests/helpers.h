@@ -69,18 +69,14 @@ inline at::Tensor make_dtensor_from_full(const at::Tensor& full, const DeviceMes
     const int64_t c = mesh.coordinate()[d], n = mesh.size(d);
     switch (p.reduce_op()) {
       case PartialOp::Sum:
-        if (integral) local = c == 0 ? local - 7 * (n - 1) : at::full_like(local, 7);
-        else local = local * sum_weight(c, n);
+        if (integral)
+          local = c == 0 ? local - 7 * (n - 1) : at::full_like(local, 7);
+        else
+          local = local * sum_weight(c, n);
         break;
-      case PartialOp::Avg:
-        local = local + avg_offset(c, n) * (integral ? 2 : 1);
-        break;
-      case PartialOp::Max:
-        local = c == 0 ? local : local - 3;
-        break;
-      case PartialOp::Min:
-        local = c == 0 ? local : local + 3;
-        break;
+      case PartialOp::Avg: local = local + avg_offset(c, n) * (integral ? 2 : 1); break;
+      case PartialOp::Max: local = c == 0 ? local : local - 3; break;
+      case PartialOp::Min: local = c == 0 ? local : local + 3; break;
     }
   }
   local = local.to(full.scalar_type());
@@ -109,9 +105,7 @@ inline std::vector<ShardTable> random_tables(Rng& rng, const DeviceMesh& mesh,
   return tables;
 }
 
-inline std::string describe(const at::Tensor& dt) {
-  return spec(dt).str();
-}
+inline std::string describe(const at::Tensor& dt) { return spec(dt).str(); }
 
 // Compare with a tolerance that is exact for integers.
 inline bool same_values(const at::Tensor& a, const at::Tensor& b) {
@@ -131,14 +125,14 @@ struct Operand {
 // Runs fn on distributed operands and on the full tensors; compares value and gradients
 // (a mismatch names the first differing index and the ranks that hold it).
 inline void differential(const DeviceMesh& mesh, const std::vector<Operand>& ops, const Fn& fn,
-                  const std::string& what, uint64_t seed = 7) {
+                         const std::string& what, uint64_t seed = 7) {
   std::vector<at::Tensor> full, dist;
   for (size_t i = 0; i < ops.size(); ++i) {
     full.push_back(tessera::test::randn(ops[i].shape, seed + i).requires_grad_());
-    dist.push_back(make_dtensor_from_full(full.back().detach(), mesh, ops[i].placements,
-                                          ops[i].tables)
-                       .detach()
-                       .requires_grad_());
+    dist.push_back(
+        make_dtensor_from_full(full.back().detach(), mesh, ops[i].placements, ops[i].tables)
+            .detach()
+            .requires_grad_());
   }
   auto expected = fn(full);
   auto got = fn(dist);

@@ -42,7 +42,8 @@ std::string one_line(std::string text) {
 }
 
 long ms_left(NodeLink::Clock::time_point until) {
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - NodeLink::Clock::now());
+  const auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(until - NodeLink::Clock::now());
   return std::max<long>(0, left.count());
 }
 
@@ -139,7 +140,8 @@ int NodeLink::rendezvous(int interrupt_fd) {
     if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
         ::listen(listen_fd_, 128) != 0)
       throw RendezvousError("node 0 cannot listen on port " + std::to_string(cfg_.master_port) +
-                            ": " + errno_text() + " (is another job using it? pick another "
+                            ": " + errno_text() +
+                            " (is another job using it? pick another "
                             "--master-port)");
     set_nonblocking(listen_fd_);
 
@@ -152,16 +154,21 @@ int NodeLink::rendezvous(int interrupt_fd) {
         for (int k = 1; k < cfg_.nnodes; ++k)
           if (!joined[static_cast<std::size_t>(k)])
             missing += (missing.empty() ? "" : ", ") + std::to_string(k);
-        throw RendezvousError(
-            "rendezvous timed out after " + seconds_text(cfg_.rdzv_timeout) + ": node(s) " +
-            missing + " of " + std::to_string(cfg_.nnodes) + " did not join. Start tessera-run "
-            "on each with --nnodes " + std::to_string(cfg_.nnodes) + " --node-rank K "
-            "--master-addr " + cfg_.master_addr + " --master-port " +
-            std::to_string(cfg_.master_port) + " (and check that this port is open to them)");
+        throw RendezvousError("rendezvous timed out after " + seconds_text(cfg_.rdzv_timeout) +
+                              ": node(s) " + missing + " of " + std::to_string(cfg_.nnodes) +
+                              " did not join. Start tessera-run "
+                              "on each with --nnodes " +
+                              std::to_string(cfg_.nnodes) +
+                              " --node-rank K "
+                              "--master-addr " +
+                              cfg_.master_addr + " --master-port " +
+                              std::to_string(cfg_.master_port) +
+                              " (and check that this port is open to them)");
       }
       std::vector<pollfd> fds{{listen_fd_, POLLIN, 0}, {interrupt_fd, POLLIN, 0}};
       for (const Peer& p : pending) fds.push_back({p.fd, POLLIN, 0});
-      if (::poll(fds.data(), fds.size(), static_cast<int>(std::min<long>(ms_left(until), 1000))) < 0 &&
+      if (::poll(fds.data(), fds.size(), static_cast<int>(std::min<long>(ms_left(until), 1000))) <
+              0 &&
           errno != EINTR)
         throw RendezvousError("poll: " + errno_text());
       if (interrupted(interrupt_fd, fds[1].revents)) return -1;
@@ -201,8 +208,10 @@ int NodeLink::rendezvous(int interrupt_fd) {
               why = "--node-rank " + std::to_string(node) + " is out of range [1, " +
                     std::to_string(cfg_.nnodes - 1) + "]";
             else if (joined[static_cast<std::size_t>(node)])
-              why = "node " + std::to_string(node) + " joined twice (two launchers were given "
-                    "--node-rank " + std::to_string(node) + ")";
+              why = "node " + std::to_string(node) +
+                    " joined twice (two launchers were given "
+                    "--node-rank " +
+                    std::to_string(node) + ")";
             if (!why.empty()) {
               write_line_blocking(p.fd, "ERROR " + one_line(why) + "\n", 1000);
               throw RendezvousError("a launcher could not join: " + why);
@@ -249,15 +258,16 @@ int NodeLink::rendezvous(int interrupt_fd) {
   int fd = -1;
   while (fd < 0) {
     if (Clock::now() >= until)
-      throw RendezvousError(
-          "cannot reach node 0's launcher at " + where + " within " +
-          seconds_text(cfg_.rdzv_timeout) + " (last error: " + last_error + "). Check that "
-          "tessera-run runs there with --node-rank 0 and --master-port " +
-          std::to_string(cfg_.master_port) + ", that " + cfg_.master_addr + " is its address "
-          "as seen from this host, and that no firewall blocks the port");
+      throw RendezvousError("cannot reach node 0's launcher at " + where + " within " +
+                            seconds_text(cfg_.rdzv_timeout) + " (last error: " + last_error +
+                            "). Check that "
+                            "tessera-run runs there with --node-rank 0 and --master-port " +
+                            std::to_string(cfg_.master_port) + ", that " + cfg_.master_addr +
+                            " is its address "
+                            "as seen from this host, and that no firewall blocks the port");
     addrinfo* found = nullptr;
-    const int gai = ::getaddrinfo(cfg_.master_addr.c_str(), std::to_string(cfg_.master_port).c_str(),
-                                  &hints, &found);
+    const int gai = ::getaddrinfo(cfg_.master_addr.c_str(),
+                                  std::to_string(cfg_.master_port).c_str(), &hints, &found);
     if (gai != 0) {
       last_error = std::string("cannot resolve ") + cfg_.master_addr + ": " + ::gai_strerror(gai);
     } else {
@@ -271,8 +281,10 @@ int NodeLink::rendezvous(int interrupt_fd) {
             pollfd p{s, POLLOUT, 0};
             const int r = ::poll(&p, 1, static_cast<int>(std::min<long>(ms_left(until), 2000)));
             socklen_t len = sizeof err;
-            if (r <= 0) err = ETIMEDOUT;
-            else if (::getsockopt(s, SOL_SOCKET, SO_ERROR, &err, &len) != 0) err = errno;
+            if (r <= 0)
+              err = ETIMEDOUT;
+            else if (::getsockopt(s, SOL_SOCKET, SO_ERROR, &err, &len) != 0)
+              err = errno;
           }
         }
         if (err == 0) {
@@ -295,8 +307,10 @@ int NodeLink::rendezvous(int interrupt_fd) {
   Peer master;
   master.fd = fd;
   master.node = 0;
-  write_line_blocking(fd, "HELLO " + std::to_string(kProtocol) + " " + std::to_string(cfg_.node_rank) +
-                              " " + std::to_string(cfg_.nnodes) + " " + std::to_string(cfg_.nproc) + "\n",
+  write_line_blocking(fd,
+                      "HELLO " + std::to_string(kProtocol) + " " + std::to_string(cfg_.node_rank) +
+                          " " + std::to_string(cfg_.nnodes) + " " + std::to_string(cfg_.nproc) +
+                          "\n",
                       static_cast<int>(std::max<long>(ms_left(until), 1000)));
   for (;;) {
     std::string line;
@@ -313,21 +327,24 @@ int NodeLink::rendezvous(int interrupt_fd) {
         next_ping_ = Clock::now();
         return port;
       }
-      if (word == "ERROR")
-        throw RendezvousError("node 0 refused this node:" + line.substr(5));
+      if (word == "ERROR") throw RendezvousError("node 0 refused this node:" + line.substr(5));
       continue;  // nothing else is sent before START
     }
     if (Clock::now() >= until)
-      throw RendezvousError("node 0's launcher at " + where + " accepted this node but did not "
-                            "start the job within " + seconds_text(cfg_.rdzv_timeout) +
-                            ": some other node did not join");
+      throw RendezvousError("node 0's launcher at " + where +
+                            " accepted this node but did not "
+                            "start the job within " +
+                            seconds_text(cfg_.rdzv_timeout) + ": some other node did not join");
     std::vector<pollfd> fds{{fd, POLLIN, 0}, {interrupt_fd, POLLIN, 0}};
-    if (::poll(fds.data(), fds.size(), static_cast<int>(std::min<long>(ms_left(until), 1000))) < 0 &&
+    if (::poll(fds.data(), fds.size(), static_cast<int>(std::min<long>(ms_left(until), 1000))) <
+            0 &&
         errno != EINTR)
       throw RendezvousError("poll: " + errno_text());
     if (interrupted(interrupt_fd, fds[1].revents)) return -1;
-    if (fds[0].revents != 0 && !read_into(fd, master.in) && master.in.find('\n') == std::string::npos)
-      throw RendezvousError("node 0's launcher at " + where + " closed the connection during "
+    if (fds[0].revents != 0 && !read_into(fd, master.in) &&
+        master.in.find('\n') == std::string::npos)
+      throw RendezvousError("node 0's launcher at " + where +
+                            " closed the connection during "
                             "the rendezvous (it stopped: see its output)");
   }
 }
@@ -347,8 +364,9 @@ void NodeLink::on_poll(const pollfd* fds, std::size_t count) {
     if (fds[i].revents & POLLOUT) write_some(p);
     if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) {
       if (!read_lines(p)) {
-        lose(p, "its launcher closed the connection (the launcher was killed or its host "
-                "rebooted)");
+        lose(p,
+             "its launcher closed the connection (the launcher was killed or its host "
+             "rebooted)");
       }
     }
   }
@@ -451,7 +469,8 @@ long NodeLink::ms_until_due() const {
   if (peers_.empty()) return 1000;
   long ms = ms_left(next_ping_);
   for (const Peer& p : peers_)
-    if (!p.lost && !p.done) ms = std::min(ms, ms_left(p.heard + seconds(cfg_.heartbeat_timeout)) + 1);
+    if (!p.lost && !p.done)
+      ms = std::min(ms, ms_left(p.heard + seconds(cfg_.heartbeat_timeout)) + 1);
   return ms;
 }
 

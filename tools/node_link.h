@@ -32,8 +32,8 @@ struct LinkConfig {
   int nproc = 1;
   std::string master_addr;
   int master_port = 0;
-  double rdzv_timeout = 300;     // seconds the launchers wait for one another
-  double heartbeat_timeout = 30; // seconds of silence after which a peer is lost
+  double rdzv_timeout = 300;      // seconds the launchers wait for one another
+  double heartbeat_timeout = 30;  // seconds of silence after which a peer is lost
 };
 
 // What the channel reports to the launcher's loop.

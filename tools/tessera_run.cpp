@@ -49,9 +49,9 @@ using tessera::launcher::RendezvousError;
 
 using Clock = std::chrono::steady_clock;
 
-constexpr auto kKillGrace = std::chrono::seconds(5);      // SIGTERM -> SIGKILL
-constexpr auto kAbandonGrace = std::chrono::seconds(2);   // SIGKILL -> stop waiting for pipes
-constexpr std::size_t kMaxLine = 1 << 20;                 // longer "lines" are split
+constexpr auto kKillGrace = std::chrono::seconds(5);     // SIGTERM -> SIGKILL
+constexpr auto kAbandonGrace = std::chrono::seconds(2);  // SIGKILL -> stop waiting for pipes
+constexpr std::size_t kMaxLine = 1 << 20;                // longer "lines" are split
 
 int g_signal_pipe[2] = {-1, -1};
 
@@ -177,13 +177,14 @@ std::string describe(int status) {
 bool failed(int status) { return !(WIFEXITED(status) && WEXITSTATUS(status) == 0); }
 
 void make_pipe(int fds[2]) {
-  if (::pipe2(fds, O_CLOEXEC) != 0) throw std::runtime_error(std::string("pipe: ") + std::strerror(errno));
+  if (::pipe2(fds, O_CLOEXEC) != 0)
+    throw std::runtime_error(std::string("pipe: ") + std::strerror(errno));
 }
 
 void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
 [[noreturn]] void exec_child(const Options& opt, int rank, int port, int out_fd, int err_fd,
-                            pid_t launcher) {
+                             pid_t launcher) {
   // Signals are blocked here (see Launcher::spawn) until the handlers are reset.
   ::setpgid(0, 0);
 #ifdef __linux__
@@ -212,7 +213,9 @@ void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NON
     }
   }
 
-  const auto set = [](const char* name, const std::string& value) { ::setenv(name, value.c_str(), 1); };
+  const auto set = [](const char* name, const std::string& value) {
+    ::setenv(name, value.c_str(), 1);
+  };
   set("RANK", std::to_string(opt.global_rank(rank)));
   set("WORLD_SIZE", std::to_string(opt.world_size()));
   set("LOCAL_RANK", std::to_string(rank));
@@ -288,7 +291,8 @@ class Launcher {
         return 128 + sig;
       }
     } else {
-      port = opt_.master_port ? *opt_.master_port : tessera::launcher::pick_free_port(/*any_interface=*/false);
+      port = opt_.master_port ? *opt_.master_port
+                              : tessera::launcher::pick_free_port(/*any_interface=*/false);
     }
     ranks_.resize(static_cast<std::size_t>(opt_.nproc));
     for (int r = 0; r < opt_.nproc; ++r) {
@@ -452,7 +456,8 @@ class Launcher {
       }
       const int global = opt_.global_rank(failed_rank_);
       const std::string what = describe(ranks_[static_cast<std::size_t>(failed_rank_)].status);
-      message("rank " + std::to_string(global) + " failed (" + what + "); stopping the other ranks" +
+      message("rank " + std::to_string(global) + " failed (" + what +
+              "); stopping the other ranks" +
               (link_ ? std::string(" on every node") : std::string()));
       begin_stop(SIGTERM);
       stop_other_nodes(global, "rank " + std::to_string(global) + " on node " +
@@ -468,8 +473,10 @@ class Launcher {
   // Node 0 stops every other node; another node tells node 0, which does.
   void stop_other_nodes(int rank, const std::string& why) {
     if (!link_) return;
-    if (opt_.node_rank == 0) link_->stop_all(why);
-    else link_->report_failure(rank, why);
+    if (opt_.node_rank == 0)
+      link_->stop_all(why);
+    else
+      link_->report_failure(rank, why);
   }
 
   void on_link_events() {
@@ -551,7 +558,8 @@ class Launcher {
     consider(abandon_at_);
     long ms = link_ ? std::min<long>(1000, link_->ms_until_due()) : 1000;  // also a safety net
     if (next) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(*next - Clock::now()).count();
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(*next - Clock::now()).count();
       ms = std::clamp<long>(left + 1, 0, ms);
     }
     return static_cast<int>(ms);
@@ -636,11 +644,12 @@ class Launcher {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"tessera-run -n N [OPTIONS] prog [args...]\n"
-               "Starts N local ranks of a program with torchrun-style rendezvous variables.\n"
-               "Many hosts: run one launcher per host with --nnodes M --node-rank K and node 0's\n"
-               "--master-addr / --master-port; ranks are numbered K*N + local rank.",
-               "tessera-run"};
+  CLI::App app{
+      "tessera-run -n N [OPTIONS] prog [args...]\n"
+      "Starts N local ranks of a program with torchrun-style rendezvous variables.\n"
+      "Many hosts: run one launcher per host with --nnodes M --node-rank K and node 0's\n"
+      "--master-addr / --master-port; ranks are numbered K*N + local rank.",
+      "tessera-run"};
   app.prefix_command();
   app.footer(
       "Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,\n"
@@ -700,14 +709,16 @@ int main(int argc, char** argv) {
   }
   if (opt.command.front().size() > 1 && opt.command.front()[0] == '-' &&
       app.remaining().front() != "--") {
-    std::fprintf(stderr, "tessera-run: unknown option '%s' (use '--' before a program whose name starts with '-')\n",
-                 opt.command.front().c_str());
+    std::fprintf(
+        stderr,
+        "tessera-run: unknown option '%s' (use '--' before a program whose name starts with '-')\n",
+        opt.command.front().c_str());
     return 2;
   }
 
   if (opt.node_rank >= opt.nnodes) {
-    std::fprintf(stderr, "tessera-run: --node-rank %d is out of range for --nnodes %d\n", opt.node_rank,
-                 opt.nnodes);
+    std::fprintf(stderr, "tessera-run: --node-rank %d is out of range for --nnodes %d\n",
+                 opt.node_rank, opt.nnodes);
     return 2;
   }
   if (opt.nnodes > 1) g_me = "tessera-run[node " + std::to_string(opt.node_rank) + "]";

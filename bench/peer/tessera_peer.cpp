@@ -38,10 +38,10 @@ using json = nlohmann::json;
 
 namespace {
 
-void emit(const std::string& suite, const std::string& name, const std::string& variant,
-          double us, json extra = json::object()) {
-  json rec = {{"suite", suite}, {"case", name}, {"impl", "tessera"}, {"variant", variant},
-              {"us", us}};
+void emit(const std::string& suite, const std::string& name, const std::string& variant, double us,
+          json extra = json::object()) {
+  json rec = {
+      {"suite", suite}, {"case", name}, {"impl", "tessera"}, {"variant", variant}, {"us", us}};
   rec.update(extra);
   std::printf("PEER %s\n", rec.dump().c_str());
   std::fflush(stdout);
@@ -94,7 +94,8 @@ double step_us(const std::function<void()>& fn, int iters, const comm::Group& pg
 }
 
 json comm_summary(const CommDebugMode& cdm) {
-  return {{"bytes", cdm.total_bytes_sent()}, {"calls", cdm.get_total_counts()},
+  return {{"bytes", cdm.total_bytes_sent()},
+          {"calls", cdm.get_total_counts()},
           {"collectives", cdm.get_comm_counts()}};
 }
 
@@ -166,16 +167,15 @@ void redistribute_cases(int iters) {
   const int64_t cols = 256;  // float32 rows of 1 KiB
   const std::vector<std::pair<std::string, int64_t>> sizes = {{"0.25MiB", 256}, {"4MiB", 4096}};
   for (const auto& [size, rows] : sizes) {
-    for (const auto& [layout, global_rows] :
-         std::vector<std::pair<std::string, int64_t>>{{"even", rows * world},
-                                                      {"uneven", rows * world - 3}}) {
+    for (const auto& [layout, global_rows] : std::vector<std::pair<std::string, int64_t>>{
+             {"even", rows * world}, {"uneven", rows * world - 3}}) {
       auto full = at::randn({global_rows, cols});
       auto s0 = distribute_tensor(full, mesh, {Shard(0)});
       auto rep = distribute_tensor(full, mesh, {Replicate()});
       auto part = from_local(full / world, mesh, {Partial()});
       const std::vector<std::tuple<std::string, at::Tensor, Placements>> cases = {
-          {"S(0)->R", s0, {Replicate()}},   {"S(0)->S(1)", s0, {Shard(1)}},
-          {"P->R", part, {Replicate()}},    {"P->S(0)", part, {Shard(0)}},
+          {"S(0)->R", s0, {Replicate()}}, {"S(0)->S(1)", s0, {Shard(1)}},
+          {"P->R", part, {Replicate()}},  {"P->S(0)", part, {Shard(0)}},
           {"R->S(0)", rep, {Shard(0)}},
       };
       for (const auto& [name, src, dst] : cases) {
@@ -187,7 +187,8 @@ void redistribute_cases(int iters) {
           comm = comm_summary(cdm);
         }
         const double us = step_us(fn, iters, pg);
-        if (get_rank() == 0) emit("redistribute", name + " " + size + " " + layout, "dist", us, comm);
+        if (get_rank() == 0)
+          emit("redistribute", name + " " + size + " " + layout, "dist", us, comm);
       }
     }
   }
@@ -199,8 +200,9 @@ constexpr int64_t kIn = 64, kHidden = 256, kOut = 16, kBatch = 128;
 torch::nn::Sequential mlp() {
   namespace nn = torch::nn;
   at::manual_seed(0);
-  return torch::nn::Sequential(torch::nn::Linear(kIn, kHidden), torch::nn::ReLU(), torch::nn::Linear(kHidden, kHidden),
-                        torch::nn::ReLU(), torch::nn::Linear(kHidden, kOut));
+  return torch::nn::Sequential(torch::nn::Linear(kIn, kHidden), torch::nn::ReLU(),
+                               torch::nn::Linear(kHidden, kHidden), torch::nn::ReLU(),
+                               torch::nn::Linear(kHidden, kOut));
 }
 
 void train(int iters) {
@@ -231,7 +233,6 @@ void train(int iters) {
         distribute_tensor(y, mesh, {Shard(0)}));
 }
 
-
 // Live and peak bytes of the CPU allocator, every thread of the process (the dp suite's
 // memory column; counted by bench::ProcessCountingAllocator, installed in main).
 bench::LiveBytes& g_bytes = bench::process_bytes();
@@ -258,7 +259,7 @@ void data_parallel(int iters) {
     return std::make_pair(x.slice(0, lo, hi).clone(), y.slice(0, lo, hi).clone());
   };
   const std::vector<std::string> variants = {"plain", "replicate", "replicate local",
-                                              "fully_shard"};
+                                             "fully_shard"};
   for (const auto& variant : variants) {
     // Memory, then time, each on a model of its own (the first is gone before the second).
     auto run = [&](bool count_memory) {
@@ -266,7 +267,8 @@ void data_parallel(int iters) {
       auto model = mlp();
       std::shared_ptr<ReplicatedModule> ddp;
       if (variant == "replicate" || variant == "replicate local")
-        ddp = replicate(model, mesh, ReplicateOptions().local_batches(variant == "replicate local"));
+        ddp =
+            replicate(model, mesh, ReplicateOptions().local_batches(variant == "replicate local"));
       if (variant == "fully_shard") {
         // Bottom-up, as dtensor_dp.py's FSDP2: one group per Linear, the root owns none.
         // Unsharded from forward to backward, as FSDP2_OPTIONS there (which CPU needs), so
@@ -343,10 +345,13 @@ void tensor_parallel(int iters) {
   at::manual_seed(1);
   const auto start = at::randint(0, c.vocab_size, {batch, 1}, at::kLong);
   const auto stride = at::randint(1, 8, {batch, 1}, at::kLong);
-  const auto walk = at::remainder(start + stride * at::arange(seq + 1, at::kLong).view({1, -1}), c.vocab_size);
-  const auto tokens = walk.narrow(1, 0, seq).contiguous(), targets = walk.narrow(1, 1, seq).contiguous();
+  const auto walk =
+      at::remainder(start + stride * at::arange(seq + 1, at::kLong).view({1, -1}), c.vocab_size);
+  const auto tokens = walk.narrow(1, 0, seq).contiguous(),
+             targets = walk.narrow(1, 1, seq).contiguous();
   auto timed = [&](const std::string& variant, llama::Transformer model) {
-    torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
+    torch::optim::AdamW opt(model->parameters(),
+                            torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
     auto step = [&] {
       opt.zero_grad();
       auto loss = torch::nn::functional::cross_entropy(
@@ -387,8 +392,10 @@ int main(int argc, char** argv) {
   auto* redist_cmd = app.add_subcommand("redistribute", "redistribute on every rank");
   auto* train_cmd = app.add_subcommand("train", "one data-parallel MLP step");
   auto* tp_cmd = app.add_subcommand("tp", "one tensor-parallel Llama step (torchtitan's plan)");
-  auto* dp_cmd = app.add_subcommand("dp", "one data-parallel MLP step: replicate, fully_shard; time and memory");
-  for (auto* c : {redist_cmd, train_cmd, tp_cmd, dp_cmd}) c->add_option("--iters", iters, "timed iterations");
+  auto* dp_cmd = app.add_subcommand(
+      "dp", "one data-parallel MLP step: replicate, fully_shard; time and memory");
+  for (auto* c : {redist_cmd, train_cmd, tp_cmd, dp_cmd})
+    c->add_option("--iters", iters, "timed iterations");
   CLI11_PARSE(app, argc, argv);
   // Before any tensor exists, and only here: the other suites time the default allocator.
   if (*dp_cmd) {

@@ -39,7 +39,8 @@ using BackendPtr = c10::intrusive_ptr<Backend>;
 // c10d::TCPStoreOptions::useLibUV exists from 2.2 (and defaults to true from 2.4); a LibTorch
 // built without libuv, as Debian 13's is, refuses it. Sets it where the field exists.
 template <class Options>
-auto set_tcp_store_libuv(Options& options, bool on, int) -> decltype(options.useLibUV = on, bool()) {
+auto set_tcp_store_libuv(Options& options, bool on, int)
+    -> decltype(options.useLibUV = on, bool()) {
   options.useLibUV = on;
   return true;
 }

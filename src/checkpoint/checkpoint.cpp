@@ -75,9 +75,9 @@ struct AsyncSave::Impl {
   int rank = 0;
   std::vector<Entry> entries;  // in state order; tensors without chunks yet
   std::vector<Piece> pieces;
-  std::vector<Chunk> chunks;   // this rank's, as written (Chunk::file set)
+  std::vector<Chunk> chunks;  // this rank's, as written (Chunk::file set)
   std::vector<std::string> chunk_names;
-  std::string error;           // this rank's write failure
+  std::string error;  // this rank's write failure
   std::thread writer;
   bool finished = true;
 };
@@ -180,7 +180,8 @@ void write_pieces(AsyncSave::Impl& s) {
         c.nbytes = static_cast<int64_t>(piece.data.nbytes());
         const char* bytes = static_cast<const char*>(piece.data.data_ptr());
         for (int64_t b = 0; b < c.nbytes; b += detail::kBlockBytes)
-          c.crc32.push_back(detail::crc32_of(bytes + b, std::min(detail::kBlockBytes, c.nbytes - b)));
+          c.crc32.push_back(
+              detail::crc32_of(bytes + b, std::min(detail::kBlockBytes, c.nbytes - b)));
         detail::write_all(fd, bytes, c.nbytes, full);
         pos += c.nbytes;
         s.chunks.push_back(std::move(c));
@@ -242,7 +243,8 @@ void finish(AsyncSave::Impl& s) {
         const std::string part(static_cast<const char*>(all.data_ptr()) + pos, sizes[r]);
         pos += sizes[r];
         for (const auto& j : nlohmann::json::parse(part))
-          by_name[j.at("name").get<std::string>()].push_back(detail::chunk_from_json(j.at("chunk")));
+          by_name[j.at("name").get<std::string>()].push_back(
+              detail::chunk_from_json(j.at("chunk")));
       }
       nlohmann::json entries = nlohmann::json::array();
       for (const auto& e : s.entries) {
@@ -254,9 +256,12 @@ void finish(AsyncSave::Impl& s) {
           for (const auto& c : by_name[e.name]) chunks.push_back(detail::chunk_to_json(c));
           j["chunks"] = std::move(chunks);
         } else {
-          std::visit([&](const auto& v) {
-            if constexpr (!std::is_same_v<std::decay_t<decltype(v)>, at::Tensor>) j["value"] = v;
-          }, e.value);
+          std::visit(
+              [&](const auto& v) {
+                if constexpr (!std::is_same_v<std::decay_t<decltype(v)>, at::Tensor>)
+                  j["value"] = v;
+              },
+              e.value);
         }
         entries.push_back(std::move(j));
       }
@@ -453,7 +458,8 @@ void load(StateDict& state, const std::string& path) {
 
 std::vector<EntryInfo> describe(const std::string& path) {
   std::vector<EntryInfo> out;
-  for (const auto& e : detail::read_metadata(path)) out.push_back({e.name, e.kind, e.dtype, e.shape});
+  for (const auto& e : detail::read_metadata(path))
+    out.push_back({e.name, e.kind, e.dtype, e.shape});
   return out;
 }
 

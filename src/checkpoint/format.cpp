@@ -20,10 +20,17 @@ namespace {
 
 const std::vector<std::pair<c10::ScalarType, const char*>>& dtype_names() {
   static const std::vector<std::pair<c10::ScalarType, const char*>> names = {
-      {c10::kFloat, "float32"},  {c10::kDouble, "float64"},      {c10::kHalf, "float16"},
-      {c10::kBFloat16, "bfloat16"}, {c10::kLong, "int64"},       {c10::kInt, "int32"},
-      {c10::kShort, "int16"},    {c10::kChar, "int8"},           {c10::kByte, "uint8"},
-      {c10::kBool, "bool"},      {c10::kComplexFloat, "complex64"},
+      {c10::kFloat, "float32"},
+      {c10::kDouble, "float64"},
+      {c10::kHalf, "float16"},
+      {c10::kBFloat16, "bfloat16"},
+      {c10::kLong, "int64"},
+      {c10::kInt, "int32"},
+      {c10::kShort, "int16"},
+      {c10::kChar, "int8"},
+      {c10::kByte, "uint8"},
+      {c10::kBool, "bool"},
+      {c10::kComplexFloat, "complex64"},
       {c10::kComplexDouble, "complex128"}};
   return names;
 }
@@ -63,8 +70,8 @@ std::string data_file_name(int rank) {
 }
 
 nlohmann::json chunk_to_json(const Chunk& c) {
-  return {{"offsets", c.offsets}, {"sizes", c.sizes},     {"file", c.file},
-          {"offset", c.offset},   {"nbytes", c.nbytes},   {"crc32", c.crc32}};
+  return {{"offsets", c.offsets}, {"sizes", c.sizes},   {"file", c.file},
+          {"offset", c.offset},   {"nbytes", c.nbytes}, {"crc32", c.crc32}};
 }
 
 Chunk chunk_from_json(const nlohmann::json& j) {
@@ -182,7 +189,8 @@ void write_all(int fd, const void* data, int64_t bytes, const std::string& path)
 void read_at(int fd, void* data, int64_t bytes, int64_t offset, const std::string& path) {
   char* p = static_cast<char*>(data);
   while (bytes > 0) {
-    const ssize_t n = ::pread(fd, p, static_cast<size_t>(std::min<int64_t>(bytes, 1 << 30)), offset);
+    const ssize_t n =
+        ::pread(fd, p, static_cast<size_t>(std::min<int64_t>(bytes, 1 << 30)), offset);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) io_error("read", path);
     TORCH_CHECK(n > 0, "tessera: checkpoint: ", path, " is shorter than its metadata says (",

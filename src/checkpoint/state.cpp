@@ -135,9 +135,11 @@ StateDict optimizer_state(torch::optim::Optimizer& optimizer, const torch::nn::M
     s.insert(prefix + "param_groups." + std::to_string(g) + ".lr",
              optimizer.param_groups()[g].options().get_lr());
   if (dynamic_cast<torch::optim::AdamW*>(&optimizer)) {
-    add_adam_like<torch::optim::AdamWParamState, torch::optim::AdamWOptions>(s, optimizer, params, prefix);
+    add_adam_like<torch::optim::AdamWParamState, torch::optim::AdamWOptions>(s, optimizer, params,
+                                                                             prefix);
   } else if (dynamic_cast<torch::optim::Adam*>(&optimizer)) {
-    add_adam_like<torch::optim::AdamParamState, torch::optim::AdamOptions>(s, optimizer, params, prefix);
+    add_adam_like<torch::optim::AdamParamState, torch::optim::AdamOptions>(s, optimizer, params,
+                                                                           prefix);
   } else if (dynamic_cast<torch::optim::SGD*>(&optimizer)) {
     size_t i = 0;
     auto& states = optimizer.state();
@@ -244,8 +246,8 @@ void fill_from_full(const at::Tensor& target, const at::Tensor& full, const std:
   }
   const DTensorSpec& sp = spec(target);
   if (!sp.mesh().contains_this_rank()) return;
-  TORCH_CHECK(!sp.has_partial(), "tessera: checkpoint::import_module: \"", name,
-              "\" is Partial (", sp.str(), "); import into Replicate or Shard placements");
+  TORCH_CHECK(!sp.has_partial(), "tessera: checkpoint::import_module: \"", name, "\" is Partial (",
+              sp.str(), "); import into Replicate or Shard placements");
   at::Tensor part = full;
   const auto off = sp.local_offsets(), len = sp.local_sizes();
   for (int64_t d = 0; d < full.dim(); ++d) part = part.narrow(d, off[d], len[d]);

@@ -78,7 +78,8 @@ std::vector<at::Tensor> exchange(const Group& pg, const std::vector<at::Tensor>&
                                  CollectiveKind kind) {
   const int n = pg->getSize();
   const int me = pg->getRank();
-  const int64_t item = static_cast<int64_t>(c10::elementSize(c10::typeMetaToScalarType(opts.dtype())));
+  const int64_t item =
+      static_cast<int64_t>(c10::elementSize(c10::typeMetaToScalarType(opts.dtype())));
   std::vector<int64_t> in_splits(n), out_splits(n);
   int64_t sent = 0, recvd = 0, total_in = 0, total_out = 0;
   for (int j = 0; j < n; ++j) {
@@ -98,7 +99,9 @@ std::vector<at::Tensor> exchange(const Group& pg, const std::vector<at::Tensor>&
     int64_t off = 0;
     for (int j = 0; j < n; ++j) {
       if (in_splits[j] > 0) {
-        flat_in.narrow(0, off, in_splits[j]).view(send[j].scalar_type()).view(send[j].sizes())
+        flat_in.narrow(0, off, in_splits[j])
+            .view(send[j].scalar_type())
+            .view(send[j].sizes())
             .copy_(send[j]);
       }
       off += in_splits[j];
@@ -116,7 +119,8 @@ std::vector<at::Tensor> exchange(const Group& pg, const std::vector<at::Tensor>&
   std::vector<at::Tensor> out;
   int64_t off = 0;
   for (int i = 0; i < n; ++i) {
-    out.push_back(flat_out.narrow(0, off, out_splits[i]).view(c10::typeMetaToScalarType(opts.dtype()))
+    out.push_back(flat_out.narrow(0, off, out_splits[i])
+                      .view(c10::typeMetaToScalarType(opts.dtype()))
                       .view(recv_shapes[i]));
     off += out_splits[i];
   }
@@ -144,7 +148,8 @@ bool try_flat(const Group& pg, FlatOp op, Run&& run) {
   } catch (const c10::Error& e) {
     // Only "does not support" / "no support for" means the op is missing; anything else is a
     // real failure, and so is any failure after the op once worked.
-    const bool missing = std::string(e.what_without_backtrace()).find("support") != std::string::npos;
+    const bool missing =
+        std::string(e.what_without_backtrace()).find("support") != std::string::npos;
     std::lock_guard<std::mutex> lock(mu);
     auto it = known.find(key);
     if (!missing || (it != known.end() && it->second)) throw;
@@ -191,7 +196,8 @@ at::Tensor all_gather_wire(const Group& pg, const at::Tensor& x, int64_t dim,
       // Shards gathered back to back along the first non-trivial dim are the result.
       auto in = as_bytes(x);
       auto flat = at::empty({n * in.numel()}, in.options());
-      if (try_flat(pg, FlatOp::AllGather, [&] { detail::wait(pg->_allgather_base(flat, in), "all_gather"); }))
+      if (try_flat(pg, FlatOp::AllGather,
+                   [&] { detail::wait(pg->_allgather_base(flat, in), "all_gather"); }))
         return flat.view(x.scalar_type()).view(shape);
     }
     std::vector<at::Tensor> in{as_bytes(x)};
@@ -412,8 +418,9 @@ at::Tensor reduce_scatter_wire(const Group& pg, const at::Tensor& x, int64_t dim
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
     const int64_t b = nbytes(x);
-    bool done = try_flat(pg, FlatOp::ReduceScatter,
-                         [&] { detail::wait(pg->_reduce_scatter_base(out, in, opts), "reduce_scatter"); });
+    bool done = try_flat(pg, FlatOp::ReduceScatter, [&] {
+      detail::wait(pg->_reduce_scatter_base(out, in, opts), "reduce_scatter");
+    });
     if (done) {
       record({CollectiveKind::ReduceScatter, b - b / n, b - b / n, n});
       return out.view(mine);
@@ -430,14 +437,14 @@ at::Tensor reduce_scatter_wire(const Group& pg, const at::Tensor& x, int64_t dim
   std::vector<std::vector<int64_t>> recv_shapes(n, mine);
   at::Tensor flat_in;
   if (leading_dims_trivial(x.sizes().vec(), dim)) flat_in = as_bytes(x);
-  auto blocks = exchange(pg, send, recv_shapes, x.options(), flat_in,
-                         CollectiveKind::ReduceScatter);
+  auto blocks =
+      exchange(pg, send, recv_shapes, x.options(), flat_in, CollectiveKind::ReduceScatter);
   auto stacked = at::stack(blocks);
   switch (op) {
     case PartialOp::Sum: return stacked.sum(0);
     case PartialOp::Avg:
       return at::isIntegralType(x.scalar_type(), true) ? stacked.sum(0).div(n, "floor")
-                                                         : stacked.sum(0).div_(n);
+                                                       : stacked.sum(0).div_(n);
     case PartialOp::Max: return std::get<0>(stacked.max(0));
     case PartialOp::Min: return std::get<0>(stacked.min(0));
   }
@@ -489,9 +496,8 @@ at::Tensor reduce_scatter(const Group& pg, const at::Tensor& x, int64_t dim,
 at::Tensor all_to_all(const Group& pg, const at::Tensor& x, int64_t split_dim,
                       const std::vector<Range>& send, int64_t cat_dim,
                       const std::vector<std::vector<int64_t>>& recv_shapes) {
-  return to_home(all_to_all_wire(pg, to_wire(pg, x, "all_to_all"), split_dim, send, cat_dim,
-                                 recv_shapes),
-                 x);
+  return to_home(
+      all_to_all_wire(pg, to_wire(pg, x, "all_to_all"), split_dim, send, cat_dim, recv_shapes), x);
 }
 
 at::Tensor broadcast(const Group& pg, const at::Tensor& x, int root) {
@@ -554,8 +560,8 @@ void check_everywhere(const Group& pg, bool ok, const std::string& message) {
   for (size_t i = 0; i < lens.size(); ++i) {
     if (lens[i] > 0 || flags[i][0] == 0) {
       std::string m(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + off, lens[i]);
-      text += (text.empty() ? "" : "; ") + std::string("[group member ") + std::to_string(i) +
-              "] " + m;
+      text +=
+          (text.empty() ? "" : "; ") + std::string("[group member ") + std::to_string(i) + "] " + m;
     }
     off += lens[i];
   }

@@ -49,9 +49,7 @@ at::TensorOptions home_options(const Group& pg, at::ScalarType dtype) {
   return at::TensorOptions().dtype(dtype).device(home_device(pg));
 }
 
-bool staged(const Group& pg) {
-  return pg && !is_nccl(pg) && home_type(pg) != c10::DeviceType::CPU;
-}
+bool staged(const Group& pg) { return pg && !is_nccl(pg) && home_type(pg) != c10::DeviceType::CPU; }
 
 void check_home(const Group& pg, const at::Tensor& x, const char* site) {
   if (!pg || !x.defined()) return;

@@ -64,8 +64,10 @@ Plan plan_for(int64_t me, const std::vector<int64_t>& sizes, const std::vector<W
       const int64_t g = map_row(w.lo + slot, total, boundary);
       if (g < 0) {
         if (m == me) {
-          if (!plan.fill.empty() && plan.fill.back().hi == slot) ++plan.fill.back().hi;
-          else plan.fill.push_back({slot, slot + 1});
+          if (!plan.fill.empty() && plan.fill.back().hi == slot)
+            ++plan.fill.back().hi;
+          else
+            plan.fill.push_back({slot, slot + 1});
         }
         continue;
       }
@@ -82,9 +84,12 @@ Plan plan_for(int64_t me, const std::vector<int64_t>& sizes, const std::vector<W
       pieces.push_back({o, slot, local, 1});
     }
     for (const auto& p : pieces) {
-      if (m == me && p.owner == me) plan.local.push_back(p);
-      else if (m == me) plan.recv[p.owner].push_back(p);
-      else if (p.owner == me) plan.send[m].push_back(p);
+      if (m == me && p.owner == me)
+        plan.local.push_back(p);
+      else if (m == me)
+        plan.recv[p.owner].push_back(p);
+      else if (p.owner == me)
+        plan.send[m].push_back(p);
     }
   }
   return plan;
@@ -130,9 +135,9 @@ InFlight start_rows(const Group& pg, const at::Tensor& src, int64_t dim,
   const int64_t n = static_cast<int64_t>(outgoing.size());
   std::vector<at::Tensor> send(n);
   std::vector<std::vector<int64_t>> recv_shapes(n);
-  const int64_t row_bytes = src.size(dim) == 0
-                                ? 0
-                                : src.numel() / src.size(dim) * static_cast<int64_t>(src.element_size());
+  const int64_t row_bytes =
+      src.size(dim) == 0 ? 0
+                         : src.numel() / src.size(dim) * static_cast<int64_t>(src.element_size());
   int64_t sent = 0, received = 0;
   for (int64_t m = 0; m < n; ++m) {
     std::vector<at::Tensor> parts;
@@ -173,11 +178,13 @@ InFlight start_rows(const Group& pg, const at::Tensor& src, int64_t dim,
 
 // Waits, then hands each run received from member m to place(piece, rows).
 template <class Place>
-void finish_rows(InFlight& f, int64_t dim, const std::vector<std::vector<Piece>>& incoming, Place place) {
+void finish_rows(InFlight& f, int64_t dim, const std::vector<std::vector<Piece>>& incoming,
+                 Place place) {
   for (auto& w : f.waits) w();
   f.waits.clear();
   for (size_t m = 0; m < f.blocks.size(); ++m) {
-    if (f.blocks[m].defined() && f.blocks[m].device() != f.home) f.blocks[m] = f.blocks[m].to(f.home);
+    if (f.blocks[m].defined() && f.blocks[m].device() != f.home)
+      f.blocks[m] = f.blocks[m].to(f.home);
     int64_t at_row = 0;
     for (const auto& p : incoming[m]) {
       place(p, f.blocks[m].narrow(dim, at_row, p.count));
@@ -196,7 +203,8 @@ void exchange_rows(const Group& pg, const at::Tensor& src, int64_t dim,
   finish_rows(f, dim, incoming, place);
 }
 
-std::vector<Window> uniform_windows(const std::vector<int64_t>& sizes, int64_t before, int64_t after) {
+std::vector<Window> uniform_windows(const std::vector<int64_t>& sizes, int64_t before,
+                                    int64_t after) {
   TORCH_CHECK(before >= 0 && after >= 0, "tessera: halo_exchange: negative halo");
   std::vector<Window> w;
   int64_t offset = 0;
@@ -226,8 +234,8 @@ PendingWindow fetch_window_async(const Group& pg, const at::Tensor& x, int64_t d
   auto plan = plan_for(me, sizes, windows, boundary);
   auto st = std::make_shared<PendingWindow::State>();
   st->dim = dim;
-  st->flight = start_rows(pg, x, dim, plan.send, plan.recv, [](const Piece& p) { return p.local; },
-                          kHaloTag + 1 + tag);
+  st->flight = start_rows(
+      pg, x, dim, plan.send, plan.recv, [](const Piece& p) { return p.local; }, kHaloTag + 1 + tag);
   const bool identity = plan.identity && plan.fill.empty();
   st->out = identity ? x : at::empty(with_dim(x, dim, windows[me].size()), x.options());
   if (!identity) {
@@ -245,8 +253,9 @@ at::Tensor PendingWindow::wait() {
   TORCH_CHECK(state_, "tessera: PendingWindow::wait() called twice");
   auto st = std::move(state_);
   at::Tensor out = st->out;
-  finish_rows(st->flight, st->dim, st->incoming,
-              [&](const Piece& p, const at::Tensor& r) { out.narrow(st->dim, p.slot, p.count).copy_(r); });
+  finish_rows(st->flight, st->dim, st->incoming, [&](const Piece& p, const at::Tensor& r) {
+    out.narrow(st->dim, p.slot, p.count).copy_(r);
+  });
   return out;
 }
 
@@ -273,10 +282,12 @@ at::Tensor fetch_window(const Group& pg, const at::Tensor& x, int64_t dim,
   at::Tensor out = identity ? x : at::empty(shape, x.options());
   if (!identity) {
     for (const auto& f : plan.fill) out.narrow(dim, f.lo, f.size()).fill_(fill);
-    for (const auto& p : plan.local) out.narrow(dim, p.slot, p.count).copy_(x.narrow(dim, p.local, p.count));
+    for (const auto& p : plan.local)
+      out.narrow(dim, p.slot, p.count).copy_(x.narrow(dim, p.local, p.count));
   }
-  exchange_rows(pg, x, dim, plan.send, plan.recv, [](const Piece& p) { return p.local; },
-                [&](const Piece& p, const at::Tensor& r) { out.narrow(dim, p.slot, p.count).copy_(r); });
+  exchange_rows(
+      pg, x, dim, plan.send, plan.recv, [](const Piece& p) { return p.local; },
+      [&](const Piece& p, const at::Tensor& r) { out.narrow(dim, p.slot, p.count).copy_(r); });
   return out;
 }
 
@@ -295,8 +306,9 @@ at::Tensor fetch_window_backward(const Group& pg, const at::Tensor& grad_window,
       grad.narrow(dim, p.local, p.count).add_(grad_window.narrow(dim, p.slot, p.count));
   }
   // The roles swap: what I received forward, I send back; what I sent, I get back and add.
-  exchange_rows(pg, grad_window, dim, plan.recv, plan.send, [](const Piece& p) { return p.slot; },
-                [&](const Piece& p, const at::Tensor& r) { grad.narrow(dim, p.local, p.count).add_(r); });
+  exchange_rows(
+      pg, grad_window, dim, plan.recv, plan.send, [](const Piece& p) { return p.slot; },
+      [&](const Piece& p, const at::Tensor& r) { grad.narrow(dim, p.local, p.count).add_(r); });
   return grad;
 }
 
@@ -307,8 +319,8 @@ at::Tensor halo_exchange(const Group& pg, const at::Tensor& x, int64_t dim,
 }
 
 at::Tensor halo_exchange_backward(const Group& pg, const at::Tensor& grad_extended, int64_t dim,
-                                  const std::vector<int64_t>& sizes, int64_t before,
-                                  int64_t after, HaloBoundary boundary) {
+                                  const std::vector<int64_t>& sizes, int64_t before, int64_t after,
+                                  HaloBoundary boundary) {
   return fetch_window_backward(pg, grad_extended, dim, sizes, uniform_windows(sizes, before, after),
                                boundary);
 }

@@ -56,12 +56,12 @@ std::string stuck_report(const World& world, const char* op) {
   if (n_stuck > kListed) stuck += " and " + std::to_string(n_stuck - kListed) + " more";
   std::string report;
   if (n_silent > 0)
-    report += ". Ranks that never failed in a collective within " +
-              std::to_string(grace.count()) + " ms: " + silent +
-              " (hung, dead, or busy outside collectives: look there first)";
+    report += ". Ranks that never failed in a collective within " + std::to_string(grace.count()) +
+              " ms: " + silent + " (hung, dead, or busy outside collectives: look there first)";
   else
-    report += ". Every rank failed in a collective (a network failure, or ranks calling "
-              "different collectives)";
+    report +=
+        ". Every rank failed in a collective (a network failure, or ranks calling "
+        "different collectives)";
   if (!stuck.empty()) report += "; other ranks stuck: " + stuck;
   return report;
 }
@@ -105,8 +105,9 @@ void rethrow_collective_failure(const char* op) {
       t_caller ? std::string(". Was it called on some ranks only? ") + t_caller +
                      " on a distributed tensor is collective: every rank must call it, in the "
                      "same order (not inside if (rank == 0))"
-               : std::string(". Was it called on some ranks only? Every rank must make the same "
-                             "collective calls in the same order");
+               : std::string(
+                     ". Was it called on some ranks only? Every rank must make the same "
+                     "collective calls in the same order");
   TORCH_CHECK(false, "tessera: ", op, " failed", who, caller, ": ", original, report, hint,
               ". The collective timeout is InitOptions::timeout, or TESSERA_TIMEOUT=<seconds>");
 }

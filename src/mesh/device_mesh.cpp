@@ -51,14 +51,16 @@ void parse_device(const std::string& d, const World& world, DeviceMesh::Impl& m)
   const auto colon = d.find(':');
   const std::string type = d.substr(0, colon);
   const std::string transport = colon == std::string::npos ? "" : d.substr(colon + 1);
-  const char* hint = "; use \"cpu\" (Gloo), \"cuda\" (NCCL) or \"cuda:gloo\" (CUDA tensors "
-                     "over Gloo, staged through host memory)";
+  const char* hint =
+      "; use \"cpu\" (Gloo), \"cuda\" (NCCL) or \"cuda:gloo\" (CUDA tensors "
+      "over Gloo, staged through host memory)";
   TORCH_CHECK(type == "cpu" || type == "cuda", "tessera: init_device_mesh: unknown device_type \"",
               d, "\"", hint);
   m.kind = type == "cpu" ? c10::DeviceType::CPU : c10::DeviceType::CUDA;
   m.device_type = type;
-  m.transport = !transport.empty() ? transport
-                : m.kind == c10::DeviceType::CPU ? "gloo" : world.cuda_transport();
+  m.transport = !transport.empty()               ? transport
+                : m.kind == c10::DeviceType::CPU ? "gloo"
+                                                 : world.cuda_transport();
   TORCH_CHECK(m.transport == "gloo" || (m.transport == "nccl" && type == "cuda"),
               "tessera: init_device_mesh: device_type \"", d, "\" names no transport Tessera has",
               hint);
@@ -80,15 +82,16 @@ std::vector<int> line_through(const DeviceMesh::Impl& m, const std::vector<int64
 
 }  // namespace
 
-DeviceMesh::DeviceMesh(std::string device_type, std::vector<int64_t> shape,
-                       std::vector<int> ranks, std::vector<std::string> dim_names) {
+DeviceMesh::DeviceMesh(std::string device_type, std::vector<int64_t> shape, std::vector<int> ranks,
+                       std::vector<std::string> dim_names) {
   auto world = current_world();
   auto m = std::make_shared<Impl>();
   parse_device(device_type, *world, *m);
   if (m->kind == c10::DeviceType::CUDA) world->select_cuda_device();
   TORCH_CHECK(!shape.empty(), "tessera: DeviceMesh needs at least one dim");
-  for (auto s : shape) TORCH_CHECK(s >= 1, "tessera: DeviceMesh shape ", shape_str(shape),
-                                   " has a dim smaller than 1");
+  for (auto s : shape)
+    TORCH_CHECK(s >= 1, "tessera: DeviceMesh shape ", shape_str(shape),
+                " has a dim smaller than 1");
   const int64_t n = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
   TORCH_CHECK(n == static_cast<int64_t>(ranks.size()), "tessera: DeviceMesh shape ",
               shape_str(shape), " holds ", n, " ranks but ", ranks.size(), " were given");
@@ -104,8 +107,8 @@ DeviceMesh::DeviceMesh(std::string device_type, std::vector<int64_t> shape,
               shape.size(), " dims but ", dim_names.size(), " dim names");
   for (size_t i = 0; i < dim_names.size(); ++i)
     for (size_t j = 0; j < i; ++j)
-      TORCH_CHECK(dim_names[i] != dim_names[j], "tessera: duplicate mesh dim name \"",
-                  dim_names[i], "\"");
+      TORCH_CHECK(dim_names[i] != dim_names[j], "tessera: duplicate mesh dim name \"", dim_names[i],
+                  "\"");
   m->shape = std::move(shape);
   m->ranks = std::move(ranks);
   m->names = std::move(dim_names);
@@ -157,15 +160,16 @@ int64_t DeviceMesh::dim_index(const std::string& name) const {
   if (it == names.end()) {
     std::string known;
     for (auto& n : names) known += (known.empty() ? "" : ", ") + n;
-    TORCH_CHECK(false, "tessera: mesh has no dim named \"", name, "\" (dims: ",
-                known.empty() ? "unnamed; pass dim_names to init_device_mesh" : known, ")");
+    TORCH_CHECK(false, "tessera: mesh has no dim named \"", name,
+                "\" (dims: ", known.empty() ? "unnamed; pass dim_names to init_device_mesh" : known,
+                ")");
   }
   return it - names.begin();
 }
 
 compat::BackendPtr DeviceMesh::group(int64_t mesh_dim) const {
-  TORCH_CHECK(contains_this_rank(), "tessera: rank ", impl().world->rank(),
-              " is not part of ", str());
+  TORCH_CHECK(contains_this_rank(), "tessera: rank ", impl().world->rank(), " is not part of ",
+              str());
   return impl().groups.at(mesh_dim);
 }
 
@@ -179,8 +183,8 @@ compat::BackendPtr DeviceMesh::mesh_group() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   if (!impl_->all) {
     // Group ranks follow the mesh's row-major order, so group rank == flat mesh index.
-    impl_->all = impl_->world->new_group(impl_->ranks, impl_->tag + "/all", impl_->kind,
-                                         impl_->transport);
+    impl_->all =
+        impl_->world->new_group(impl_->ranks, impl_->tag + "/all", impl_->kind, impl_->transport);
   }
   return impl_->all;
 }
@@ -206,8 +210,7 @@ DeviceMesh DeviceMesh::operator[](const std::vector<std::string>& names) const {
     TORCH_CHECK(dims[i] > dims[i - 1], "tessera: mesh dims must be sliced in mesh order; got ",
                 "out-of-order or repeated names");
   if (dims.size() == m.shape.size()) return *this;
-  TORCH_CHECK(contains_this_rank(), "tessera: cannot slice ", str(),
-              " on a rank outside it");
+  TORCH_CHECK(contains_this_rank(), "tessera: cannot slice ", str(), " on a rank outside it");
   return sub(dims);
 }
 
@@ -246,8 +249,8 @@ DeviceMesh DeviceMesh::sub(const std::vector<int64_t>& dims) const {
     }
     s->tag = tag;
     // Ranks of the submesh: vary the sliced dims, keep this rank's other coordinates.
-    const int64_t n = std::accumulate(s->shape.begin(), s->shape.end(), int64_t{1},
-                                      std::multiplies<>());
+    const int64_t n =
+        std::accumulate(s->shape.begin(), s->shape.end(), int64_t{1}, std::multiplies<>());
     std::vector<int64_t> c = m.coord;
     for (int64_t flat = 0; flat < n; ++flat) {
       int64_t rem = flat;
@@ -269,7 +272,8 @@ DeviceMesh DeviceMesh::root() const {
   std::shared_ptr<Impl> m = impl_;
   while (m && !m->parent_dims.empty()) {
     auto up = m->parent.lock();
-    TORCH_CHECK(up, "tessera: ", DeviceMesh(m).str(), " is a slice of a mesh that no longer exists");
+    TORCH_CHECK(up, "tessera: ", DeviceMesh(m).str(),
+                " is a slice of a mesh that no longer exists");
     m = std::move(up);
   }
   return DeviceMesh(m);
@@ -298,7 +302,8 @@ std::string DeviceMesh::str() const {
   if (!impl_) return "DeviceMesh(undefined)";
   const auto& m = *impl_;
   const bool usual = (m.kind == c10::DeviceType::CPU) == (m.transport == "gloo");
-  std::string s = "DeviceMesh(" + m.device_type + (usual ? "" : ":" + m.transport) + ", shape=" + shape_str(m.shape) + ", ranks=[";
+  std::string s = "DeviceMesh(" + m.device_type + (usual ? "" : ":" + m.transport) +
+                  ", shape=" + shape_str(m.shape) + ", ranks=[";
   for (size_t i = 0; i < m.ranks.size(); ++i) s += (i ? "," : "") + std::to_string(m.ranks[i]);
   s += "]";
   if (!m.names.empty()) {

@@ -16,7 +16,9 @@ namespace tessera::nn::detail {
 
 namespace {
 
-int64_t group_length(const NAAxis& a, int64_t g) { return (a.length - g + a.dilation - 1) / a.dilation; }
+int64_t group_length(const NAAxis& a, int64_t g) {
+  return (a.length - g + a.dilation - 1) / a.dilation;
+}
 
 std::string shape(at::IntArrayRef s) {
   std::ostringstream o;
@@ -32,8 +34,9 @@ std::vector<int64_t> window_rows(const NAAxis& a, int64_t i) {
   const int64_t L = a.length, k = a.kernel, d = a.dilation, s = a.stride;
   TORCH_CHECK(i >= 0 && i < L, "tessera: neighbourhood attention: query ", i,
               " outside an axis of length ", L);
-  TORCH_CHECK(k >= 1 && d >= 1 && s >= 1 && k * d <= L, "tessera: neighbourhood attention: ",
-              "kernel ", k, ", dilation ", d, ", stride ", s, " do not fit an axis of length ", L);
+  TORCH_CHECK(k >= 1 && d >= 1 && s >= 1 && k * d <= L,
+              "tessera: neighbourhood attention: ", "kernel ", k, ", dilation ", d, ", stride ", s,
+              " do not fit an axis of length ", L);
   const int64_t g = i % d, x = i / d, n = group_length(a, g), left = k / 2;
   std::vector<int64_t> rows;
   if (a.causal) {
@@ -44,7 +47,8 @@ std::vector<int64_t> window_rows(const NAAxis& a, int64_t i) {
   const int64_t lead = std::min((x / s) * s + s / 2, n - 1);
   // Circular: centred on the leader, unwrapped (the caller takes rows modulo L). Otherwise
   // shifted inward at the borders of the dilation group.
-  const int64_t start = a.circular ? lead - left : std::min(std::max(lead - left, int64_t{0}), n - k);
+  const int64_t start =
+      a.circular ? lead - left : std::min(std::max(lead - left, int64_t{0}), n - k);
   rows.reserve(static_cast<size_t>(k));
   for (int64_t t = 0; t < k; ++t) rows.push_back(g + d * (start + t));
   return rows;
@@ -55,8 +59,10 @@ comm::Window reads(const NAAxis& a, int64_t q_lo, int64_t q_hi) {
   // Within a dilation group windows move monotonically with the query, so the first key is
   // met among the first d queries and the last among the last d.
   int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
-  for (int64_t i = q_lo; i < std::min(q_hi, q_lo + a.dilation); ++i) lo = std::min(lo, window_rows(a, i).front());
-  for (int64_t i = std::max(q_lo, q_hi - a.dilation); i < q_hi; ++i) hi = std::max(hi, window_rows(a, i).back() + 1);
+  for (int64_t i = q_lo; i < std::min(q_hi, q_lo + a.dilation); ++i)
+    lo = std::min(lo, window_rows(a, i).front());
+  for (int64_t i = std::max(q_lo, q_hi - a.dilation); i < q_hi; ++i)
+    hi = std::max(hi, window_rows(a, i).back() + 1);
   return {lo, hi};
 }
 
@@ -129,10 +135,10 @@ void check_arguments(const char* op, at::IntArrayRef q, at::IntArrayRef k, at::I
   const int64_t nd = static_cast<int64_t>(axes.size());
   TORCH_CHECK(nd >= 1 && nd <= 3, op, ": 1 to 3 spatial axes are supported, got ", nd);
   const size_t rank = static_cast<size_t>(nd + 3);
-  TORCH_CHECK(q.size() == rank, op, ": query must be [B, *S, H, D] with ", nd,
-              " spatial dims (", rank, " dims; the layout is heads-last), got shape ", shape(q));
-  TORCH_CHECK(k.size() == rank, op, ": key must be [B, *S, H_kv, D] (", rank,
-              " dims, like query ", shape(q), "), got shape ", shape(k));
+  TORCH_CHECK(q.size() == rank, op, ": query must be [B, *S, H, D] with ", nd, " spatial dims (",
+              rank, " dims; the layout is heads-last), got shape ", shape(q));
+  TORCH_CHECK(k.size() == rank, op, ": key must be [B, *S, H_kv, D] (", rank, " dims, like query ",
+              shape(q), "), got shape ", shape(k));
   TORCH_CHECK(v.size() == rank, op, ": value must be [B, *S, H_kv, Dv] (", rank,
               " dims, like query ", shape(q), "), got shape ", shape(v));
   for (int64_t d = 0; d <= nd; ++d) {
@@ -150,8 +156,8 @@ void check_arguments(const char* op, at::IntArrayRef q, at::IntArrayRef k, at::I
               " must have the same head dim");
   for (int64_t a = 0; a < nd; ++a) {
     const NAAxis& x = axes[a];
-    TORCH_CHECK(x.length == q[1 + a], op, ": axis ", a, " has length ", x.length,
-                " but query ", shape(q), " has ", q[1 + a]);
+    TORCH_CHECK(x.length == q[1 + a], op, ": axis ", a, " has length ", x.length, " but query ",
+                shape(q), " has ", q[1 + a]);
     TORCH_CHECK(x.kernel > 1, op, ": kernel_size must be > 1 on every axis, got ", x.kernel,
                 " on spatial axis ", a);
     TORCH_CHECK(x.stride >= 1 && x.stride <= x.kernel, op, ": stride must lie in [1, kernel_size]",
@@ -160,8 +166,8 @@ void check_arguments(const char* op, at::IntArrayRef q, at::IntArrayRef k, at::I
     TORCH_CHECK(x.dilation >= 1, op, ": dilation must be >= 1, got ", x.dilation,
                 " on spatial axis ", a);
     TORCH_CHECK(x.kernel * x.dilation <= x.length, op, ": kernel_size * dilation (", x.kernel,
-                " * ", x.dilation, " = ", x.kernel * x.dilation, ") exceeds the extent ",
-                x.length, " of spatial axis ", a, " of query ", shape(q),
+                " * ", x.dilation, " = ", x.kernel * x.dilation, ") exceeds the extent ", x.length,
+                " of spatial axis ", a, " of query ", shape(q),
                 "; lower kernel_size or dilation, or pad the input");
     TORCH_CHECK(!(x.causal && x.circular), op, ": spatial axis ", a,
                 " is both causal and circular; a circular axis cannot be causal");
@@ -210,7 +216,9 @@ void check_tensors(const char* op, const at::Tensor& q, const at::Tensor& k, con
 
 namespace {
 
-at::ScalarType compute_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+at::ScalarType compute_type(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
 
 // The T = prod(k) taps of the neighbourhood (row-major over the axes), as flattened indices:
 // tap tau of every query reads window position key[q] with bias rpb[:, rel[q]].
@@ -424,7 +432,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor dek, dev;
   if (p.Ne > 0) {
     const at::Tensor pe = p.heads_first(prob.narrow(-1, T, p.Ne));  // [B, H_kv, Nq G, Ne]
-    const at::Tensor doh = p.heads_first(dof);                       // [B, H_kv, Nq G, Dv]
+    const at::Tensor doh = p.heads_first(dof);                      // [B, H_kv, Nq G, Dv]
     const at::Tensor dh = delta.permute({0, 2, 1, 3}).reshape({p.B, p.Hkv, p.Nq * p.G, 1});
     const at::Tensor dse = pe * (at::matmul(doh, p.evh.transpose(-1, -2)) - dh);
     dq.add_(p.heads_last(at::matmul(dse, p.ekh)));
@@ -435,8 +443,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   }
   dq.mul_(scale);
   if (drpb.defined()) drpb = drpb.view(rpb.sizes()).to(rpb.scalar_type());
-  return {dq.reshape(q.sizes()).to(q.scalar_type()), dk.view(k_win.sizes()).to(k_win.scalar_type()),
-          dv.view(v_win.sizes()).to(v_win.scalar_type()), drpb, dek, dev};
+  return {dq.reshape(q.sizes()).to(q.scalar_type()),
+          dk.view(k_win.sizes()).to(k_win.scalar_type()),
+          dv.view(v_win.sizes()).to(v_win.scalar_type()),
+          drpb,
+          dek,
+          dev};
 }
 
 }  // namespace tessera::nn::detail

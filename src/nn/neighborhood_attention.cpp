@@ -106,8 +106,8 @@ std::tuple<Tensor, Tensor> na_forward_plain(const Tensor& q, const Tensor& k, co
                                             const BoolList& circular, double scale,
                                             const OptTensor& rpb, const OptTensor& ek,
                                             const OptTensor& ev) {
-  const auto w = local_windows(kOp, q, k, v, kernel_size, stride, dilation, is_causal, circular,
-                               rpb, ek, ev);
+  const auto w =
+      local_windows(kOp, q, k, v, kernel_size, stride, dilation, is_causal, circular, rpb, ek, ev);
   if (q.numel() == 0 || k.numel() == 0) {  // an empty batch or heads shard
     auto os = q.sizes().vec();
     os.back() = v.size(-1);
@@ -132,23 +132,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> na_backward_plain(
     auto zeros_or_empty = [&](const OptTensor& t) {
       return t.has_value() && t->defined() ? at::zeros_like(*t) : at::empty({0}, q.options());
     };
-    return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v), zeros_or_empty(rpb),
-            zeros_or_empty(ek), zeros_or_empty(ev)};
+    return {at::zeros_like(q),   at::zeros_like(k),  at::zeros_like(v),
+            zeros_or_empty(rpb), zeros_or_empty(ek), zeros_or_empty(ev)};
   }
-  auto r = detail::backward(grad_out, q, fill_windows(w, k), fill_windows(w, v), out, lse,
-                            w.tables, scale, value_or_undefined(rpb), value_or_undefined(ek),
+  auto r = detail::backward(grad_out, q, fill_windows(w, k), fill_windows(w, v), out, lse, w.tables,
+                            scale, value_or_undefined(rpb), value_or_undefined(ek),
                             value_or_undefined(ev));
   auto empty_if_undefined = [&](const Tensor& t) {
     return t.defined() ? t : at::empty({0}, q.options());
   };
-  return {std::get<0>(r), fold_windows(w, std::get<1>(r)), fold_windows(w, std::get<2>(r)),
-          empty_if_undefined(std::get<3>(r)), empty_if_undefined(std::get<4>(r)),
+  return {std::get<0>(r),
+          fold_windows(w, std::get<1>(r)),
+          fold_windows(w, std::get<2>(r)),
+          empty_if_undefined(std::get<3>(r)),
+          empty_if_undefined(std::get<4>(r)),
           empty_if_undefined(std::get<5>(r))};
 }
 
 const c10::TypedOperatorHandle<ForwardFn>& forward_op() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow(kOp, "").typed<ForwardFn>();
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(kOp, "").typed<ForwardFn>();
   return op;
 }
 
@@ -213,9 +215,8 @@ struct NeighborhoodAttentionFunction
 };
 
 std::tuple<Tensor, Tensor> na_forward_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                               at::IntArrayRef kernel_size,
-                                               at::IntArrayRef stride, at::IntArrayRef dilation,
-                                               const BoolList& is_causal,
+                                               at::IntArrayRef kernel_size, at::IntArrayRef stride,
+                                               at::IntArrayRef dilation, const BoolList& is_causal,
                                                const BoolList& circular, double scale,
                                                const OptTensor& rpb, const OptTensor& ek,
                                                const OptTensor& ev) {
@@ -278,22 +279,21 @@ BoolList to_list(const std::vector<bool>& v) {
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> neighborhood_attention_with_lse(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    std::vector<int64_t> kernel_size, const NeighborhoodAttentionFuncOptions& options) {
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::vector<int64_t> kernel_size,
+    const NeighborhoodAttentionFuncOptions& options) {
   const int64_t nd = q.dim() - 3;
   TORCH_CHECK(nd >= 1 && nd <= 3, kOp, ": query must be [B, *S, H, D] with 1 to 3 spatial ",
               "axes, got ", q.dim(), " dims ", q.sizes());
   const double scale = options.scale().has_value()
                            ? *options.scale()
                            : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  return forward_op().call(q, k, v, per_axis("kernel_size", kernel_size, nd),
-                           per_axis("stride", options.stride(), nd),
-                           per_axis("dilation", options.dilation(), nd),
-                           to_list(per_axis("is_causal", options.is_causal(), nd)),
-                           to_list(per_axis("circular", options.circular(), nd)), scale,
-                           optional_if_defined(options.rpb()),
-                           optional_if_defined(options.additional_keys()),
-                           optional_if_defined(options.additional_values()));
+  return forward_op().call(
+      q, k, v, per_axis("kernel_size", kernel_size, nd), per_axis("stride", options.stride(), nd),
+      per_axis("dilation", options.dilation(), nd),
+      to_list(per_axis("is_causal", options.is_causal(), nd)),
+      to_list(per_axis("circular", options.circular(), nd)), scale,
+      optional_if_defined(options.rpb()), optional_if_defined(options.additional_keys()),
+      optional_if_defined(options.additional_values()));
 }
 
 at::Tensor neighborhood_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

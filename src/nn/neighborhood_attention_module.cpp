@@ -12,7 +12,8 @@
 namespace tessera::nn {
 
 template <int64_t SpatialRank>
-NeighborhoodAttentionImpl<SpatialRank>::NeighborhoodAttentionImpl(NeighborhoodAttentionOptions options_)
+NeighborhoodAttentionImpl<SpatialRank>::NeighborhoodAttentionImpl(
+    NeighborhoodAttentionOptions options_)
     : options(std::move(options_)) {
   reset();
 }
@@ -48,7 +49,8 @@ void NeighborhoodAttentionImpl<SpatialRank>::reset() {
 template <int64_t SpatialRank>
 void NeighborhoodAttentionImpl<SpatialRank>::pretty_print(std::ostream& stream) const {
   stream << "tessera::nn::NeighborhoodAttention" << SpatialRank << "d(dim=" << options.dim()
-         << ", num_heads=" << options.num_heads() << ", kernel_size=" << at::IntArrayRef(options.kernel_size())
+         << ", num_heads=" << options.num_heads()
+         << ", kernel_size=" << at::IntArrayRef(options.kernel_size())
          << ", stride=" << at::IntArrayRef(options.stride())
          << ", dilation=" << at::IntArrayRef(options.dilation())
          << ", rpb=" << (options.rpb() ? "true" : "false") << ")";
@@ -60,7 +62,8 @@ namespace {
 // would be gathered; the same map as a 1x1 convolution on the channels-first view keeps every
 // shard where it is (and is exact: the same sums per position).
 at::Tensor per_position(const torch::nn::LinearImpl& lin, const at::Tensor& x) {
-  if (!is_dtensor(x) || x.dim() < 3 || x.dim() > 5) return const_cast<torch::nn::LinearImpl&>(lin).forward(x);
+  if (!is_dtensor(x) || x.dim() < 3 || x.dim() > 5)
+    return const_cast<torch::nn::LinearImpl&>(lin).forward(x);
   const int64_t n = x.dim();
   std::vector<int64_t> to_first = {0, n - 1}, back = {0};
   for (int64_t d = 1; d < n - 1; ++d) to_first.push_back(d);
@@ -68,9 +71,10 @@ at::Tensor per_position(const torch::nn::LinearImpl& lin, const at::Tensor& x) {
   back.push_back(1);
   std::vector<int64_t> wshape = lin.weight.sizes().vec();
   wshape.resize(static_cast<size_t>(n), 1);
-  const std::vector<int64_t> ones(static_cast<size_t>(n - 2), 1), zeros(static_cast<size_t>(n - 2), 0);
-  at::Tensor y = at::convolution(x.permute(to_first), lin.weight.view(wshape), lin.bias, ones, zeros,
-                                 ones, false, zeros, 1);
+  const std::vector<int64_t> ones(static_cast<size_t>(n - 2), 1),
+      zeros(static_cast<size_t>(n - 2), 0);
+  at::Tensor y = at::convolution(x.permute(to_first), lin.weight.view(wshape), lin.bias, ones,
+                                 zeros, ones, false, zeros, 1);
   return y.permute(back);
 }
 }  // namespace

@@ -110,7 +110,8 @@ Index read_index(const c10::IValue& list, int64_t self_ndim, const std::string& 
 
 // The layout of self[index] for self laid out as `self` (indexed dims unsharded), and where
 // each self dim lands in it (-1 for indexed dims).
-SpecPtr index_result(const DTensorSpec& self, const Index& ix, std::vector<int64_t>* landing = nullptr) {
+SpecPtr index_result(const DTensorSpec& self, const Index& ix,
+                     std::vector<int64_t>* landing = nullptr) {
   const int64_t nd = self.ndim();
   std::vector<int64_t> to_out(nd, -1), sizes;
   auto keep = [&](int64_t t) {
@@ -141,7 +142,8 @@ SpecPtr index_result(const DTensorSpec& self, const Index& ix, std::vector<int64
 }
 
 SpecPtr with_dtype(const DTensorSpec& s, c10::ScalarType dtype) {
-  return std::make_shared<DTensorSpec>(s.mesh(), s.placements(), s.sizes(), dtype, s.shard_tables());
+  return std::make_shared<DTensorSpec>(s.mesh(), s.placements(), s.sizes(), dtype,
+                                       s.shard_tables());
 }
 
 // A plain self next to distributed indices is a replicated value.
@@ -382,9 +384,12 @@ OpPlan index_fill_copy_rule(const OpCall& call) {
   const int64_t size = in->ndim() > 0 ? in->sizes()[d] : 1;
   plan.local_kernel = [d, off, len, size, copy, cut, zeros](KernelCall& k) {
     if (zeros) {
-      if (copy) k.set("source", at::zeros_like(k.tensor("source")));
-      else if (k.arg("value").isTensor()) k.set("value", at::zeros_like(k.tensor("value")));
-      else k.set("value", c10::IValue(c10::Scalar(0)));
+      if (copy)
+        k.set("source", at::zeros_like(k.tensor("source")));
+      else if (k.arg("value").isTensor())
+        k.set("value", at::zeros_like(k.tensor("value")));
+      else
+        k.set("value", c10::IValue(c10::Scalar(0)));
     }
     if (!cut) return k.call_op();
     at::Tensor idx = k.tensor("index").reshape(-1);
@@ -398,7 +403,8 @@ OpPlan index_fill_copy_rule(const OpCall& call) {
 }
 
 const RuleRegistrar registrar{[] {
-  for (const char* base : {"aten::index_fill", "aten::index_fill_", "aten::index_copy", "aten::index_copy_"})
+  for (const char* base :
+       {"aten::index_fill", "aten::index_fill_", "aten::index_copy", "aten::index_copy_"})
     register_rule_for_overloads(base, index_fill_copy_rule);
   register_kernel("aten::index.Tensor", torch::CppFunction::makeFromBoxedFunction<&index_kernel>());
   for (const char* op : {"aten::index_put_", "aten::index_put", "aten::_index_put_impl_"})

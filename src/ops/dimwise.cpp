@@ -1,6 +1,6 @@
 // Ops that work along some dims of a tensor and leave the others alone: scans (cumsum,
-// cumprod, logcumsumexp, cummax / cummin), sort / argsort, _safe_softmax, topk, kthvalue, median / nanmedian
-// / mode along a dim, glu, flip, roll, tril / triu, unfold, repeat, diagonal, trace,
+// cumprod, logcumsumexp, cummax / cummin), sort / argsort, _safe_softmax, topk, kthvalue, median /
+// nanmedian / mode along a dim, glu, flip, roll, tril / triu, unfold, repeat, diagonal, trace,
 // linalg_cross; ops over the trailing dims that keep the batch dims' shards (adaptive max
 // pooling, pixel (un)shuffle, channel_shuffle, im2col / col2im); and the backward ops these
 // need.
@@ -165,8 +165,9 @@ OpPlan select_along_dim(const OpCall& call) {
 OpPlan whole_tensor_rule(const OpCall& call) {
   const auto& self = self_of(call);
   OpPlan plan = replicate_inputs(call);
-  plan.output(std::make_shared<DTensorSpec>(
-      self.mesh(), Placements(self.mesh().ndim(), Replicate()), std::vector<int64_t>{}, self.dtype()));
+  plan.output(std::make_shared<DTensorSpec>(self.mesh(),
+                                            Placements(self.mesh().ndim(), Replicate()),
+                                            std::vector<int64_t>{}, self.dtype()));
   return plan;
 }
 
@@ -203,16 +204,17 @@ OpPlan unfold_rule(const OpCall& call) {
   TORCH_CHECK(self.ndim() > 0, "tessera: ", call.describe(), ": unfold of a 0-dim tensor");
   const int64_t d = wrap(call.arg<int64_t>("dimension"), self.ndim());
   const int64_t size = call.arg<int64_t>("size"), step = call.arg<int64_t>("step");
-  TORCH_CHECK(size <= self.sizes()[d] && step > 0, "tessera: ", call.describe(), ": window ",
-              size, " with step ", step, " does not fit dim ", d, " of size ", self.sizes()[d]);
+  TORCH_CHECK(size <= self.sizes()[d] && step > 0, "tessera: ", call.describe(), ": window ", size,
+              " with step ", step, " does not fit dim ", d, " of size ", self.sizes()[d]);
   auto in = whole_along(self, {d});
   auto sizes = in->sizes();
   sizes[d] = (sizes[d] - size) / step + 1;
   sizes.push_back(size);
   auto tables = in->shard_tables();
   tables.emplace_back();
-  return along(call, {d}, std::make_shared<DTensorSpec>(in->mesh(), in->placements(), sizes,
-                                                        in->dtype(), tables));
+  return along(
+      call, {d},
+      std::make_shared<DTensorSpec>(in->mesh(), in->placements(), sizes, in->dtype(), tables));
 }
 
 // A backward op that builds its result of `input_sizes`: the gradient laid out as `grad`, the
@@ -240,8 +242,9 @@ OpPlan unfold_backward_rule(const OpCall& call) {
   auto in = whole_along(*g, {d, g->ndim() - 1});
   auto tables = in->shard_tables();
   tables.pop_back();
-  return with_local_sizes(call, "grad_in", in, std::make_shared<DTensorSpec>(
-      in->mesh(), in->placements(), input_sizes, in->dtype(), tables));
+  return with_local_sizes(call, "grad_in", in,
+                          std::make_shared<DTensorSpec>(in->mesh(), in->placements(), input_sizes,
+                                                        in->dtype(), tables));
 }
 
 // repeat(self, repeats): dims repeated more than once are whole (a shard would have to appear
@@ -250,8 +253,8 @@ OpPlan repeat_rule(const OpCall& call) {
   const auto& self = self_of(call);
   const auto repeats = call.arg<std::vector<int64_t>>("repeats");
   const int64_t nd = self.ndim(), lead = static_cast<int64_t>(repeats.size()) - nd;
-  TORCH_CHECK(lead >= 0, "tessera: ", call.describe(), ": ", repeats.size(),
-              " repeats for a ", nd, "-dim tensor");
+  TORCH_CHECK(lead >= 0, "tessera: ", call.describe(), ": ", repeats.size(), " repeats for a ", nd,
+              "-dim tensor");
   std::vector<int64_t> dims;
   for (int64_t t = 0; t < nd; ++t)
     if (repeats[lead + t] != 1) dims.push_back(t);
@@ -265,7 +268,8 @@ OpPlan repeat_rule(const OpCall& call) {
     sizes.push_back(in->sizes()[t] * repeats[lead + t]);
     tables.push_back(in->shard_table(t));
   }
-  return along(call, dims, std::make_shared<DTensorSpec>(in->mesh(), p, sizes, in->dtype(), tables));
+  return along(call, dims,
+               std::make_shared<DTensorSpec>(in->mesh(), p, sizes, in->dtype(), tables));
 }
 
 int64_t diagonal_length(int64_t n1, int64_t n2, int64_t offset) {
@@ -291,7 +295,8 @@ OpPlan diagonal_rule(const OpCall& call) {
   }
   sizes.push_back(diagonal_length(in->sizes()[d1], in->sizes()[d2], call.arg<int64_t>("offset")));
   tables.emplace_back();
-  return along(call, {d1, d2}, std::make_shared<DTensorSpec>(in->mesh(), p, sizes, in->dtype(), tables));
+  return along(call, {d1, d2},
+               std::make_shared<DTensorSpec>(in->mesh(), p, sizes, in->dtype(), tables));
 }
 
 // diagonal_backward(grad_output, input_sizes, offset, dim1, dim2): the diagonal dim whole; the
@@ -329,8 +334,9 @@ OpPlan replicated_rule(const OpCall& call) {
 OpPlan trace_rule(const OpCall& call) {
   const auto& self = self_of(call);
   TORCH_CHECK(self.ndim() == 2, "tessera: ", call.describe(), ": trace needs a matrix");
-  auto in = std::make_shared<DTensorSpec>(self.replicate_where(
-      [](int64_t, const Placement& x) { return x.is_partial() && x.reduce_op() != PartialOp::Sum; }));
+  auto in = std::make_shared<DTensorSpec>(self.replicate_where([](int64_t, const Placement& x) {
+    return x.is_partial() && x.reduce_op() != PartialOp::Sum;
+  }));
   Placements out(in->mesh().ndim(), Replicate());
   for (int64_t m = 0; m < in->mesh().ndim(); ++m)
     if (!in->placement(m).is_replicate()) out[m] = Partial();
@@ -377,7 +383,8 @@ OpPlan trailing(const OpCall& call, int64_t k, const std::vector<int64_t>& trail
   auto tables = in->shard_tables();
   tables.resize(lead);
   tables.resize(sizes.size());
-  auto out = std::make_shared<DTensorSpec>(in->mesh(), in->placements(), sizes, in->dtype(), tables);
+  auto out =
+      std::make_shared<DTensorSpec>(in->mesh(), in->placements(), sizes, in->dtype(), tables);
   OpPlan plan(call);
   plan.input("self", in);
   for (size_t r = 0; r < results; ++r) plan.output(out);
@@ -457,7 +464,8 @@ OpPlan im2col_rule(const OpCall& call) {
   return trailing(call, 3, {s[0] * k[0] * k[1], l});
 }
 
-// col2im(self, output_size, kernel_size, dilation, padding, stride): [N?, C kh kw, L] -> [N?, C, H, W]
+// col2im(self, output_size, kernel_size, dilation, padding, stride): [N?, C kh kw, L] -> [N?, C, H,
+// W]
 OpPlan col2im_rule(const OpCall& call) {
   const auto out = call.arg<std::vector<int64_t>>("output_size");
   const auto k = call.arg<std::vector<int64_t>>("kernel_size");
@@ -506,8 +514,8 @@ void scan_kernel(KernelCall& k, const DeviceMesh& mesh, const ScanPlace& s, Scan
   const at::Tensor local = k.stack()[0].toTensor();
   const double inf = std::numeric_limits<double>::infinity();
   const double identity = kind == Scan::Sum ? 0 : kind == Scan::Prod ? 1 : -inf;
-  const at::Tensor before = gather_slices(mesh, s, last_or(local, s.dim, identity))
-                                .narrow(s.dim, 0, s.index);
+  const at::Tensor before =
+      gather_slices(mesh, s, last_or(local, s.dim, identity)).narrow(s.dim, 0, s.index);
   if (s.index == 0) return;  // nothing before the first shard: the local scan is the result
   at::Tensor out;
   switch (kind) {
@@ -519,7 +527,8 @@ void scan_kernel(KernelCall& k, const DeviceMesh& mesh, const ScanPlace& s, Scan
 }
 
 // Does (v, i) win over the running (pv, pi)? pi < 0 marks no entry yet.
-at::Tensor takes_over(const at::Tensor& v, const at::Tensor& pv, const at::Tensor& pi, bool is_max) {
+at::Tensor takes_over(const at::Tensor& v, const at::Tensor& pv, const at::Tensor& pi,
+                      bool is_max) {
   const at::Tensor beats = is_max ? v >= pv : v <= pv;
   return (pi < 0) | at::isnan(v) | (at::isnan(pv).logical_not() & beats);
 }
@@ -531,8 +540,10 @@ void cum_extremum_kernel(KernelCall& k, const DeviceMesh& mesh, const ScanPlace&
   const int64_t n = values.size(s.dim);
   auto slice_shape = values.sizes().vec();
   slice_shape[s.dim] = 1;
-  const at::Tensor last_v = n > 0 ? values.narrow(s.dim, n - 1, 1) : at::zeros(slice_shape, values.options());
-  const at::Tensor last_i = n > 0 ? indices.narrow(s.dim, n - 1, 1) : at::full(slice_shape, -1, indices.options());
+  const at::Tensor last_v =
+      n > 0 ? values.narrow(s.dim, n - 1, 1) : at::zeros(slice_shape, values.options());
+  const at::Tensor last_i =
+      n > 0 ? indices.narrow(s.dim, n - 1, 1) : at::full(slice_shape, -1, indices.options());
   const at::Tensor tv = gather_slices(mesh, s, last_v), ti = gather_slices(mesh, s, last_i);
   if (s.index > 0) {
     at::Tensor pv = tv.narrow(s.dim, 0, 1), pi = ti.narrow(s.dim, 0, 1);
@@ -583,7 +594,8 @@ at::Tensor local_as(const at::Tensor& t, const DTensorSpec& target) {
                                             t.scalar_type(), target.shard_tables());
   if (is_dtensor(t)) {
     const auto* d = dtensor_impl(t);
-    return *d->spec_ptr() == *spec ? d->local() : redistribute_local(d->local(), d->spec_ptr(), spec);
+    return *d->spec_ptr() == *spec ? d->local()
+                                   : redistribute_local(d->local(), d->spec_ptr(), spec);
   }
   at::Tensor block = t;
   const auto off = spec->local_offsets(), len = spec->local_sizes();
@@ -595,20 +607,22 @@ namespace {
 
 // The layout the backward of a scan along `dim` runs in: the first distributed argument's,
 // with `dim` whole.
-SpecPtr backward_layout(std::initializer_list<const at::Tensor*> args, int64_t dim, const char* op) {
+SpecPtr backward_layout(std::initializer_list<const at::Tensor*> args, int64_t dim,
+                        const char* op) {
   const at::Tensor* first = nullptr;
   for (const auto* t : args)
     if (!first && is_dtensor(*t)) first = t;
-  TORCH_CHECK(first, "tessera: ", op, " reached the distributed-tensor key without a distributed argument");
+  TORCH_CHECK(first, "tessera: ", op,
+              " reached the distributed-tensor key without a distributed argument");
   const auto& s = dtensor_impl(*first)->spec();
   if (s.ndim() == 0) return std::make_shared<DTensorSpec>(s.partial_as_replicate());
   return whole_along(s, {wrap(dim, s.ndim())});
 }
 
 at::Tensor wrap_result(const at::Tensor& local, const DTensorSpec& layout) {
-  return make_dtensor(local, std::make_shared<DTensorSpec>(layout.mesh(), layout.placements(),
-                                                           layout.sizes(), local.scalar_type(),
-                                                           layout.shard_tables()));
+  return make_dtensor(
+      local, std::make_shared<DTensorSpec>(layout.mesh(), layout.placements(), layout.sizes(),
+                                           local.scalar_type(), layout.shard_tables()));
 }
 
 // cumprod_backward(grad, input, dim, output)
@@ -670,7 +684,8 @@ void one_hot_kernel(const c10::OperatorHandle&, torch::jit::Stack* stack) {
               "): one_hot is only applicable to index tensors");
   if (self.numel() > 0) {
     const int64_t lo = self.min().item<int64_t>(), hi = self.max().item<int64_t>();
-    TORCH_CHECK(lo >= 0, "tessera: aten::one_hot(", spec.str(), "): class values must be non-negative");
+    TORCH_CHECK(lo >= 0, "tessera: aten::one_hot(", spec.str(),
+                "): class values must be non-negative");
     if (classes < 0) classes = hi + 1;
     TORCH_CHECK(hi < classes, "tessera: aten::one_hot(", spec.str(),
                 "): class values must be smaller than num_classes ", classes);
@@ -683,17 +698,20 @@ void one_hot_kernel(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   auto tables = spec.shard_tables();
   tables.emplace_back();
   stack->emplace_back(make_dtensor(
-      local, std::make_shared<DTensorSpec>(spec.mesh(), spec.placements(), sizes, at::kLong, tables)));
+      local,
+      std::make_shared<DTensorSpec>(spec.mesh(), spec.placements(), sizes, at::kLong, tables)));
 }
 
 const RuleRegistrar registrar{[] {
   register_rule("aten::cumsum", [](const OpCall& c) { return scan_rule(c, Scan::Sum); });
   register_rule("aten::cumprod", [](const OpCall& c) { return scan_rule(c, Scan::Prod); });
-  register_rule("aten::logcumsumexp", [](const OpCall& c) { return scan_rule(c, Scan::LogSumExp); });
+  register_rule("aten::logcumsumexp",
+                [](const OpCall& c) { return scan_rule(c, Scan::LogSumExp); });
   register_rule("aten::cummax", [](const OpCall& c) { return scan_rule(c, Scan::Max); });
   register_rule("aten::cummin", [](const OpCall& c) { return scan_rule(c, Scan::Min); });
   // _safe_softmax: what LibTorch 2.5+'s attention math path calls instead of softmax.
-  for (const char* op : {"aten::sort", "aten::sort.stable", "aten::argsort.stable", "aten::_safe_softmax"})
+  for (const char* op :
+       {"aten::sort", "aten::sort.stable", "aten::argsort.stable", "aten::_safe_softmax"})
     register_rule(op, along_dim);
   register_rule("aten::topk", topk_rule);
   for (const char* op : {"aten::kthvalue", "aten::median.dim", "aten::nanmedian.dim", "aten::mode"})
@@ -713,7 +731,8 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::linalg_cross", cross_rule);
   for (const char* op : {"aten::adaptive_max_pool2d", "aten::adaptive_max_pool3d"})
     register_rule(op, adaptive_max_pool_rule);
-  for (const char* op : {"aten::adaptive_max_pool2d_backward", "aten::adaptive_max_pool3d_backward"})
+  for (const char* op :
+       {"aten::adaptive_max_pool2d_backward", "aten::adaptive_max_pool3d_backward"})
     register_rule(op, adaptive_max_pool_backward_rule);
   register_rule("aten::pixel_shuffle", pixel_shuffle_rule);
   register_rule("aten::pixel_unshuffle", pixel_unshuffle_rule);

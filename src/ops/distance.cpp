@@ -80,14 +80,17 @@ OpPlan cdist_rule(const OpCall& call) {
     } else {
       // A batch dim: both operands shard it where they have it at full size.
       int64_t d = -1;
-      if (x.is_shard() && x.dim() < nb1) d = x.dim() + (nbo - nb1);
-      else if (y.is_shard() && y.dim() < nb2) d = y.dim() + (nbo - nb2);
+      if (x.is_shard() && x.dim() < nb1)
+        d = x.dim() + (nbo - nb1);
+      else if (y.is_shard() && y.dim() < nb2)
+        d = y.dim() + (nbo - nb2);
       if (d < 0 || used[d]) continue;
       const int64_t t1 = batch_dim(d, nb1, nbo), t2 = batch_dim(d, nb2, nbo);
       const bool full1 = t1 >= 0 && a.sizes()[t1] == out_sizes[d];
       const bool full2 = t2 >= 0 && b.sizes()[t2] == out_sizes[d];
       // An operand that broadcasts along d stays whole; one that has d at full size shards.
-      if ((t1 >= 0 && !full1 && a.sizes()[t1] != 1) || (t2 >= 0 && !full2 && b.sizes()[t2] != 1)) continue;
+      if ((t1 >= 0 && !full1 && a.sizes()[t1] != 1) || (t2 >= 0 && !full2 && b.sizes()[t2] != 1))
+        continue;
       if (full1) p1[m] = Shard(t1);
       if (full2) p2[m] = Shard(t2);
       po[m] = Shard(d);

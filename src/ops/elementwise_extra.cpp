@@ -28,8 +28,8 @@ std::vector<int64_t> broadcast(const std::vector<int64_t>& a, const std::vector<
   for (size_t i = 0; i < n; ++i) {
     const int64_t x = i < n - a.size() ? 1 : a[i - (n - a.size())];
     const int64_t y = i < n - b.size() ? 1 : b[i - (n - b.size())];
-    TORCH_CHECK(x == y || x == 1 || y == 1, "tessera: ", call.describe(), ": shapes ",
-                shape_str(a), " and ", shape_str(b), " do not broadcast");
+    TORCH_CHECK(x == y || x == 1 || y == 1, "tessera: ", call.describe(), ": shapes ", shape_str(a),
+                " and ", shape_str(b), " do not broadcast");
     out[i] = x == 1 ? y : x;
   }
   return out;
@@ -44,8 +44,9 @@ OpPlan elementwise(const OpCall& call) {
   std::vector<int64_t> shape;
   for (size_t i = 0; i < n; ++i) {
     if (is_out(i) || !call.args[i].isTensor() || !call.args[i].toTensor().defined()) continue;
-    shape = broadcast(shape, call.specs[i] ? call.specs[i]->sizes()
-                                           : call.args[i].toTensor().sizes().vec(), call);
+    shape = broadcast(
+        shape, call.specs[i] ? call.specs[i]->sizes() : call.args[i].toTensor().sizes().vec(),
+        call);
   }
   std::vector<const DTensorSpec*> refs;
   if (n > 0 && writes(args[0]) && !is_out(0)) {  // in place: self is the output
@@ -55,7 +56,8 @@ OpPlan elementwise(const OpCall& call) {
     refs.push_back(call.specs[0]);
   } else {
     for (size_t i = 0; i < n; ++i)
-      if (call.specs[i] && !is_out(i) && call.specs[i]->sizes() == shape) refs.push_back(call.specs[i]);
+      if (call.specs[i] && !is_out(i) && call.specs[i]->sizes() == shape)
+        refs.push_back(call.specs[i]);
   }
   const size_t nret = call.schema().returns().size();
   std::vector<Strategy> candidates;
@@ -75,9 +77,9 @@ OpPlan elementwise(const OpCall& call) {
     s.inputs.resize(n);
     for (size_t i = 0; i < n; ++i)
       if (call.specs[i] && !is_out(i)) s.inputs[i] = replicated(*call.specs[i]);
-    s.outputs.assign(nret, std::make_shared<DTensorSpec>(
-                               like.mesh(), Placements(like.mesh().ndim(), Replicate()), shape,
-                               like.dtype()));
+    s.outputs.assign(
+        nret, std::make_shared<DTensorSpec>(
+                  like.mesh(), Placements(like.mesh().ndim(), Replicate()), shape, like.dtype()));
     candidates.push_back(std::move(s));
   }
   return cheapest(call, candidates);
@@ -90,7 +92,8 @@ SpecPtr prelu_layout(const OpCall& call) {
   TORCH_CHECK(self, "tessera: ", call.describe(), ": the input must be distributed");
   const DTensorSpec* w = call.spec("weight");
   const int64_t n = w ? w->numel() : call.arg("weight").toTensor().numel();
-  if (n == 1 || self->ndim() < 2) return std::make_shared<DTensorSpec>(self->partial_as_replicate());
+  if (n == 1 || self->ndim() < 2)
+    return std::make_shared<DTensorSpec>(self->partial_as_replicate());
   return whole_along(*self, {1});
 }
 
@@ -111,7 +114,8 @@ OpPlan prelu_backward_rule(const OpCall& call) {
   if (const auto* g = call.spec("grad_output")) plan.input("grad_output", align_to(*in, *g, false));
   const DTensorSpec* w = call.spec("weight");
   if (w) plan.input("weight", replicated(*w));
-  plan.output(summed_over_shards(*in, w ? w->sizes() : call.arg("weight").toTensor().sizes().vec()));
+  plan.output(
+      summed_over_shards(*in, w ? w->sizes() : call.arg("weight").toTensor().sizes().vec()));
   return plan;
 }
 
@@ -158,7 +162,8 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::prelu", prelu_rule);
   register_rule("aten::prelu_backward", prelu_backward_rule);
   for (const char* base : {"aten::bucketize"}) register_rule_for_overloads(base, bucketize_rule);
-  for (const char* base : {"aten::searchsorted"}) register_rule_for_overloads(base, searchsorted_rule);
+  for (const char* base : {"aten::searchsorted"})
+    register_rule_for_overloads(base, searchsorted_rule);
   for (const char* base :
        {// activations and their backward ops (pointwise.cpp's tables hold the others)
         "elu", "elu_backward", "celu", "softplus", "softplus_backward", "mish", "mish_backward",

@@ -65,8 +65,8 @@ std::vector<ResultShape> result_shapes(const OpCall& call) {
   auto set = [&](const char* name, at::Tensor t) { stack[call.index(name)] = std::move(t); };
   set("weight", at::zeros({std::max<int64_t>(pad + 1, 1), kProbeWidth}, at::dtype(w.dtype())));
   set("indices", at::zeros({n}, at::dtype(need(call, "indices").dtype())));
-  set("offsets", at::arange(0, n + (last ? 1 : 0), kProbeLength,
-                            at::dtype(need(call, "offsets").dtype())));
+  set("offsets",
+      at::arange(0, n + (last ? 1 : 0), kProbeLength, at::dtype(need(call, "offsets").dtype())));
   if (const auto* p = call.spec("per_sample_weights"))
     set("per_sample_weights", at::zeros({n}, at::dtype(p->dtype())));
   call.op.callBoxed(&stack);
@@ -74,11 +74,16 @@ std::vector<ResultShape> result_shapes(const OpCall& call) {
   for (const auto& r : stack) {
     std::vector<Dim> dims;
     for (int64_t s : r.toTensor().sizes()) {
-      if (s == n) dims.push_back(Dim::Indices);
-      else if (s == kProbeBags) dims.push_back(Dim::Bags);
-      else if (s == kProbeWidth) dims.push_back(Dim::Embedding);
-      else if (s == 0) dims.push_back(Dim::Empty);
-      else TORCH_INTERNAL_ASSERT(false, call.describe(), ": unexpected probe result size ", s);
+      if (s == n)
+        dims.push_back(Dim::Indices);
+      else if (s == kProbeBags)
+        dims.push_back(Dim::Bags);
+      else if (s == kProbeWidth)
+        dims.push_back(Dim::Embedding);
+      else if (s == 0)
+        dims.push_back(Dim::Empty);
+      else
+        TORCH_INTERNAL_ASSERT(false, call.describe(), ": unexpected probe result size ", s);
     }
     out.push_back({std::move(dims), r.toTensor().scalar_type()});
   }
@@ -164,8 +169,8 @@ OpPlan embedding_bag_rule(const OpCall& call) {
   OpPlan plan(call);
   plan.input("weight", std::make_shared<DTensorSpec>(mesh, pw, w.sizes(), w.dtype(),
                                                      std::vector<ShardTable>{{}, emb_table}));
-  plan.input("indices", laid_out(mesh, idx.sizes(), n >= 0 ? flat : std::vector<Dim>{},
-                                 idx.dtype(), b, pw, {}));
+  plan.input("indices", laid_out(mesh, idx.sizes(), n >= 0 ? flat : std::vector<Dim>{}, idx.dtype(),
+                                 b, pw, {}));
   plan.input("offsets", replicated(off));
   if (psw)
     plan.input("per_sample_weights",
@@ -216,7 +221,7 @@ OpPlan embedding_bag_rule(const OpCall& call) {
 
 // How the incoming gradient [B, D] is laid out, per mesh dim.
 struct GradLayout {
-  Placements grad;    // Shard(0), Shard(1), Partial(sum) or Replicate
+  Placements grad;  // Shard(0), Shard(1), Partial(sum) or Replicate
   Bags bags;
   ShardTable emb_table;
 };
@@ -226,7 +231,8 @@ GradLayout grad_layout(const OpCall& call, int64_t n, bool whole_bags) {
   const auto& mesh = g.mesh();
   GradLayout l{Placements(mesh.ndim(), Replicate()), {}, {}};
   const int64_t m0 = only_sharding_mesh_dim(g);
-  if (!whole_bags && m0 >= 0 && n > 0) l.bags = bags_on(m0, n, g.sizes()[0], g.shard_table(0), false);
+  if (!whole_bags && m0 >= 0 && n > 0)
+    l.bags = bags_on(m0, n, g.sizes()[0], g.shard_table(0), false);
   for (int64_t m = 0; m < mesh.ndim(); ++m) {
     const auto& x = g.placement(m);
     if (x.is_shard(1) || x == Partial()) l.grad[m] = x;
@@ -261,15 +267,14 @@ void backward_inputs(const OpCall& call, const GradLayout& l, OpPlan& plan) {
   for (const char* name : {"indices", "offsets", "offset2bag", "bag_size", "maximum_indices"}) {
     if (!call.has(name) || !call.spec(name)) continue;
     const auto& s = *call.spec(name);
-    plan.input(name, laid_out(mesh, s.sizes(), dims_of(name, s), s.dtype(), l.bags, l.grad,
-                              l.emb_table));
+    plan.input(name,
+               laid_out(mesh, s.sizes(), dims_of(name, s), s.dtype(), l.bags, l.grad, l.emb_table));
   }
 }
 
 // The local kernel for sharded bags: offset2bag to this rank's bag numbers, offsets for its
 // bags; an empty shard gives `empty` zeros.
-LocalKernel local_bags_kernel(const OpCall& call, const GradLayout& l,
-                              std::vector<int64_t> empty) {
+LocalKernel local_bags_kernel(const OpCall& call, const GradLayout& l, std::vector<int64_t> empty) {
   const auto& g = need(call, "grad");
   const auto& b = l.bags;
   const int64_t coord = g.mesh().coordinate()[b.mesh_dim];
@@ -306,13 +311,15 @@ OpPlan embedding_bag_backward_rule(const OpCall& call) {
   backward_inputs(call, l, plan);
   if (const auto* p = call.spec("per_sample_weights"))
     plan.input("per_sample_weights",
-               laid_out(mesh, p->sizes(), p->ndim() == 1 ? std::vector<Dim>{Dim::Indices}
-                                                         : std::vector<Dim>{},
+               laid_out(mesh, p->sizes(),
+                        p->ndim() == 1 ? std::vector<Dim>{Dim::Indices} : std::vector<Dim>{},
                         p->dtype(), l.bags, l.grad, {}));
   Placements po(mesh.ndim(), Replicate());
   for (int64_t m = 0; m < mesh.ndim(); ++m) {
-    if (l.grad[m].is_shard(1)) po[m] = Shard(1);
-    else if (l.grad[m].is_shard(0) || l.grad[m] == Partial()) po[m] = Partial();
+    if (l.grad[m].is_shard(1))
+      po[m] = Shard(1);
+    else if (l.grad[m].is_shard(0) || l.grad[m] == Partial())
+      po[m] = Partial();
   }
   const int64_t v = call.arg<int64_t>("num_weights");
   auto out = std::make_shared<DTensorSpec>(mesh, po, std::vector<int64_t>{v, g.sizes()[1]},
@@ -336,9 +343,12 @@ OpPlan per_sample_weights_backward_rule(const OpCall& call) {
   backward_inputs(call, l, plan);
   Placements pw(mesh.ndim(), Replicate()), po(mesh.ndim(), Replicate());
   for (int64_t m = 0; m < mesh.ndim(); ++m) {
-    if (l.grad[m].is_shard(1)) pw[m] = Shard(1), po[m] = Partial();
-    else if (l.grad[m] == Partial()) po[m] = Partial();
-    else if (m == l.bags.mesh_dim) po[m] = Shard(0);
+    if (l.grad[m].is_shard(1))
+      pw[m] = Shard(1), po[m] = Partial();
+    else if (l.grad[m] == Partial())
+      po[m] = Partial();
+    else if (m == l.bags.mesh_dim)
+      po[m] = Shard(0);
   }
   plan.input("weight", std::make_shared<DTensorSpec>(mesh, pw, w.sizes(), w.dtype(),
                                                      std::vector<ShardTable>{{}, l.emb_table}));

@@ -19,8 +19,8 @@ namespace {
 // self with its last `pooled` dims whole and no Partial (max is not linear).
 SpecPtr planes_layout(const DTensorSpec& self, int64_t pooled) {
   const int64_t first_pooled = self.ndim() - pooled;
-  return std::make_shared<DTensorSpec>(self.replicate_where(
-      [first_pooled](int64_t, const Placement& x) {
+  return std::make_shared<DTensorSpec>(
+      self.replicate_where([first_pooled](int64_t, const Placement& x) {
         return x.is_partial() || (x.is_shard() && x.dim() >= first_pooled);
       }));
 }
@@ -48,8 +48,8 @@ SpecPtr with_pooled_sizes(const DTensorSpec& planes, const std::vector<int64_t>&
   auto sizes = planes.sizes();
   const size_t lead = sizes.size() - pooled_sizes.size();
   for (size_t i = 0; i < pooled_sizes.size(); ++i) sizes[lead + i] = pooled_sizes[i];
-  return std::make_shared<DTensorSpec>(planes.mesh(), planes.placements(), std::move(sizes),
-                                       dtype, planes.shard_tables());
+  return std::make_shared<DTensorSpec>(planes.mesh(), planes.placements(), std::move(sizes), dtype,
+                                       planes.shard_tables());
 }
 
 bool empty_here(const DTensorSpec& s) {
@@ -69,13 +69,13 @@ OpPlan fractional_pool_rule(const OpCall& call) {
   OpPlan plan(call);
   plan.input("self", in).output(out).output(idx);
   if (const auto* samples = call.spec("random_samples"))
-    plan.input("random_samples",
-               follow_planes(*in, Pooled, samples->sizes(), 2, samples->dtype()));
+    plan.input("random_samples", follow_planes(*in, Pooled, samples->sizes(), 2, samples->dtype()));
   if (empty_here(*in)) {
     const auto out_local = out->local_sizes();
     plan.local_kernel = [out_local](KernelCall& k) {
       const at::Tensor x = k.tensor("self");
-      k.finish({at::empty(out_local, x.options()), at::empty(out_local, x.options().dtype(c10::kLong))});
+      k.finish(
+          {at::empty(out_local, x.options()), at::empty(out_local, x.options().dtype(c10::kLong))});
     };
   }
   return plan;
@@ -94,9 +94,7 @@ OpPlan fractional_pool_backward_rule(const OpCall& call) {
   if (const auto* i = call.spec("indices"))
     plan.input("indices", with_pooled_sizes(*in, output_size, i->dtype()));
   if (empty_here(*in)) {
-    plan.local_kernel = [](KernelCall& k) {
-      k.finish({at::zeros_like(k.tensor("self"))});
-    };
+    plan.local_kernel = [](KernelCall& k) { k.finish({at::zeros_like(k.tensor("self"))}); };
   }
   return plan;
 }

@@ -137,8 +137,10 @@ OpPlan gather_rule(const OpCall& call) {
     const auto& a = self.placement(m);
     const auto& b = idx.placement(m);
     if (b.is_shard()) {
-      if (b.dim() == d) pi[m] = po[m] = b;
-      else if (same(b.dim())) ps[m] = pi[m] = po[m] = b;
+      if (b.dim() == d)
+        pi[m] = po[m] = b;
+      else if (same(b.dim()))
+        ps[m] = pi[m] = po[m] = b;
     } else if (a.is_shard()) {
       if (a.dim() != d && same(a.dim())) ps[m] = pi[m] = po[m] = a;
     } else if (a.is_partial()) {
@@ -147,8 +149,10 @@ OpPlan gather_rule(const OpCall& call) {
   }
   std::vector<ShardTable> ts(self.ndim()), ti(idx.ndim());
   for (int64_t t = 0; t < idx.ndim(); ++t) {
-    if (t == d) ti[t] = fit_table(mesh, pi, t, idx.sizes()[t], idx.shard_table(t));
-    else ti[t] = ts[t] = shared_table(mesh, pi, t, idx.sizes()[t], {&idx, &self});
+    if (t == d)
+      ti[t] = fit_table(mesh, pi, t, idx.sizes()[t], idx.shard_table(t));
+    else
+      ti[t] = ts[t] = shared_table(mesh, pi, t, idx.sizes()[t], {&idx, &self});
   }
   OpPlan plan(call);
   plan.input("self", std::make_shared<DTensorSpec>(mesh, ps, self.sizes(), self.dtype(), ts));
@@ -197,11 +201,12 @@ OpPlan scatter_rule(const OpCall& call, ScatterKind kind) {
   }
   std::vector<ShardTable> ts(self.ndim()), ti(idx.ndim());
   for (int64_t t = 0; t < idx.ndim(); ++t) {
-    if (t == d) ti[t] = fit_table(mesh, pi, t, idx.sizes()[t], idx.shard_table(t));
-    else ti[t] = ts[t] = shared_table(mesh, pi, t, idx.sizes()[t], {&idx, &self, src});
+    if (t == d)
+      ti[t] = fit_table(mesh, pi, t, idx.sizes()[t], idx.shard_table(t));
+    else
+      ti[t] = ts[t] = shared_table(mesh, pi, t, idx.sizes()[t], {&idx, &self, src});
   }
-  for (int64_t t = 0; t < self.ndim(); ++t)
-    ts[t] = fit_table(mesh, ps, t, self.sizes()[t], ts[t]);
+  for (int64_t t = 0; t < self.ndim(); ++t) ts[t] = fit_table(mesh, ps, t, self.sizes()[t], ts[t]);
   auto self_t = std::make_shared<DTensorSpec>(mesh, ps, self.sizes(), self.dtype(), ts);
   OpPlan plan(call);
   plan.input("self", self_t);
@@ -304,8 +309,10 @@ OpPlan embedding_backward_rule(const OpCall& call) {
   }
   std::vector<ShardTable> tg(g.ndim()), ti(idx_sizes.size());
   for (int64_t t = 0; t < g.ndim(); ++t) {
-    if (t == last) tg[t] = fit_table(mesh, pg, t, g.sizes()[t], g.shard_table(t));
-    else ti[t] = tg[t] = shared_table(mesh, pg, t, g.sizes()[t], {&g, idx});
+    if (t == last)
+      tg[t] = fit_table(mesh, pg, t, g.sizes()[t], g.shard_table(t));
+    else
+      ti[t] = tg[t] = shared_table(mesh, pg, t, g.sizes()[t], {&g, idx});
   }
   std::vector<ShardTable> to = {ShardTable{}, tg[last]};
   auto out = fitted_spec(mesh, po, {num_weights, g.sizes()[last]}, g.dtype(), to);
@@ -329,7 +336,6 @@ OpPlan embedding_backward_rule(const OpCall& call) {
   };
   return plan;
 }
-
 
 const RuleRegistrar registrar{[] {
   register_rule("aten::index_select", index_select_rule);

@@ -63,9 +63,8 @@ OpPlan copy_rule(const OpCall& call) {
 
 const RuleRegistrar registrar{[] {
   for (const char* op : {"aten::detach", "aten::alias", "aten::clone", "aten::zeros_like",
-                         "aten::zero_", "aten::lift_fresh",
-                         "aten::detach_", "aten::_conj", "aten::conj_physical",
-                         "aten::resolve_conj", "aten::resolve_neg"})
+                         "aten::zero_", "aten::lift_fresh", "aten::detach_", "aten::_conj",
+                         "aten::conj_physical", "aten::resolve_conj", "aten::resolve_neg"})
     register_rule(op, keep_layout);
   for (const char* op : {"aten::ones_like", "aten::empty_like", "aten::full_like",
                          "aten::fill_.Scalar", "aten::fill.Scalar"})

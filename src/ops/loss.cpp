@@ -98,8 +98,8 @@ NllLayout nll_layout(const OpCall& call) {
     ttables[tt] = self_t->shard_table(t);
     tp[m] = Shard(tt);
   }
-  auto target_t = std::make_shared<DTensorSpec>(self.mesh(), tp, target->sizes(),
-                                                target->dtype(), ttables);
+  auto target_t =
+      std::make_shared<DTensorSpec>(self.mesh(), tp, target->sizes(), target->dtype(), ttables);
   return {self_t, target_t, sharded};
 }
 
@@ -113,8 +113,8 @@ OpPlan nll_inputs(const OpCall& call, const NllLayout& l) {
 
 // target's layout with another dtype (the unreduced loss and its gradient).
 SpecPtr like_target(const NllLayout& l, c10::ScalarType dtype) {
-  return std::make_shared<DTensorSpec>(l.target->mesh(), l.target->placements(),
-                                       l.target->sizes(), dtype, l.target->shard_tables());
+  return std::make_shared<DTensorSpec>(l.target->mesh(), l.target->placements(), l.target->sizes(),
+                                       dtype, l.target->shard_tables());
 }
 
 // nll_loss_forward / nll_loss2d_forward(self, target, weight?, reduction, ignore_index)
@@ -152,8 +152,8 @@ OpPlan nll_backward_rule(const OpCall& call) {
   const int64_t reduction = call.arg<int64_t>("reduction");
   OpPlan plan = nll_inputs(call, l);
   const auto& grad = *call.spec("grad_output");
-  plan.input("grad_output", reduction == at::Reduction::None ? like_target(l, grad.dtype())
-                                                             : replicated(grad));
+  plan.input("grad_output",
+             reduction == at::Reduction::None ? like_target(l, grad.dtype()) : replicated(grad));
   // total_weight: used only by mean, where the forward made it global already.
   plan.output(l.self);
   return plan;
@@ -164,10 +164,10 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::nll_loss2d_forward", nll_rule);
   register_rule("aten::nll_loss_backward", nll_backward_rule);
   register_rule("aten::nll_loss2d_backward", nll_backward_rule);
-  for (const char* op : {"aten::mse_loss", "aten::smooth_l1_loss", "aten::huber_loss",
-                         "aten::soft_margin_loss", "aten::mse_loss_backward",
-                         "aten::smooth_l1_loss_backward", "aten::huber_loss_backward",
-                         "aten::soft_margin_loss_backward"})
+  for (const char* op :
+       {"aten::mse_loss", "aten::smooth_l1_loss", "aten::huber_loss", "aten::soft_margin_loss",
+        "aten::mse_loss_backward", "aten::smooth_l1_loss_backward", "aten::huber_loss_backward",
+        "aten::soft_margin_loss_backward"})
     register_rule(op, loss_rule);
   for (const char* op : {"aten::_softmax", "aten::_log_softmax", "aten::_softmax_backward_data",
                          "aten::_log_softmax_backward_data"})

@@ -63,8 +63,8 @@ std::vector<Strategy> einsum_strategies(const OpCall& call, const Einsum& e) {
     for (size_t d = 0; d < e.operands[i].size(); ++d) {
       auto [it, fresh] = label_size.emplace(e.operands[i][d], sizes[d]);
       TORCH_CHECK(fresh || it->second == sizes[d] || sizes[d] == 1 || it->second == 1,
-                  "tessera: ", call.describe(), ": sizes of '", e.operands[i][d],
-                  "' disagree (", it->second, " vs ", sizes[d], ")");
+                  "tessera: ", call.describe(), ": sizes of '", e.operands[i][d], "' disagree (",
+                  it->second, " vs ", sizes[d], ")");
     }
   }
   const auto options = choices_for(e);

@@ -51,7 +51,8 @@ OpPlan addmv_rule(const OpCall& call) {
 }
 
 const RuleRegistrar registrar{[] {
-  for (const char* op : {"aten::addmv", "aten::addmv_", "aten::addmv.out"}) register_rule(op, addmv_rule);
+  for (const char* op : {"aten::addmv", "aten::addmv_", "aten::addmv.out"})
+    register_rule(op, addmv_rule);
 }};
 
 }  // namespace

@@ -41,8 +41,7 @@ SpecPtr sharded(const DeviceMesh& mesh, int64_t m, std::vector<int64_t> sizes, i
 }
 
 // The workspace for a batch of `b` (its size and dtype): the op run on zeros of that batch.
-std::pair<int64_t, c10::ScalarType> workspace_of(const OpCall& call, int64_t batch_dim,
-                                                 int64_t b) {
+std::pair<int64_t, c10::ScalarType> workspace_of(const OpCall& call, int64_t batch_dim, int64_t b) {
   if (b == 0) return {0, c10::kByte};
   torch::jit::Stack stack(call.args.begin(), call.args.end());
   // Argument `name` as zeros of its global shape, with b along `t` (-1: none).
@@ -79,7 +78,8 @@ OpPlan rnn_layer_rule(const OpCall& call) {
   for (const char* w : {"weight0", "weight1", "weight2", "weight3"})
     if (const auto* s = call.spec(w)) plan.input(w, replicated(*s));
   for (const char* h : {"hx_", "cx_"})
-    if (const auto* s = call.spec(h)) plan.input(h, sharded(mesh, m, s->sizes(), 0, table, s->dtype()));
+    if (const auto* s = call.spec(h))
+      plan.input(h, sharded(mesh, m, s->sizes(), 0, table, s->dtype()));
   auto out_sizes = in->sizes();
   out_sizes[2] = hidden;
   plan.output(sharded(mesh, m, out_sizes, bdim, table, in->dtype()));
@@ -157,8 +157,7 @@ OpPlan rnn_layer_backward_rule(const OpCall& call) {
 
 const RuleRegistrar registrar{[] {
   register_rule_for_overloads("aten::mkldnn_rnn_layer", rnn_layer_rule, {"out"});
-  register_rule_for_overloads("aten::mkldnn_rnn_layer_backward", rnn_layer_backward_rule,
-                              {"out"});
+  register_rule_for_overloads("aten::mkldnn_rnn_layer_backward", rnn_layer_backward_rule, {"out"});
 }};
 
 }  // namespace

@@ -140,10 +140,10 @@ int64_t spatial_numel(at::IntArrayRef s) { return c10::multiply_integers(s.begin
 // ---- group_norm ---------------------------------------------------------------------------
 
 struct GroupNormLayout {
-  SpecPtr input;   // batch and spatial shards kept
-  SpecPtr stats;   // [N, group]: the input's batch sharding
+  SpecPtr input;                           // batch and spatial shards kept
+  SpecPtr stats;                           // [N, group]: the input's batch sharding
   std::vector<int64_t> spatial_mesh_dims;  // all-reduce over these
-  double count;    // elements per (n, group), global
+  double count;                            // elements per (n, group), global
 };
 
 GroupNormLayout group_norm_layout(const OpCall& call, const DTensorSpec& in, int64_t group) {
@@ -154,8 +154,8 @@ GroupNormLayout group_norm_layout(const OpCall& call, const DTensorSpec& in, int
   l.input = keep_sharded(in, [](int64_t t) { return t != 1; });
   l.stats = along_dim(*l.input, 0, {in.sizes()[0], group}, in.dtype());
   l.spatial_mesh_dims = mesh_dims_where(*l.input, [](int64_t t) { return t >= 2; });
-  l.count = static_cast<double>(in.sizes()[1] / group) *
-            static_cast<double>(spatial_numel(in.sizes()));
+  l.count =
+      static_cast<double>(in.sizes()[1] / group) * static_cast<double>(spatial_numel(in.sizes()));
   return l;
 }
 
@@ -172,7 +172,8 @@ OpPlan group_norm_rule(const OpCall& call) {
   plan.distributed_kernel = [dims = l.spatial_mesh_dims, count = l.count, group](
                                 KernelCall& kc, const DeviceMesh& mesh) {
     const at::Tensor x = kc.tensor("input");
-    const at::Tensor w = tensor_or_undefined(kc.arg("weight")), b = tensor_or_undefined(kc.arg("bias"));
+    const at::Tensor w = tensor_or_undefined(kc.arg("weight")),
+                     b = tensor_or_undefined(kc.arg("bias"));
     const double eps = kc.arg<double>("eps");
     const int64_t n = x.size(0), c = x.size(1), d = c / group;
     const int64_t local = d * spatial_numel(x.sizes());  // elements per (sample, group) here
@@ -186,8 +187,8 @@ OpPlan group_norm_rule(const OpCall& call) {
       // var_mean; with eps 0 its rstd is exactly 1/sqrt(variance) (inf for a constant group,
       // which gives variance 0 back).
       at::Tensor lrstd;
-      std::tie(std::ignore, lmean, lrstd) = at::native_group_norm(
-          x, {}, {}, n, c, spatial_numel(x.sizes()), group, /*eps=*/0.0);
+      std::tie(std::ignore, lmean, lrstd) =
+          at::native_group_norm(x, {}, {}, n, c, spatial_numel(x.sizes()), group, /*eps=*/0.0);
       lvar = lrstd.pow(-2);
     } else {
       lmean = at::zeros({n, group}, x.options());
@@ -206,8 +207,7 @@ OpPlan group_norm_rule(const OpCall& call) {
     moments = moments.reshape({shards, 3, n, group});
     const at::Tensor elements = moments.select(1, 0), means = moments.select(1, 1);
     const at::Tensor global_mean = (elements * means).sum(0).div(count);
-    const at::Tensor m2 =
-        (elements * (moments.select(1, 2) + (means - global_mean).pow(2))).sum(0);
+    const at::Tensor m2 = (elements * (moments.select(1, 2) + (means - global_mean).pow(2))).sum(0);
     const at::Tensor mean = global_mean.to(x.scalar_type());
     const at::Tensor rstd = (m2.div(count).clamp_min(0) + eps).rsqrt().to(x.scalar_type());
     // out = x * scale + shift with one scale and shift per (sample, channel): one pass.
@@ -266,7 +266,8 @@ OpPlan group_norm_backward_rule(const OpCall& call) {
     const at::Tensor mean3 = mean.unsqueeze(-1), rstd3 = rstd.unsqueeze(-1);
     if (need_input) {
       // dx = rstd*gamma*dy + c2*x + c3 per (n, group), from the group's whole sums.
-      const at::Tensor gamma = w.defined() ? w.reshape({1, group, d}) : at::ones({1, group, d}, x.options());
+      const at::Tensor gamma =
+          w.defined() ? w.reshape({1, group, d}) : at::ones({1, group, d}, x.options());
       const at::Tensor dsg = (ds.reshape({n, group, d}) * gamma).sum(-1);
       const at::Tensor dbg = (db.reshape({n, group, d}) * gamma).sum(-1);
       const at::Tensor c2 = (dbg * mean - dsg) * rstd.pow(3) / count;
@@ -305,8 +306,9 @@ BatchNormLayout batch_norm_layout(const OpCall& call, const DTensorSpec& in, boo
   BatchNormLayout l;
   l.input = keep_sharded(in, [keep_channel](int64_t t) { return t != 1 || keep_channel; });
   l.reduce_mesh_dims = mesh_dims_where(*l.input, [](int64_t t) { return t != 1; });
-  l.count = in.sizes()[1] == 0 ? 0.0
-                               : static_cast<double>(in.numel()) / static_cast<double>(in.sizes()[1]);
+  l.count = in.sizes()[1] == 0
+                ? 0.0
+                : static_cast<double>(in.numel()) / static_cast<double>(in.sizes()[1]);
   return l;
 }
 
@@ -329,7 +331,8 @@ OpPlan batch_norm_plan(const OpCall& call, bool fixed_training) {
   OpPlan plan(call);
   plan.input("input", l.input);
   for (const char* param : {"weight", "bias"})
-    if (const auto* sp = call.spec(param)) plan.input(param, along_dim(*l.input, 1, {c}, sp->dtype()));
+    if (const auto* sp = call.spec(param))
+      plan.input(param, along_dim(*l.input, 1, {c}, sp->dtype()));
   for (const char* stat : {"running_mean", "running_var"}) {
     const DTensorSpec* sp = call.has(stat) ? call.spec(stat) : nullptr;
     if (!sp) continue;
@@ -339,10 +342,10 @@ OpPlan batch_norm_plan(const OpCall& call, bool fixed_training) {
     plan.input(stat, along_dim(*l.input, 1, {c}, sp->dtype()));
   }
   // Evaluation returns empty save_mean/save_invstd, as one device does.
-  auto saved = training ? channel
-                        : std::make_shared<DTensorSpec>(
-                              in.mesh(), Placements(in.mesh().ndim(), Replicate()),
-                              std::vector<int64_t>{0}, in.dtype());
+  auto saved =
+      training ? channel
+               : std::make_shared<DTensorSpec>(in.mesh(), Placements(in.mesh().ndim(), Replicate()),
+                                               std::vector<int64_t>{0}, in.dtype());
   plan.outputs = {l.input, saved, saved};
   const bool reserve = call.schema().returns().size() == 4;
   if (reserve)
@@ -351,7 +354,8 @@ OpPlan batch_norm_plan(const OpCall& call, bool fixed_training) {
   plan.distributed_kernel = [dims = l.reduce_mesh_dims, count = l.count, training, reserve](
                                 KernelCall& kc, const DeviceMesh& mesh) {
     const at::Tensor x = kc.tensor("input");
-    const at::Tensor w = tensor_or_undefined(kc.arg("weight")), b = tensor_or_undefined(kc.arg("bias"));
+    const at::Tensor w = tensor_or_undefined(kc.arg("weight")),
+                     b = tensor_or_undefined(kc.arg("bias"));
     const bool has_running = kc.index("running_mean") >= 0;
     at::Tensor rm = has_running ? tensor_or_undefined(kc.arg("running_mean")) : at::Tensor();
     at::Tensor rv = has_running ? tensor_or_undefined(kc.arg("running_var")) : at::Tensor();
@@ -393,7 +397,9 @@ OpPlan batch_norm_plan(const OpCall& call, bool fixed_training) {
 
 // The variants with a `training` argument, and those that never train
 // (_native_batch_norm_legit_no_training, _batch_norm_no_update).
-OpPlan batch_norm_rule(const OpCall& call) { return batch_norm_plan(call, /*fixed_training=*/false); }
+OpPlan batch_norm_rule(const OpCall& call) {
+  return batch_norm_plan(call, /*fixed_training=*/false);
+}
 OpPlan batch_norm_with_update_rule(const OpCall& call) {
   return batch_norm_plan(call, /*fixed_training=*/true);
 }

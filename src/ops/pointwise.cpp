@@ -42,8 +42,8 @@ using Table = std::vector<Row>;
 const Table kNone = {};
 // Linear in every operand: a sum of sums is a sum of terms; R operands become terms (one
 // rank holds the value). Adding a value keeps the order of self (alpha scales only other).
-const Table kLinear = {{Sum, {Sum, Sum}}, {Avg, {Avg, Avg}},
-                       {Max, {Max, R}, true}, {Min, {Min, R}, true}};
+const Table kLinear = {
+    {Sum, {Sum, Sum}}, {Avg, {Avg, Avg}}, {Max, {Max, R}, true}, {Min, {Min, R}, true}};
 // Linear in any one operand: (sum a_i) * b = sum (a_i * b).
 const Table kScaling = {{Sum, {Sum, R}}, {Sum, {R, Sum}}, {Avg, {Avg, R}}, {Avg, {R, Avg}}};
 // Linear in the dividend only: x / P is not a sum of terms.
@@ -65,16 +65,17 @@ const Table kIncreasingInAll = {{Max, {Max, R, R}}, {Max, {R, Max, R}}, {Max, {R
 // together (the weight is a coefficient, and max/min would depend on its sign).
 const Table kLinearPair = {{Sum, {Sum, Sum, R}}, {Avg, {Avg, Avg, R}}};
 // Selecting elements keeps any partial: where(c, a, b) picks term by term.
-const Table kWhere = {{Sum, {R, Sum, Sum}}, {Avg, {R, Avg, Avg}},
-                      {Max, {R, Max, Max}}, {Min, {R, Min, Min}}};
-const Table kMaskedFill = {{Sum, {Sum, R, Sum}}, {Avg, {Avg, R, Avg}},
-                           {Max, {Max, R, Max}}, {Min, {Min, R, Min}}};
+const Table kWhere = {
+    {Sum, {R, Sum, Sum}}, {Avg, {R, Avg, Avg}}, {Max, {R, Max, Max}}, {Min, {R, Min, Min}}};
+const Table kMaskedFill = {
+    {Sum, {Sum, R, Sum}}, {Avg, {Avg, R, Avg}}, {Max, {Max, R, Max}}, {Min, {Min, R, Min}}};
 
 struct Category {
   const Table& table;
   std::vector<const char*> ops;  // base names; the in-place forms (add_) come with them
 };
 
+// clang-format off
 const std::vector<Category>& categories() {
   static const std::vector<Category> all = {
       {kLinear, {"add", "sub"}},
@@ -105,6 +106,7 @@ const std::vector<Category>& categories() {
   };
   return all;
 }
+// clang-format on
 
 // Overloads that share a base name but are not pointwise.
 const std::vector<std::string>& skipped(const std::string& base) {
@@ -160,8 +162,8 @@ std::vector<int64_t> broadcast_shape(const std::vector<int64_t>& a, const std::v
   for (size_t i = 0; i < n; ++i) {
     const int64_t x = i < n - a.size() ? 1 : a[i - (n - a.size())];
     const int64_t y = i < n - b.size() ? 1 : b[i - (n - b.size())];
-    TORCH_CHECK(x == y || x == 1 || y == 1, "tessera: shapes ", shape_str(a), " and ",
-                shape_str(b), " do not broadcast");
+    TORCH_CHECK(x == y || x == 1 || y == 1, "tessera: shapes ", shape_str(a), " and ", shape_str(b),
+                " do not broadcast");
     out[i] = x == 1 ? y : x;
   }
   return out;
@@ -206,7 +208,8 @@ OpPlan pointwise(const OpCall& call, const Table& all_rows) {
     if (static_cast<int>(i) == out_idx || !call.args[i].isTensor()) continue;
     const auto& t = call.args[i].toTensor();
     if (!t.defined()) continue;
-    out_shape = broadcast_shape(out_shape, call.specs[i] ? call.specs[i]->sizes() : t.sizes().vec());
+    out_shape =
+        broadcast_shape(out_shape, call.specs[i] ? call.specs[i]->sizes() : t.sizes().vec());
   }
   // An out= result has the dtype of `out` (eq.Tensor_out writes bools), which the fallback
   // does not read off written arguments.
@@ -222,9 +225,9 @@ OpPlan pointwise(const OpCall& call, const Table& all_rows) {
                        schema.arguments()[0].alias_info()->isWrite();
   if (inplace) {
     // self keeps its place: it is the output.
-    TORCH_CHECK(call.specs[0] && call.specs[0]->sizes() == out_shape, "tessera: ",
-                call.describe(), ": an in-place op needs `self` distributed with the broadcast ",
-                "result's shape ", shape_str(out_shape));
+    TORCH_CHECK(call.specs[0] && call.specs[0]->sizes() == out_shape, "tessera: ", call.describe(),
+                ": an in-place op needs `self` distributed with the broadcast ", "result's shape ",
+                shape_str(out_shape));
     refs = {0};
   }
 
@@ -232,7 +235,8 @@ OpPlan pointwise(const OpCall& call, const Table& all_rows) {
     // Every operand broadcasts: compute replicated.
     OpPlan plan(call);
     for (size_t i = 0; i < n; ++i)
-      if (call.specs[i] && static_cast<int>(i) != out_idx) plan.inputs[i] = replicated(*call.specs[i]);
+      if (call.specs[i] && static_cast<int>(i) != out_idx)
+        plan.inputs[i] = replicated(*call.specs[i]);
     return plan.output(std::make_shared<DTensorSpec>(
         call.first().mesh(), Placements(call.first().mesh().ndim(), Replicate()), out_shape,
         out_dtype.value_or(call.first().dtype())));
@@ -266,10 +270,10 @@ OpPlan pointwise(const OpCall& call, const Table& all_rows) {
       Placements p = aligned->placements();
       for (int64_t m = 0; m < mesh_ndim; ++m)
         if (rows[m]) p[m] = placement_of(i < 3 ? rows[m]->in[i] : R);
-      st.inputs[i] = p == aligned->placements()
-                         ? aligned
-                         : std::make_shared<DTensorSpec>(
-                               aligned->with_placements(p, aligned->shard_tables()));
+      st.inputs[i] =
+          p == aligned->placements()
+              ? aligned
+              : std::make_shared<DTensorSpec>(aligned->with_placements(p, aligned->shard_tables()));
     }
     st.outputs.push_back(std::make_shared<DTensorSpec>(
         ref.mesh(), out_p, ref.sizes(), out_dtype.value_or(ref.dtype()), ref_in->shard_tables()));

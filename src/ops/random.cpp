@@ -104,10 +104,10 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::randn_like.generator", randn_like_rule);
   register_rule("aten::randint_like.generator", randint_like_rule);
   register_rule("aten::randint_like.low_generator_dtype", randint_like_low_rule);
-  for (const char* op : {"aten::bernoulli_.float", "aten::uniform_",
-                         "aten::normal_", "aten::random_", "aten::random_.from",
-                         "aten::random_.to", "aten::exponential_", "aten::log_normal_",
-                         "aten::cauchy_", "aten::geometric_"})
+  for (const char* op :
+       {"aten::bernoulli_.float", "aten::uniform_", "aten::normal_", "aten::random_",
+        "aten::random_.from", "aten::random_.to", "aten::exponential_", "aten::log_normal_",
+        "aten::cauchy_", "aten::geometric_"})
     register_rule(op, fill_rule);
 }};
 

@@ -65,8 +65,10 @@ Dims parse_dims(const OpCall& call) {
   if (!call.has("dim") || nd == 0) return d;
   const c10::IValue& v = call.arg("dim");
   std::vector<int64_t> dims;
-  if (v.isInt()) dims.push_back(v.toInt());
-  else if (v.isIntList()) dims = v.toIntVector();
+  if (v.isInt())
+    dims.push_back(v.toInt());
+  else if (v.isIntList())
+    dims = v.toIntVector();
   if (dims.empty()) return d;
   d.reduced.assign(nd, false);
   for (int64_t x : dims) {
@@ -131,8 +133,10 @@ std::vector<SpecPtr> input_targets(const DTensorSpec& in, const std::vector<bool
   std::vector<bool> taken(in.ndim(), false);
   std::vector<int64_t> moving;
   for (int64_t m = 0; m < mesh.ndim(); ++m) {
-    if (move[m]) moving.push_back(m);
-    else if (in.placement(m).is_shard()) taken[in.placement(m).dim()] = true;
+    if (move[m])
+      moving.push_back(m);
+    else if (in.placement(m).is_shard())
+      taken[in.placement(m).dim()] = true;
   }
   std::vector<ShardTable> tables(in.ndim());
   for (int64_t t = 0; t < in.ndim(); ++t)
@@ -223,7 +227,6 @@ OpPlan mean_rule(const OpCall& call) {
 
 // ---- amax, amin, max(), min() --------------------------------------------------------------
 
-
 // Runs the op locally, except where a reduced dim's shard is empty (max of nothing is an
 // error in ATen): that shard contributes the identity of the Partial(max/min) it becomes.
 OpPlan extremum(const OpCall& call, Kind kind) {
@@ -236,8 +239,10 @@ OpPlan extremum(const OpCall& call, Kind kind) {
     bool empty = false;
     for (int64_t t = 0; t < x.dim(); ++t) {
       if (d.reduced[t]) empty = empty || x.size(t) == 0;
-      if (!d.reduced[t]) out_shape.push_back(x.size(t));
-      else if (d.keepdim) out_shape.push_back(1);
+      if (!d.reduced[t])
+        out_shape.push_back(x.size(t));
+      else if (d.keepdim)
+        out_shape.push_back(1);
     }
     if (!empty) {
       k.call_op();
@@ -299,9 +304,8 @@ void value_selecting_backward_boxed(const c10::OperatorHandle& op, torch::jit::S
 }
 
 const RuleRegistrar registrar{[] {
-  register_kernel(
-      "aten::value_selecting_reduction_backward",
-      torch::CppFunction::makeFromBoxedFunction<&value_selecting_backward_boxed>());
+  register_kernel("aten::value_selecting_reduction_backward",
+                  torch::CppFunction::makeFromBoxedFunction<&value_selecting_backward_boxed>());
 
   register_rule("aten::sum", sum_rule);
   register_rule("aten::sum.dim_IntList", sum_rule);
@@ -319,10 +323,9 @@ const RuleRegistrar registrar{[] {
 
   for (const char* op :
        {"aten::prod", "aten::prod.dim_int", "aten::max.dim", "aten::min.dim", "aten::argmax",
-        "aten::argmin", "aten::var.correction", "aten::std.correction",
-        "aten::var_mean.correction", "aten::std_mean.correction", "aten::norm.Scalar",
-        "aten::norm.ScalarOpt_dim", "aten::norm.ScalarOpt_dtype",
-        "aten::norm.ScalarOpt_dim_dtype", "aten::linalg_vector_norm"})
+        "aten::argmin", "aten::var.correction", "aten::std.correction", "aten::var_mean.correction",
+        "aten::std_mean.correction", "aten::norm.Scalar", "aten::norm.ScalarOpt_dim",
+        "aten::norm.ScalarOpt_dtype", "aten::norm.ScalarOpt_dim_dtype", "aten::linalg_vector_norm"})
     register_rule(op, whole_rule);
 }};
 

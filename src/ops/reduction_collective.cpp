@@ -50,8 +50,10 @@ Reduced reduced_dims(const OpCall& call, const DTensorSpec& in) {
   if (!call.has("dim") || nd == 0) return r;
   const c10::IValue& v = call.arg("dim");
   std::vector<int64_t> dims;
-  if (v.isInt()) dims.push_back(v.toInt());
-  else if (v.isIntList()) dims = v.toIntVector();
+  if (v.isInt())
+    dims.push_back(v.toInt());
+  else if (v.isIntList())
+    dims = v.toIntVector();
   if (dims.empty()) return r;
   r.dims.assign(nd, false);
   for (int64_t d : dims) {
@@ -99,12 +101,15 @@ bool empty_along(const at::Tensor& x, const std::vector<int64_t>& dims) {
   return false;
 }
 
-std::vector<int64_t> kept_shape(const at::Tensor& x, const std::vector<int64_t>& dims, bool keepdim) {
+std::vector<int64_t> kept_shape(const at::Tensor& x, const std::vector<int64_t>& dims,
+                                bool keepdim) {
   std::vector<int64_t> shape;
   for (int64_t t = 0; t < x.dim(); ++t) {
     const bool red = std::find(dims.begin(), dims.end(), t) != dims.end();
-    if (!red) shape.push_back(x.size(t));
-    else if (keepdim) shape.push_back(1);
+    if (!red)
+      shape.push_back(x.size(t));
+    else if (keepdim)
+      shape.push_back(1);
   }
   return shape;
 }
@@ -129,7 +134,8 @@ OpPlan logsumexp_rule(const OpCall& call) {
   const bool keepdim = r.keepdim;
   plan.distributed_kernel = [dims, keepdim, across](KernelCall& k, const DeviceMesh& mesh) {
     at::Tensor x = k.tensor("self");
-    if (!at::isFloatingType(x.scalar_type())) x = x.to(at::typeMetaToScalarType(at::get_default_dtype()));
+    if (!at::isFloatingType(x.scalar_type()))
+      x = x.to(at::typeMetaToScalarType(at::get_default_dtype()));
     const double inf = std::numeric_limits<double>::infinity();
     at::Tensor m = empty_along(x, dims) ? at::full(kept_shape(x, dims, true), -inf, x.options())
                                         : at::amax(x, dims, true);

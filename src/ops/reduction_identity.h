@@ -9,8 +9,7 @@ namespace tessera::ops {
 
 // A tensor of `shape` filled with the identity of max (is_max: the dtype's lowest value) or
 // of min (its highest): what an empty shard contributes to a max / min reduction.
-inline at::Tensor identity_fill(at::IntArrayRef shape, const at::TensorOptions& opts,
-                                bool is_max) {
+inline at::Tensor identity_fill(at::IntArrayRef shape, const at::TensorOptions& opts, bool is_max) {
   const auto dt = c10::typeMetaToScalarType(opts.dtype());
   if (at::isFloatingType(dt)) {
     const double inf = std::numeric_limits<double>::infinity();

@@ -14,7 +14,7 @@ namespace tessera::ops {
 namespace {
 struct Registry {
   std::shared_mutex mu;
-  std::unordered_map<std::string, Rule> by_name;  // nodes are stable: memo points into it
+  std::unordered_map<std::string, Rule> by_name;           // nodes are stable: memo points into it
   std::unordered_map<const void*, const Rule*> by_schema;  // memo: one lookup per operator
 };
 Registry& registry() {
@@ -175,8 +175,8 @@ std::string OpCall::describe() const {
       first = false;
       for (size_t k = 0; k < list_specs[i].size(); ++k) {
         const auto* sp = list_specs[i][k];
-        s += (k ? ", " : "") +
-             (sp ? to_string(sp->placements()) + " " + shape_str(sp->sizes()) : std::string("scalar"));
+        s += (k ? ", " : "") + (sp ? to_string(sp->placements()) + " " + shape_str(sp->sizes())
+                                   : std::string("scalar"));
       }
       s += "]";
       continue;
@@ -279,8 +279,8 @@ SpecPtr replicated(const DTensorSpec& like) {
 namespace {
 // Ops whose output shape depends on the values: gathered, then computed on every rank.
 const RuleRegistrar registrar{[] {
-  for (const char* op : {"aten::nonzero", "aten::masked_select", "aten::_unique",
-                         "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive"})
+  for (const char* op : {"aten::nonzero", "aten::masked_select", "aten::_unique", "aten::_unique2",
+                         "aten::unique_dim", "aten::unique_consecutive"})
     register_rule(op, replicate_everything);
 }};
 }  // namespace

@@ -68,9 +68,7 @@ struct Run {
 std::vector<Run> selected_runs(const ShardTable& table, const Selection& s) {
   // The number of selected elements before global position x (the ceiling of a division;
   // positions before the selection's start hold none).
-  auto before = [&](int64_t x) {
-    return at::ceil_div(std::max<int64_t>(x - s.start, 0), s.step);
-  };
+  auto before = [&](int64_t x) { return at::ceil_div(std::max<int64_t>(x - s.start, 0), s.step); };
   std::vector<Run> out;
   int64_t o = 0;
   for (auto n : table) {
@@ -139,8 +137,8 @@ OpPlan narrow_copy_rule(const OpCall& call) {
   int64_t start = call.arg<int64_t>("start");
   if (start < 0) start += in.sizes()[d];
   const Selection sel{start, 1, call.arg<int64_t>("length")};
-  TORCH_CHECK(start >= 0 && sel.len >= 0 && start + sel.len <= in.sizes()[d], "tessera: ",
-              call.describe(), ": narrow range out of bounds");
+  TORCH_CHECK(start >= 0 && sel.len >= 0 && start + sel.len <= in.sizes()[d],
+              "tessera: ", call.describe(), ": narrow range out of bounds");
   OpPlan plan(call);
   plan.output(sliced_spec(in, d, sel));
   if (in.mesh_dims_sharding(d).empty()) return plan;
@@ -163,8 +161,8 @@ OpPlan slice_backward_rule(const OpCall& call) {
   auto in_sizes = call.arg<std::vector<int64_t>>("input_sizes");
   const int64_t d = dim_arg(call, static_cast<int64_t>(in_sizes.size()));
   const int64_t step = call.arg<int64_t>("step");
-  const auto sel = slice_selection(in_sizes[d], call.arg<int64_t>("start"),
-                                   call.arg<int64_t>("end"), step);
+  const auto sel =
+      slice_selection(in_sizes[d], call.arg<int64_t>("start"), call.arg<int64_t>("end"), step);
   TORCH_CHECK(sel.len == g.sizes()[d], "tessera: ", call.describe(),
               ": the gradient does not match the slice");
   auto tables = g.shard_tables();
@@ -274,14 +272,14 @@ OpPlan split_pieces(const OpCall& call, int64_t d, const std::vector<int64_t>& p
     local.push_back(local_cut(in, d, sel).len);
     start += len;
   }
-  TORCH_CHECK(start == in.sizes()[d], "tessera: ", call.describe(), ": split sizes sum to ",
-              start, ", not ", in.sizes()[d]);
+  TORCH_CHECK(start == in.sizes()[d], "tessera: ", call.describe(), ": split sizes sum to ", start,
+              ", not ", in.sizes()[d]);
   if (in.mesh_dims_sharding(d).empty()) return plan;
   const bool unsafe = call.name().find("unsafe") != std::string::npos;
   plan.local_kernel = [local, d, unsafe](KernelCall& k) {
     const at::Tensor x = k.tensor("self");
-    k.finish({unsafe ? at::unsafe_split_with_sizes(x, local, d)
-                     : at::split_with_sizes(x, local, d)});
+    k.finish(
+        {unsafe ? at::unsafe_split_with_sizes(x, local, d) : at::split_with_sizes(x, local, d)});
   };
   return plan;
 }
@@ -439,8 +437,8 @@ OpPlan stack_rule(const OpCall& call) {
   for (const auto* s : specs) {
     TORCH_CHECK(!s || s->sizes() == ref.sizes(), "tessera: ", call.describe(),
                 ": stack needs equal shapes");
-    elements.push_back(
-        s ? std::make_shared<DTensorSpec>(mesh, p, s->sizes(), s->dtype(), tables) : nullptr);
+    elements.push_back(s ? std::make_shared<DTensorSpec>(mesh, p, s->sizes(), s->dtype(), tables)
+                         : nullptr);
   }
   auto out_sizes = ref.sizes();
   out_sizes.insert(out_sizes.begin() + d, static_cast<int64_t>(specs.size()));

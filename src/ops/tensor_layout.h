@@ -27,8 +27,8 @@ inline std::vector<int64_t> shard_mesh_dims(const Placements& p, int64_t t) {
 
 // The table of tensor dim t under placements p: `want` where it has the right number of
 // pieces and total, else the chunk layout (empty where p does not shard t).
-inline ShardTable fit_table(const DeviceMesh& mesh, const Placements& p, int64_t t,
-                            int64_t size, const ShardTable& want) {
+inline ShardTable fit_table(const DeviceMesh& mesh, const Placements& p, int64_t t, int64_t size,
+                            const ShardTable& want) {
   auto dims = shard_mesh_dims(p, t);
   if (dims.empty()) return {};
   int64_t parts = 1;
@@ -41,8 +41,7 @@ inline ShardTable fit_table(const DeviceMesh& mesh, const Placements& p, int64_t
 
 // The table of a tensor dim shared by several operands (self, index, source): the first
 // candidate sharding it over exactly the target's mesh dims, else the chunk layout.
-inline ShardTable shared_table(const DeviceMesh& mesh, const Placements& p, int64_t t,
-                               int64_t size,
+inline ShardTable shared_table(const DeviceMesh& mesh, const Placements& p, int64_t t, int64_t size,
                                std::initializer_list<const DTensorSpec*> candidates) {
   auto dims = shard_mesh_dims(p, t);
   if (dims.empty()) return {};
@@ -72,8 +71,10 @@ inline bool only_sum_partials(const DTensorSpec& s) {
 inline void drop_dim(Placements& p, std::vector<ShardTable>& tables, int64_t d,
                      Placement replacement) {
   for (auto& x : p) {
-    if (x.is_shard(d)) x = replacement;
-    else if (x.is_shard() && x.dim() > d) x = Shard(x.dim() - 1);
+    if (x.is_shard(d))
+      x = replacement;
+    else if (x.is_shard() && x.dim() > d)
+      x = Shard(x.dim() - 1);
   }
   tables.erase(tables.begin() + d);
 }

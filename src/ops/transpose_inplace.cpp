@@ -29,8 +29,10 @@ OpPlan transpose_inplace_rule(const OpCall& call) {
   std::swap(tables[a], tables[b]);
   Placements p = in.placements();
   for (auto& x : p) {
-    if (x.is_shard(a)) x = Shard(b);
-    else if (x.is_shard(b)) x = Shard(a);
+    if (x.is_shard(a))
+      x = Shard(b);
+    else if (x.is_shard(b))
+      x = Shard(a);
   }
   plan.output(std::make_shared<DTensorSpec>(in.mesh(), p, sizes, in.dtype(), tables));
   return plan;

@@ -43,8 +43,8 @@ Layout layout_of(const OpCall& call) {
     std::vector<int64_t> dims;
     for (int64_t c = 0; c < l.rank; ++c)
       if (std::find(expand.begin(), expand.end(), c) == expand.end()) dims.push_back(c);
-    TORCH_CHECK(dims.size() == sizes.size(), "tessera: ", call.describe(),
-                ": input ", k + 1, " does not fill the common rank");
+    TORCH_CHECK(dims.size() == sizes.size(), "tessera: ", call.describe(), ": input ", k + 1,
+                " does not fill the common rank");
     for (size_t d = 0; d < dims.size(); ++d)
       l.common_size[dims[d]] = std::max(l.common_size[dims[d]], sizes[d]);
     l.common_of.push_back(std::move(dims));

@@ -35,8 +35,10 @@ std::vector<Block> blocks_of(const std::vector<int64_t>& in, const std::vector<i
     int64_t pi = i < ni ? in[i++] : 1;
     int64_t po = o < no ? out[o++] : 1;
     while (pi != po && (i < ni || o < no)) {
-      if ((pi < po && i < ni) || o >= no) pi *= in[i++];
-      else po *= out[o++];
+      if ((pi < po && i < ni) || o >= no)
+        pi *= in[i++];
+      else
+        po *= out[o++];
     }
     b.in_hi = i;
     b.out_hi = o;
@@ -60,8 +62,8 @@ ViewLayout view_layout(const DTensorSpec& in, const std::vector<int64_t>& out_si
   const auto& is = in.sizes();
   if (in.numel() == 0 && is != out_sizes) {
     // Nothing to keep in place: an empty tensor changes shape replicated.
-    auto r = std::make_shared<DTensorSpec>(in.partial_as_replicate().with_placements(
-        Placements(in.mesh().ndim(), Replicate())));
+    auto r = std::make_shared<DTensorSpec>(
+        in.partial_as_replicate().with_placements(Placements(in.mesh().ndim(), Replicate())));
     return {r, std::make_shared<DTensorSpec>(in.mesh(), r->placements(), out_sizes, in.dtype())};
   }
   auto blocks = blocks_of(is, out_sizes);
@@ -85,8 +87,10 @@ ViewLayout view_layout(const DTensorSpec& in, const std::vector<int64_t>& out_si
           c10::multiply_integers(out_sizes.begin() + o + 1, out_sizes.begin() + blk->out_hi);
       for (auto s : in.shard_table(t)) {
         const int64_t elems = s * inner_in;
-        if (inner_out == 0 || elems % inner_out != 0) ok = false;
-        else table.push_back(elems / inner_out);
+        if (inner_out == 0 || elems % inner_out != 0)
+          ok = false;
+        else
+          table.push_back(elems / inner_out);
       }
     }
     for (auto m : dims) {
@@ -294,8 +298,8 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::unsqueeze", unsqueeze_rule);
   register_rule("aten::squeeze", squeeze_rule);
   register_rule("aten::squeeze.dim", squeeze_rule);
-  for (const char* op : {"aten::new_empty", "aten::new_zeros", "aten::new_ones",
-                         "aten::new_full", "aten::new_empty_strided"})
+  for (const char* op : {"aten::new_empty", "aten::new_zeros", "aten::new_ones", "aten::new_full",
+                         "aten::new_empty_strided"})
     register_rule(op, new_factory_rule);
 }};
 

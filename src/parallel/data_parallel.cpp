@@ -25,15 +25,13 @@ namespace {
 constexpr double kMiB = 1024.0 * 1024.0;
 
 // Gloo reduces float, double and half; bfloat16 gradients are summed in float.
-at::ScalarType bucket_dtype(at::ScalarType t) {
-  return t == at::kBFloat16 ? at::kFloat : t;
-}
+at::ScalarType bucket_dtype(at::ScalarType t) { return t == at::kBFloat16 ? at::kFloat : t; }
 
 struct Param {
   std::string name;
-  at::Tensor tensor;                                    // the leaf the optimizer steps
+  at::Tensor tensor;                                   // the leaf the optimizer steps
   compat::NodePtr<torch::autograd::Node> accumulator;  // held: the ready hook lives on it
-  std::vector<int64_t> reduce_dims;  // mesh dims the gradient is summed over
+  std::vector<int64_t> reduce_dims;                    // mesh dims the gradient is summed over
   std::vector<int64_t> local_sizes;
   int64_t numel = 0;
   SpecPtr grad_spec;  // distributed inputs: the reduced gradient's layout
@@ -83,7 +81,8 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
   // closing a bucket once it holds its capacity: the first per key the small first cap.
   void assign_buckets(const std::vector<size_t>& order) {
     buckets.clear();
-    std::map<std::pair<int, std::vector<int64_t>>, std::pair<size_t, int64_t>> open;  // -> bucket, bytes
+    std::map<std::pair<int, std::vector<int64_t>>, std::pair<size_t, int64_t>>
+        open;  // -> bucket, bytes
     std::map<std::pair<int, std::vector<int64_t>>, int> made;
     for (size_t i : order) {
       Param& p = params[i];
@@ -134,7 +133,8 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
     if (!changed) return;
     at::Tensor local = dtensor_impl(grad)->local();
     local = keep ? local : at::zeros_like(local);
-    grad = make_dtensor(local, std::make_shared<DTensorSpec>(gs.with_placements(pl, gs.shard_tables())));
+    grad = make_dtensor(local,
+                        std::make_shared<DTensorSpec>(gs.with_placements(pl, gs.shard_tables())));
   }
 
   void on_gradient_ready(size_t i) {
@@ -168,8 +168,8 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
     TORCH_CHECK(is_dtensor(g), "tessera: replicate: the gradient of ", p.name,
                 " arrived as a plain tensor; its parameter is distributed");
     const DTensorSpec& ps = spec(p.tensor);
-    bool direct = spec(g).mesh() == ps.mesh() &&
-                  dtensor_impl(g)->local().sizes().vec() == p.local_sizes;
+    bool direct =
+        spec(g).mesh() == ps.mesh() && dtensor_impl(g)->local().sizes().vec() == p.local_sizes;
     for (int64_t d = 0; d < ps.mesh().ndim() && direct; ++d) {
       const Placement& gp = spec(g).placement(d);
       const bool reduce = std::count(p.reduce_dims.begin(), p.reduce_dims.end(), d) != 0;
@@ -241,8 +241,8 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
         // Own storage, never a view of the bucket: LibTorch 1.13's zero_grad() detaches
         // gradients in place, which views do not allow.
         at::Tensor& grad = p.tensor.mutable_grad();
-        if (local() && grad.defined() && !is_dtensor(grad) && grad.scalar_type() == reduced.scalar_type() &&
-            !grad.is_view()) {
+        if (local() && grad.defined() && !is_dtensor(grad) &&
+            grad.scalar_type() == reduced.scalar_type() && !grad.is_view()) {
           grad.copy_(reduced);  // in place: keeps the gradient's storage
         } else {
           reduced = reduced.to(p.tensor.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
@@ -281,7 +281,8 @@ struct ReplicatedModule::State : std::enable_shared_from_this<ReplicatedModule::
     auto pg = mesh.mesh_group();
     auto t = comm::broadcast(pg, at::tensor(order, at::kLong).to(comm::home_device(pg)), 0).cpu();
     std::vector<size_t> agreed(params.size());
-    for (size_t i = 0; i < params.size(); ++i) agreed[i] = static_cast<size_t>(t[i].item<int64_t>());
+    for (size_t i = 0; i < params.size(); ++i)
+      agreed[i] = static_cast<size_t>(t[i].item<int64_t>());
     assign_buckets(agreed);
     ready_order.clear();
   }
@@ -337,7 +338,8 @@ std::shared_ptr<ReplicatedModule> replicate(torch::nn::Module& module, const Dev
               mesh.defined() ? mesh.str() : std::string("(undefined)"));
   TORCH_CHECK(options.bucket_cap_mb() > 0 && options.first_bucket_cap_mb() > 0,
               "tessera: replicate: bucket capacities must be positive (got bucket_cap_mb=",
-              options.bucket_cap_mb(), ", first_bucket_cap_mb=", options.first_bucket_cap_mb(), ")");
+              options.bucket_cap_mb(), ", first_bucket_cap_mb=", options.first_bucket_cap_mb(),
+              ")");
   auto state = std::make_shared<ReplicatedModule::State>();
   // Distributed inputs live on the whole mesh (a slice such as mesh["dp"] lays parameters out
   // on its root, as tensor parallelism does), and a gradient is summed over every mesh dim
@@ -372,10 +374,11 @@ std::shared_ptr<ReplicatedModule> replicate(torch::nn::Module& module, const Dev
   std::unordered_map<const c10::TensorImpl*, std::string> seen;
   for (size_t k = 0; k < entries.size(); ++k) {
     at::Tensor t = current(*entries[k].first, entries[k].second);
-    TORCH_CHECK(t.device().type() == mesh.device_kind(), "tessera: replicate: parameter ",
-                names[k], " is on ", t.device(), " but the mesh ", mesh.str(), " keeps its ",
-                "tensors on ", mesh.device_type(), "; move the model first (module->to(",
-                mesh.device_type() == "cpu" ? "torch::kCPU" : "torch::Device(torch::kCUDA, get_local_rank())",
+    TORCH_CHECK(t.device().type() == mesh.device_kind(), "tessera: replicate: parameter ", names[k],
+                " is on ", t.device(), " but the mesh ", mesh.str(), " keeps its ", "tensors on ",
+                mesh.device_type(), "; move the model first (module->to(",
+                mesh.device_type() == "cpu" ? "torch::kCPU"
+                                            : "torch::Device(torch::kCUDA, get_local_rank())",
                 "))");
     auto [it, fresh] = seen.emplace(t.unsafeGetTensorImpl(), names[k]);
     TORCH_CHECK(fresh || options.local_batches(), "tessera: replicate: ", names[k], " and ",
@@ -486,7 +489,8 @@ ReplicatedModule::ReplicatedModule(std::shared_ptr<State> state) : state_(std::m
 
 ReplicatedModule::~ReplicatedModule() {
   if (!state_->local())
-    for (auto& p : state_->params) detail::set_gradient_owned(p.tensor.unsafeGetTensorImpl(), false);
+    for (auto& p : state_->params)
+      detail::set_gradient_owned(p.tensor.unsafeGetTensorImpl(), false);
 }
 
 ReplicatedModule::NoSync::NoSync(ReplicatedModule& owner)

@@ -317,7 +317,9 @@ void FsdpGroup::unshard() {
       const int64_t row_bytes = p.row_numel * u.element_size();
       const int64_t len = p.rows[r] * row_bytes;
       if (len > 0)
-        u.view({-1}).view(at::kByte).narrow(0, p.row_offsets[r] * row_bytes, len)
+        u.view({-1})
+            .view(at::kByte)
+            .narrow(0, p.row_offsets[r] * row_bytes, len)
             .copy_(pieces[r].narrow(0, pos, len));
       pos += len;
     }
@@ -373,8 +375,8 @@ void FsdpGroup::reduce(const std::vector<size_t>& ready) {
   // rule that left it sharded, is redistributed to Replicate first).
   struct Item {
     size_t index;
-    at::Tensor full;   // local, reduce dtype, flat
-    at::Tensor shard;  // this rank's rows, flat
+    at::Tensor full;        // local, reduce dtype, flat
+    at::Tensor shard;       // this rank's rows, flat
     Placements placements;  // as reduced: Partial where summed (or averaged)
     int64_t replicas;       // ranks whose replicated gradients are averaged
   };
@@ -396,7 +398,8 @@ void FsdpGroup::reduce(const std::vector<size_t>& ready) {
                                                            g.scalar_type(), like.shard_tables());
     if (s != *target_spec) g = redistribute(g, target_spec);
     reduce_dtype = reduce_dtype == c10::ScalarType::Undefined
-                       ? g.scalar_type() : at::promote_types(reduce_dtype, g.scalar_type());
+                       ? g.scalar_type()
+                       : at::promote_types(reduce_dtype, g.scalar_type());
     items.push_back({i, local_of(g), {}, target, 1});
     // NOTE: [Replicated gradients are averaged] (data_parallel.cpp), as replicate does: a
     // gradient replicated over a data-parallel dim is one value everywhere (a replicated
@@ -465,8 +468,10 @@ void FsdpGroup::reduce(const std::vector<size_t>& ready) {
     at::Tensor local = it.shard.to(sharded->local().scalar_type()).view(sharded->local().sizes());
     at::Tensor grad = make_dtensor(local.clone(at::MemoryFormat::Contiguous), sharded->spec_ptr());
     detail::drop_gradient_the_user_dropped(p.sharded.unsafeGetTensorImpl());
-    if (p.sharded.grad().defined()) p.sharded.mutable_grad().add_(grad);
-    else p.sharded.mutable_grad() = grad;
+    if (p.sharded.grad().defined())
+      p.sharded.mutable_grad().add_(grad);
+    else
+      p.sharded.mutable_grad() = grad;
     p.unsharded.mutable_grad() = at::Tensor();
     // An optimizer built before fully_shard steps the original objects (now this rank's rows).
     detail::hand_gradient_to_user(p.sharded.unsafeGetTensorImpl());

@@ -20,15 +20,15 @@ namespace tessera::detail {
 struct FsdpParam {
   // Where it is registered: (module, name) pairs, more than one for a tied parameter.
   std::vector<std::pair<torch::nn::Module*, std::string>> owners;
-  std::string fqn;          // qualified from the fully_shard module (first owner)
-  at::Tensor sharded;       // registered: Shard(0) over the shard dim, the optimizer's
-  at::Tensor unsharded;     // read by forward(): replicated over the data-parallel dims
-                            // (tensor-parallel shards kept)
+  std::string fqn;       // qualified from the fully_shard module (first owner)
+  at::Tensor sharded;    // registered: Shard(0) over the shard dim, the optimizer's
+  at::Tensor unsharded;  // read by forward(): replicated over the data-parallel dims
+                         // (tensor-parallel shards kept)
   compat::NodePtr<torch::autograd::Node> accumulator;  // unsharded's; held so the hook lives
   std::vector<int64_t> rows;  // dim-0 rows of the unsharded local, per shard-dim rank (chunk)
   std::vector<int64_t> row_offsets;
-  int64_t row_numel = 1;      // elements per dim-0 row
-  bool ready = false;         // gradient accumulated in this backward
+  int64_t row_numel = 1;         // elements per dim-0 row
+  bool ready = false;            // gradient accumulated in this backward
   int64_t gathered_version = 0;  // the sharded parameter's version when last gathered
 };
 
@@ -92,7 +92,6 @@ class FsdpGroup {
   comm::PendingAllGather gather_;
   size_t ready_ = 0;
   size_t requiring_grad_ = 0;
-
 
  public:
   // After the parameters are added and swapped in: installs the gradient hooks, frees the

@@ -145,8 +145,8 @@ std::shared_ptr<FSDPModule> fully_shard(torch::nn::Module& module, const DeviceM
                   "shards dim 0. Keep it in a module left out of fully_shard, or make it 1-D");
       if (is_dtensor(t)) {
         const auto& s = spec(t);
-        TORCH_CHECK(s.mesh() == root, where, ": parameter \"", fqn, "\" lives on ",
-                    s.mesh().str(), ", not on ", root.str(), " (the root of the mesh given); ",
+        TORCH_CHECK(s.mesh() == root, where, ": parameter \"", fqn, "\" lives on ", s.mesh().str(),
+                    ", not on ", root.str(), " (the root of the mesh given); ",
                     "apply tensor parallelism and fully_shard to slices of one mesh");
         bool ok = !s.has_partial();
         for (int64_t d : dp_dims) ok = ok && s.placement(d).is_replicate();
@@ -194,11 +194,11 @@ std::shared_ptr<FSDPModule> fully_shard(torch::nn::Module& module, const DeviceM
                              sharded_spec_of(like, shard_dim))
                     .requires_grad_(c.value.requires_grad());
     const auto compute = group->compute_dtype_of(local);
-    auto unsharded_spec = std::make_shared<const DTensorSpec>(
-        root, like.placements(), like.sizes(), compute, like.shard_tables());
-    p.unsharded = make_dtensor(at::empty(local.sizes(), local.options().dtype(compute)),
-                               unsharded_spec)
-                      .requires_grad_(c.value.requires_grad());
+    auto unsharded_spec = std::make_shared<const DTensorSpec>(root, like.placements(), like.sizes(),
+                                                              compute, like.shard_tables());
+    p.unsharded =
+        make_dtensor(at::empty(local.sizes(), local.options().dtype(compute)), unsharded_spec)
+            .requires_grad_(c.value.requires_grad());
     // A tensor-parallel module finds its boundary through the parameter its forward reads
     // (NOTE: [Module boundaries without hooks]): that is now the unsharded one, whose
     // StorageImpl survives resharding.

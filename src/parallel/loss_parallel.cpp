@@ -79,19 +79,20 @@ std::string describe_call(const DTensorSpec& logits, const at::Tensor& target) {
 Layout plan_layout(const DTensorSpec& in, const at::Tensor& target) {
   Layout l;
   const int64_t nd = in.ndim();
-  TORCH_CHECK(nd >= 1, kWho, ": logits must have at least one dim (the classes), got ",
-              in.str());
+  TORCH_CHECK(nd >= 1, kWho, ": logits must have at least one dim (the classes), got ", in.str());
   l.cdim = nd >= 2 ? 1 : 0;
   l.logits = in.has_partial() ? std::make_shared<DTensorSpec>(in.partial_as_replicate())
                               : std::make_shared<DTensorSpec>(in);
   const auto& P = l.logits->placements();
   for (int64_t m = 0; m < static_cast<int64_t>(P.size()); ++m) {
-    if (P[m].is_shard(l.cdim)) l.class_mesh_dims.push_back(m);
-    else if (P[m].is_shard()) l.row_mesh_dims.push_back(m);
+    if (P[m].is_shard(l.cdim))
+      l.class_mesh_dims.push_back(m);
+    else if (P[m].is_shard())
+      l.row_mesh_dims.push_back(m);
   }
   TORCH_CHECK(!l.class_mesh_dims.empty(), kWho,
-              ": loss_parallel needs logits sharded on the class dim (dim ", l.cdim, " of a ",
-              nd, "-dim input), got placements ", to_string(in.placements()),
+              ": loss_parallel needs logits sharded on the class dim (dim ", l.cdim, " of a ", nd,
+              "-dim input), got placements ", to_string(in.placements()),
               " for logits of global shape ", shape_str(in.sizes()), " (", in.str(),
               "). Shard the class dim (e.g. the Shard(-1) output of a column-wise parallel "
               "projection), or call cross_entropy outside the LossParallel scope.");
@@ -101,7 +102,8 @@ Layout plan_layout(const DTensorSpec& in, const at::Tensor& target) {
 
   const std::string what = describe_call(in, target);
   TORCH_CHECK(!at::isFloatingType(target.scalar_type()) && !at::isComplexType(target.scalar_type()),
-              what, ": probability (soft) targets are not supported under loss_parallel; pass "
+              what,
+              ": probability (soft) targets are not supported under loss_parallel; pass "
               "class indices");
   TORCH_CHECK(at::isIntegralType(target.scalar_type(), /*includeBool=*/false), what,
               ": the target must hold class indices (an integer tensor)");
@@ -182,11 +184,11 @@ struct Setup {
   SpecPtr out;
   int64_t reduction = at::Reduction::Mean;
   double smoothing = 0;
-  double weight_sum = 0;  // W: the sum of every class weight (C without weights)
-  at::Tensor local_weight;  // this rank's classes' weights, or undefined
-  bool vector_input = false;  // 1-D logits: one row, handled as [1, C]
+  double weight_sum = 0;                 // W: the sum of every class weight (C without weights)
+  at::Tensor local_weight;               // this rank's classes' weights, or undefined
+  bool vector_input = false;             // 1-D logits: one row, handled as [1, C]
   c10::ScalarType compute = at::kFloat;  // the logits' dtype, float for half / bfloat16
-  at::Tensor total_weight;    // mean: the global total weight (0-d)
+  at::Tensor total_weight;               // mean: the global total weight (0-d)
 };
 
 // Shape [1, Cl, 1, ...] to broadcast a per-class vector against [N, Cl, d1, ...].
@@ -227,13 +229,12 @@ struct CrossEntropyBackward : torch::autograd::Node {
     if (e > 0) coef = coef + g_rows * (e * s.weight_sum / static_cast<double>(C));
     at::Tensor grad = (x - rows.log_norm.unsqueeze(1)).exp_().mul_(coef.unsqueeze(1));
     if (l.local_classes > 0) {
-      const at::Tensor hit = at::where(rows.own, g_rows * rows.w_target * (e - 1),
-                                       at::zeros({}, x.options()));
+      const at::Tensor hit =
+          at::where(rows.own, g_rows * rows.w_target * (e - 1), at::zeros({}, x.options()));
       grad.scatter_add_(1, rows.local_idx.unsqueeze(1), hit.unsqueeze(1));
       if (e > 0) {
-        const at::Tensor w = s.local_weight.defined()
-                                 ? per_class(s.local_weight, x.dim())
-                                 : at::ones({}, x.options());
+        const at::Tensor w = s.local_weight.defined() ? per_class(s.local_weight, x.dim())
+                                                      : at::ones({}, x.options());
         grad.sub_(g_rows.unsqueeze(1) * w * (e / static_cast<double>(C)));
       }
     }
@@ -262,9 +263,8 @@ at::Tensor whole_weight(const c10::optional<at::Tensor>& weight, int64_t classes
 }
 
 at::Tensor loss_parallel_cross_entropy(const at::Tensor& self, const at::Tensor& target,
-                                       const c10::optional<at::Tensor>& weight,
-                                       int64_t reduction, int64_t ignore_index,
-                                       double smoothing) {
+                                       const c10::optional<at::Tensor>& weight, int64_t reduction,
+                                       int64_t ignore_index, double smoothing) {
   const DTensorSpec& in = spec(self);
   const std::string what = describe_call(in, target);
   TORCH_CHECK(reduction == at::Reduction::None || reduction == at::Reduction::Sum ||
@@ -272,8 +272,8 @@ at::Tensor loss_parallel_cross_entropy(const at::Tensor& self, const at::Tensor&
               what, ": unknown reduction ", reduction);
   TORCH_CHECK(smoothing >= 0.0 && smoothing <= 1.0, what,
               ": label_smoothing must be between 0.0 and 1.0, got ", smoothing);
-  TORCH_CHECK(at::isFloatingType(self.scalar_type()), what,
-              ": logits must be floating point, got ", c10::toString(self.scalar_type()));
+  TORCH_CHECK(at::isFloatingType(self.scalar_type()), what, ": logits must be floating point, got ",
+              c10::toString(self.scalar_type()));
 
   auto setup = std::make_shared<Setup>();
   Setup& s = *setup;
@@ -317,9 +317,10 @@ at::Tensor loss_parallel_cross_entropy(const at::Tensor& self, const at::Tensor&
     rows.valid = t.ne(ignore_index);
     const at::Tensor bad = rows.valid.logical_and(t.lt(0).logical_or(t.ge(C)));
     const at::Tensor safe_t = at::where(rows.valid, t, at::zeros({}, t.options())).clamp(0, C - 1);
-    rows.w_target = w_full.defined()
-                        ? at::where(rows.valid, w_full.index_select(0, safe_t.flatten()).view(t.sizes()), zero)
-                        : rows.valid.to(s.compute);
+    rows.w_target =
+        w_full.defined()
+            ? at::where(rows.valid, w_full.index_select(0, safe_t.flatten()).view(t.sizes()), zero)
+            : rows.valid.to(s.compute);
     if (smoothing > 0)
       s.weight_sum = w_full.defined() ? w_full.sum().item<double>() : static_cast<double>(C);
     if (w_full.defined()) s.local_weight = w_full.narrow(0, l.class_offset, Cl);
@@ -341,7 +342,8 @@ at::Tensor loss_parallel_cross_entropy(const at::Tensor& self, const at::Tensor&
       at::Tensor total = rows.w_target.sum();
       if (row_reduce) {
         at::Tensor packed = at::stack({total, at::full({}, static_cast<double>(bad_here), opts)});
-        for (auto d : l.row_mesh_dims) packed = comm::all_reduce(mesh.group(d), packed, PartialOp::Sum);
+        for (auto d : l.row_mesh_dims)
+          packed = comm::all_reduce(mesh.group(d), packed, PartialOp::Sum);
         TORCH_CHECK(packed[1].item<double>() == 0, what, ": ", out_of_range());
         total = packed[0];
       }
@@ -350,8 +352,8 @@ at::Tensor loss_parallel_cross_entropy(const at::Tensor& self, const at::Tensor&
 
     // 1. the row maxima.
     std::vector<int64_t> row_shape = t.sizes().vec();
-    at::Tensor m = Cl > 0 ? x.amax(1)
-                          : at::full(row_shape, -std::numeric_limits<double>::infinity(), opts);
+    at::Tensor m =
+        Cl > 0 ? x.amax(1) : at::full(row_shape, -std::numeric_limits<double>::infinity(), opts);
     m = reduce_over_classes(l, m, PartialOp::Max);
     // 2. the per-row sums, in one buffer.
     const at::Tensor z = x - m.unsqueeze(1);
@@ -359,8 +361,9 @@ at::Tensor loss_parallel_cross_entropy(const at::Tensor& self, const at::Tensor&
     rows.local_idx = at::where(rows.own, t - l.class_offset, at::zeros({}, t.options()));
     std::vector<at::Tensor> parts;
     parts.push_back(z.exp().sum(1));
-    parts.push_back(Cl > 0 ? at::where(rows.own, z.gather(1, rows.local_idx.unsqueeze(1)).squeeze(1), zero)
-                           : at::zeros(row_shape, opts));
+    parts.push_back(
+        Cl > 0 ? at::where(rows.own, z.gather(1, rows.local_idx.unsqueeze(1)).squeeze(1), zero)
+               : at::zeros(row_shape, opts));
     if (smoothing > 0)
       parts.push_back(s.local_weight.defined() ? (z * per_class(s.local_weight, z.dim())).sum(1)
                                                : z.sum(1));
@@ -375,15 +378,9 @@ at::Tensor loss_parallel_cross_entropy(const at::Tensor& self, const at::Tensor&
       loss = loss * (1 - smoothing) + smooth * (smoothing / static_cast<double>(C));
     }
     switch (reduction) {
-      case at::Reduction::None:
-        out_local = s.vector_input ? loss.squeeze(0) : loss;
-        break;
-      case at::Reduction::Sum:
-        out_local = loss.sum();
-        break;
-      default:
-        out_local = loss.sum() / s.total_weight;
-        break;
+      case at::Reduction::None: out_local = s.vector_input ? loss.squeeze(0) : loss; break;
+      case at::Reduction::Sum: out_local = loss.sum(); break;
+      default: out_local = loss.sum() / s.total_weight; break;
     }
   }
 
@@ -411,18 +408,17 @@ void cross_entropy_kernel(const c10::OperatorHandle&, torch::jit::Stack* stack) 
   const int64_t ignore_index = st[n - 2].toInt();
   const double smoothing = st[n - 1].toDouble();
   torch::jit::drop(st, 6);
-  at::Tensor out = LossParallel::enabled() && is_dtensor(self)
-                       ? loss_parallel_cross_entropy(self, target, weight, reduction,
-                                                     ignore_index, smoothing)
-                       : compat::cross_entropy_loss_composite(self, target, weight, reduction,
-                                                              ignore_index, smoothing);
+  at::Tensor out =
+      LossParallel::enabled() && is_dtensor(self)
+          ? loss_parallel_cross_entropy(self, target, weight, reduction, ignore_index, smoothing)
+          : compat::cross_entropy_loss_composite(self, target, weight, reduction, ignore_index,
+                                                 smoothing);
   torch::jit::push(st, std::move(out));
 }
 
 const ops::RuleRegistrar registrar{[] {
-  ops::register_autograd_kernel(
-      "aten::cross_entropy_loss",
-      torch::CppFunction::makeFromBoxedFunction<&cross_entropy_kernel>());
+  ops::register_autograd_kernel("aten::cross_entropy_loss",
+                                torch::CppFunction::makeFromBoxedFunction<&cross_entropy_kernel>());
 }};
 
 }  // namespace

@@ -45,8 +45,10 @@ OwnedGradients& owned_gradients() {
 void set_gradient_owned(const c10::TensorImpl* param, bool owned) {
   auto& o = owned_gradients();
   std::lock_guard<std::mutex> lock(o.mu);
-  if (owned) o.params.insert(param);
-  else o.params.erase(param);
+  if (owned)
+    o.params.insert(param);
+  else
+    o.params.erase(param);
   o.count.store(o.params.size(), std::memory_order_relaxed);
 }
 
@@ -124,7 +126,8 @@ void hand_gradient_to_user(const c10::TensorImpl* dist) {
 
 void drop_gradient_the_user_dropped(const c10::TensorImpl* dist) {
   auto [user, d] = bound(dist);
-  if (user.defined() && !user.grad().defined() && d.grad().defined()) d.mutable_grad() = at::Tensor();
+  if (user.defined() && !user.grad().defined() && d.grad().defined())
+    d.mutable_grad() = at::Tensor();
 }
 
 int64_t user_parameter_version(const c10::TensorImpl* dist) {
@@ -284,8 +287,8 @@ struct Accessor {
 
 template <class Impl, class F>
 Accessor builtin(F handles_of) {
-  return {typeid(Impl), [handles_of](torch::nn::Module& m, const std::string& name)
-                            -> std::optional<Handles> {
+  return {typeid(Impl),
+          [handles_of](torch::nn::Module& m, const std::string& name) -> std::optional<Handles> {
             auto* impl = dynamic_cast<Impl*>(&m);
             if (!impl) return std::nullopt;
             return handles_of(*impl, name);
@@ -330,8 +333,8 @@ struct Accessors {
     b.push_back(builtin<BCEWithLogitsLossImpl>(bce_with_logits_members));
     b.push_back(builtin<BCELossImpl>(loss_weight_option<BCELossImpl>));
     b.push_back(builtin<MultiMarginLossImpl>(loss_weight_option<MultiMarginLossImpl>));
-    b.push_back(builtin<MultiLabelSoftMarginLossImpl>(
-        loss_weight_option<MultiLabelSoftMarginLossImpl>));
+    b.push_back(
+        builtin<MultiLabelSoftMarginLossImpl>(loss_weight_option<MultiLabelSoftMarginLossImpl>));
     b.push_back(builtin<FractionalMaxPool2dImpl>(fractional_pool_samples<FractionalMaxPool2dImpl>));
     b.push_back(builtin<FractionalMaxPool3dImpl>(fractional_pool_samples<FractionalMaxPool3dImpl>));
     b.push_back(builtin<ParameterDictImpl>(registry_only<ParameterDictImpl>));
@@ -364,8 +367,8 @@ void register_member_accessor(MemberAccessor accessor) {
   auto& a = accessors();
   std::lock_guard<std::mutex> lock(a.mu);
   a.user.push_back({typeid(torch::nn::Module),
-                    [accessor = std::move(accessor)](torch::nn::Module& m, const std::string& name)
-                        -> std::optional<Handles> {
+                    [accessor = std::move(accessor)](
+                        torch::nn::Module& m, const std::string& name) -> std::optional<Handles> {
                       if (at::Tensor* t = accessor(m, name)) return one(*t);
                       return std::nullopt;
                     }});
@@ -413,9 +416,9 @@ void replace_parameter(torch::nn::Module& module, const std::string& name, at::T
         if (!g.defined() || !is_dtensor(g) || spec(g) == *target) return g;
         if (detail::gradient_owned(param)) return g;  // a bucketed reducer reduces it
         // (in the gradient's own dtype, should it differ from the parameter's)
-        return redistribute(g, std::make_shared<DTensorSpec>(target->mesh(), target->placements(),
-                                                             target->sizes(), g.scalar_type(),
-                                                             target->shard_tables()));
+        return redistribute(
+            g, std::make_shared<DTensorSpec>(target->mesh(), target->placements(), target->sizes(),
+                                             g.scalar_type(), target->shard_tables()));
       });
     }
   }
@@ -472,15 +475,18 @@ void distribute_parameter(torch::nn::Module& module, const std::string& name,
   at::Tensor current;
   const auto params = module.named_parameters(/*recurse=*/false);
   const auto buffers = module.named_buffers(/*recurse=*/false);
-  if (const auto* p = params.find(name)) current = *p;
-  else if (const auto* b = buffers.find(name)) current = *b;
+  if (const auto* p = params.find(name))
+    current = *p;
+  else if (const auto* b = buffers.find(name))
+    current = *b;
   TORCH_CHECK(current.defined(), "tessera: distribute_parameter: module ", module.name(),
               " has no parameter or buffer named \"", name, "\"");
   replace_parameter(module, name,
                     distribute_tensor(current.detach(), mesh, placements, std::nullopt));
 }
 
-std::vector<std::pair<std::string, torch::nn::Module*>> modules_with_self(torch::nn::Module& module) {
+std::vector<std::pair<std::string, torch::nn::Module*>> modules_with_self(
+    torch::nn::Module& module) {
   std::vector<std::pair<std::string, torch::nn::Module*>> out{{"", &module}};
   for (const auto& item : module.named_modules(/*name_prefix=*/"", /*include_self=*/false))
     out.emplace_back(item.key(), item.value().get());

@@ -152,14 +152,14 @@ void check_plain_dropout(const char* op, const at::Tensor& input, double p, bool
               "move the dropout after the RowwiseParallel module that reads the shards back");
 }
 
-#define TESSERA_DROPOUT_KERNELS(name)                                             \
-  at::Tensor name##_kernel(const at::Tensor& input, double p, bool train) {       \
-    check_plain_dropout("aten::" #name, input, p, train);                         \
-    return at::native::name(input, p, train);                                     \
-  }                                                                               \
-  at::Tensor& name##__kernel(at::Tensor& self, double p, bool train) {            \
-    check_plain_dropout("aten::" #name "_", self, p, train);                      \
-    return at::native::name##_(self, p, train);                                   \
+#define TESSERA_DROPOUT_KERNELS(name)                                       \
+  at::Tensor name##_kernel(const at::Tensor& input, double p, bool train) { \
+    check_plain_dropout("aten::" #name, input, p, train);                   \
+    return at::native::name(input, p, train);                               \
+  }                                                                         \
+  at::Tensor& name##__kernel(at::Tensor& self, double p, bool train) {      \
+    check_plain_dropout("aten::" #name "_", self, p, train);                \
+    return at::native::name##_(self, p, train);                             \
   }
 TESSERA_DROPOUT_KERNELS(dropout)
 TESSERA_DROPOUT_KERNELS(feature_dropout)
@@ -168,7 +168,7 @@ TESSERA_DROPOUT_KERNELS(feature_alpha_dropout)
 #undef TESSERA_DROPOUT_KERNELS
 
 const ops::RuleRegistrar registrar{[] {
-#define TESSERA_EVERY(name, kernel)                  \
+#define TESSERA_EVERY(name, kernel)               \
   ops::register_autograd_kernel_for_every_tensor( \
       name, [] { return torch::CppFunction(TORCH_FN(kernel)); })
   TESSERA_EVERY("aten::dropout", dropout_kernel);

@@ -22,8 +22,9 @@ namespace tessera::tp::detail {
 
 TpMesh TpMesh::of(const DeviceMesh& tp_mesh, const std::string& where) {
   TORCH_CHECK(tp_mesh.defined(), "tessera: ", where, ": no mesh given");
-  TORCH_CHECK(tp_mesh.ndim() == 1, "tessera: ", where, ": tensor parallelism takes a 1-D mesh; got ",
-              tp_mesh.str(), ". Pass a slice such as mesh[\"tp\"]");
+  TORCH_CHECK(tp_mesh.ndim() == 1, "tessera: ", where,
+              ": tensor parallelism takes a 1-D mesh; got ", tp_mesh.str(),
+              ". Pass a slice such as mesh[\"tp\"]");
   TpMesh m;
   m.root = tp_mesh.root();
   m.dim = tp_mesh.dims_in_root()[0];
@@ -211,10 +212,12 @@ void check_plain_operands(const c10::OperatorHandle& op,
     if (!b.plain_forbidden) continue;
     TORCH_CHECK(false, "tessera: ", op.schema().name(), ": a plain (local) tensor of shape ",
                 shape_str(plain[0].sizes().vec()), " meets the parameters of '", b.fqn, "' (",
-                b.style, "). Tessera cannot see that module's input (its forward is not one ATen "
+                b.style,
+                "). Tessera cannot see that module's input (its forward is not one ATen "
                 "op), so it cannot read a plain tensor as sequence shards. Give it a distributed "
                 "input: set use_local_output(false) on the style of the module before it, or "
-                "call tessera::from_local(x, mesh, {Shard(", b.sequence_dim, ")}) yourself");
+                "call tessera::from_local(x, mesh, {Shard(",
+                b.sequence_dim, ")}) yourself");
   }
 }
 
@@ -252,7 +255,7 @@ struct MemoEntry {
 };
 
 struct ThreadState {
-  const Boundary* last = nullptr;  // boundaries live as long as their module's table entry
+  const Boundary* last = nullptr;         // boundaries live as long as their module's table entry
   std::optional<std::string> open_shard;  // NOTE: [Plain dropout on local shards]
   std::unordered_map<const ModuleInput*, std::pair<std::shared_ptr<const ModuleInput>, Entered>>
       entered;
@@ -284,8 +287,8 @@ at::Tensor memo_redistribute(const at::Tensor& x, const SpecPtr& target) {
   at::Tensor out = redistribute(x, target);
   constexpr size_t kMemoSize = 16;
   if (memo.size() >= kMemoSize) memo.erase(memo.begin());
-  memo.push_back({c10::weak_intrusive_ptr<c10::TensorImpl>(x.getIntrusivePtr()), x._version(),
-                  grad, target, out});
+  memo.push_back({c10::weak_intrusive_ptr<c10::TensorImpl>(x.getIntrusivePtr()), x._version(), grad,
+                  target, out});
   return out;
 }
 
@@ -333,9 +336,11 @@ void check_plain_same_across_other_dims(const TpMesh& mesh, const at::Tensor& x,
   TORCH_CHECK(false, "tessera: ", where, ": the plain input (this rank's shape ",
               shape_str(x.sizes().vec()), ") differs across mesh dim(s) ", names, " of ",
               root.str(), " (first-dim sizes there: ", rows, "). The tensor-parallel parameters ",
-              "live on that mesh, replicated over ", names, ", so a plain input is read as one "
+              "live on that mesh, replicated over ", names,
+              ", so a plain input is read as one "
               "value on all of its ranks. If each group feeds its own batch, say so: "
-              "tessera::from_local(x, mesh, {", root_dims, "}) (a batch split over ", names,
+              "tessera::from_local(x, mesh, {",
+              root_dims, "}) (a batch split over ", names,
               "; Tessera then sums the parameters' gradients over ", names,
               " itself, so do not all-reduce them again), or parallelize each group's model on a "
               "1-D mesh of its own ranks (DeviceMesh(device, {tp}, ranks)) and reduce the "
@@ -358,7 +363,7 @@ at::Tensor convert(const TpMesh& mesh, const Convert& c, const at::Tensor& input
     FromLocalOptions o;
     if (p.is_shard())  // exact sizes: the parameter's table when it fixes them, else exchanged
       o.sizes = c.plain_table && p.dim() == x.dim() - 1 ? ShardSizes::Given(p.dim(), *c.plain_table)
-                                                          : ShardSizes::Infer();
+                                                        : ShardSizes::Infer();
     check_plain_same_across_other_dims(mesh, x, where);
     x = from_local(x, mesh.root, mesh.with({}, p), o);
     // Plain shards read back (a Rowwise input), or a plain input entering (the next forward):
@@ -367,8 +372,8 @@ at::Tensor convert(const TpMesh& mesh, const Convert& c, const at::Tensor& input
   } else {
     const auto& s = spec(x);
     TORCH_CHECK(s.mesh() == mesh.root, "tessera: ", where, ": the input lives on ", s.mesh().str(),
-                " but the tensor-parallel parameters live on ", mesh.root.str(),
-                " (dim ", mesh.dim, "); redistribute it onto that mesh first");
+                " but the tensor-parallel parameters live on ", mesh.root.str(), " (dim ", mesh.dim,
+                "); redistribute it onto that mesh first");
   }
   if (c.desired) {
     const auto& s = spec(x);
@@ -429,7 +434,8 @@ at::Tensor enter(const Boundary& b, const at::Tensor& input, const char* op) {
     }
   }
   st.last = &b;
-  if (b.input) x = convert(b.mesh, *b.input, x, std::string(op) + " of '" + b.fqn + "' (" + b.style + ")");
+  if (b.input)
+    x = convert(b.mesh, *b.input, x, std::string(op) + " of '" + b.fqn + "' (" + b.style + ")");
   return x;
 }
 
@@ -437,10 +443,11 @@ at::Tensor leave(const Boundary& b, const at::Tensor& output, const char* op, bo
   at::Tensor y = output;
   for (const auto& c : b.outputs) {
     const std::string where = std::string(op) + " output of '" + b.fqn + "' (" + b.style + ")";
-    TORCH_CHECK(allow_local || !c.to_local, "tessera: ", where, ": LibTorch's F::linear adds the ",
-                "bias after the matrix product when the input has other than 2 dims, so the ",
-                "output must stay distributed until then. Use use_local_output(false) on this ",
-                "style (model code runs unchanged on distributed outputs), or a Linear without bias");
+    TORCH_CHECK(
+        allow_local || !c.to_local, "tessera: ", where, ": LibTorch's F::linear adds the ",
+        "bias after the matrix product when the input has other than 2 dims, so the ",
+        "output must stay distributed until then. Use use_local_output(false) on this ",
+        "style (model code runs unchanged on distributed outputs), or a Linear without bias");
     y = convert(b.mesh, c, y, where);
   }
   return y;

@@ -45,8 +45,8 @@ struct ModuleInput {
 
 // Everything tensor parallelism attached to one module.
 struct Boundary {
-  std::string fqn;   // plan path
-  std::string style; // "ColwiseParallel on Linear(in=16, out=16)"
+  std::string fqn;    // plan path
+  std::string style;  // "ColwiseParallel on Linear(in=16, out=16)"
   TpMesh mesh;
   bool anchored = false;         // the module's forward is an op Tessera intercepts
   bool plain_forbidden = false;  // SequenceParallel on a module Tessera cannot intercept

@@ -83,18 +83,20 @@ bool subtree_has_anchor(torch::nn::Module& m) {
 void link(torch::nn::Module& m, const std::string& path,
           std::vector<std::shared_ptr<const tp::detail::ModuleInput>> chain) {
   if (auto own = tp::detail::module_input(m)) {
-    TORCH_CHECK(subtree_has_anchor(m), "tessera: parallelize_module: PrepareModuleInput on '",
-                own->fqn, "': no module inside it has a Colwise/Rowwise/SequenceParallel style on a ",
-                "Linear, Embedding or LayerNorm, so Tessera cannot see its input (LibTorch modules ",
-                "have no hooks). Give the modules that consume the input a style, or pass the ",
-                "module distributed inputs (tessera::from_local / distribute_tensor)");
+    TORCH_CHECK(
+        subtree_has_anchor(m), "tessera: parallelize_module: PrepareModuleInput on '", own->fqn,
+        "': no module inside it has a Colwise/Rowwise/SequenceParallel style on a ",
+        "Linear, Embedding or LayerNorm, so Tessera cannot see its input (LibTorch modules ",
+        "have no hooks). Give the modules that consume the input a style, or pass the ",
+        "module distributed inputs (tessera::from_local / distribute_tensor)");
     chain.push_back(own);
   }
   auto b = tp::detail::find_boundary(m);
   auto outputs = tp::detail::module_outputs(m);
   if (!outputs.empty()) {
-    TORCH_CHECK(b && b->anchored && b->has_param_style, "tessera: parallelize_module: ",
-                "PrepareModuleOutput on '", path.empty() ? std::string("<root>") : path, "': ",
+    TORCH_CHECK(b && b->anchored && b->has_param_style,
+                "tessera: parallelize_module: ", "PrepareModuleOutput on '",
+                path.empty() ? std::string("<root>") : path, "': ",
                 "Tessera converts outputs where a tensor-parallel Linear, Embedding or LayerNorm ",
                 "produces them, and this module is not one (LibTorch modules have no hooks). Put ",
                 "the layouts on the style of the module that produces the output, e.g. "
@@ -145,8 +147,10 @@ void parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh,
     }
     std::string name() const override { return s.name(); }
   };
-  parallelize_module(module, mesh, ParallelizePlan{{"", std::shared_ptr<ParallelStyle>(std::make_shared<Borrowed>(style))}},
-                     src_data_rank);
+  parallelize_module(
+      module, mesh,
+      ParallelizePlan{{"", std::shared_ptr<ParallelStyle>(std::make_shared<Borrowed>(style))}},
+      src_data_rank);
 }
 
 namespace tp {

@@ -60,8 +60,9 @@ void distribute_parameter(const ParallelStyle& style, torch::nn::Module& module,
   TORCH_CHECK(current.defined(), "tessera: ", where(style), ": ", describe(module),
               " has no parameter or buffer named \"", name, "\"");
   TORCH_CHECK(!is_dtensor(current), "tessera: ", where(style), ": parameter \"", name,
-              "\" is already distributed (", tp::describe_parameter(current).empty()
-                  ? spec(current).str() : tp::describe_parameter(current),
+              "\" is already distributed (",
+              tp::describe_parameter(current).empty() ? spec(current).str()
+                                                      : tp::describe_parameter(current),
               "); a module takes one parameter style");
   if (placement.is_shard()) placement = placement.normalized(current.dim());
   ShardSizes shard_sizes = ShardSizes::Chunk();
@@ -101,8 +102,8 @@ std::optional<ShardTable> feature_table(const std::string& where, int64_t n, int
     return given;
   }
   if (unit <= 1) return chunk_sizes(n, parts);
-  TORCH_CHECK(n % unit == 0, "tessera: ", where, ": shard_unit(", unit, ") does not divide the ",
-              n, " features");
+  TORCH_CHECK(n % unit == 0, "tessera: ", where, ": shard_unit(", unit, ") does not divide the ", n,
+              " features");
   const int64_t units = n / unit;
   ShardTable t(static_cast<size_t>(parts));
   for (int64_t r = 0; r < parts; ++r)
@@ -113,7 +114,8 @@ std::optional<ShardTable> feature_table(const std::string& where, int64_t n, int
 // Makes (or finds) the module's boundary for a parameter style and checks it has none yet.
 BoundaryPtr begin_param_style(torch::nn::Module& module, const ParallelStyle& style,
                               const DeviceMesh& mesh, const std::string& what) {
-  const std::string where = "parallelize_module: " + style.name() + " on '" + tp::current_path() + "'";
+  const std::string where =
+      "parallelize_module: " + style.name() + " on '" + tp::current_path() + "'";
   BoundaryPtr b = tp::detail::boundary_for(module);
   TORCH_CHECK(!b->has_param_style, "tessera: ", where, ": the module already has ", b->style,
               " (from plan entry '", b->fqn, "'); a module takes one parameter style");
@@ -159,14 +161,15 @@ std::pair<torch::nn::LinearImpl*, torch::nn::EmbeddingImpl*> linear_or_embedding
 void ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
   auto [linear, embedding] = linear_or_embedding(module, *this);
   const int64_t tp_size = mesh.size();
-  const int64_t features = linear ? linear->options.out_features()
-                                  : embedding->options.embedding_dim();
+  const int64_t features =
+      linear ? linear->options.out_features() : embedding->options.embedding_dim();
   const auto table = feature_table(error_prefix(*this), features, tp_size, unit_, sizes_);
   BoundaryPtr b = begin_param_style(module, *this, mesh, type_of(module));
   if (linear) {
     b->linear_bias = linear->options.bias();
     tp::distribute_parameter(*this, module, "weight", mesh, Shard(0), table);
-    if (linear->options.bias()) tp::distribute_parameter(*this, module, "bias", mesh, Shard(0), table);
+    if (linear->options.bias())
+      tp::distribute_parameter(*this, module, "bias", mesh, Shard(0), table);
   } else {
     tp::distribute_parameter(*this, module, "weight", mesh, Shard(1), table);
   }
@@ -192,8 +195,8 @@ void RowwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
   b->anchored = true;
   Convert in;
   if (linear) {
-    const auto table = feature_table(error_prefix(*this), linear->options.in_features(), tp_size,
-                                     unit_, sizes_);
+    const auto table =
+        feature_table(error_prefix(*this), linear->options.in_features(), tp_size, unit_, sizes_);
     b->linear_bias = linear->options.bias();
     tp::distribute_parameter(*this, module, "weight", mesh, Shard(1), table);
     if (linear->options.bias()) tp::distribute_parameter(*this, module, "bias", mesh, Replicate());
@@ -229,7 +232,8 @@ void SequenceParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) 
               "already keeps its sequence shards through it; leave it out of the plan");
   const bool anchored = tp::is_anchored_leaf(module);
   TORCH_CHECK(anchored || !local_, error_prefix(*this), ": use_local_output(true) on ",
-              type_of(module), ", whose forward is not one ATen op Tessera intercepts: its "
+              type_of(module),
+              ", whose forward is not one ATen op Tessera intercepts: its "
               "output cannot be made local (LibTorch modules have no hooks). Leave "
               "use_local_output(false) and call tessera::to_local on the output");
   BoundaryPtr b = begin_param_style(module, *this, mesh, type_of(module));
@@ -285,7 +289,8 @@ void PrepareModuleInput::apply(torch::nn::Module& module, const DeviceMesh& mesh
     c.plain = in;
     c.desired = want;
   };
-  for (size_t i = 0; i < desired_.size(); ++i) take(i < input_.size() ? input_[i] : IoLayout(), desired_[i]);
+  for (size_t i = 0; i < desired_.size(); ++i)
+    take(i < input_.size() ? input_[i] : IoLayout(), desired_[i]);
   for (size_t i = 0; i < kw_desired_.size(); ++i) {
     IoLayout in;
     for (const auto& kv : kw_input_)

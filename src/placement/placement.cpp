@@ -16,9 +16,9 @@ const char* to_string(PartialOp op) {
 
 Placement Placement::normalized(int64_t ndim) const {
   if (!is_shard()) return *this;
-  TORCH_CHECK(dim_ >= -ndim && dim_ < std::max<int64_t>(ndim, 1) && ndim > 0,
-              "tessera: Shard(", dim_, ") is out of range for a tensor with ", ndim,
-              " dims; use a dim in [", -ndim, ", ", ndim - 1, "]");
+  TORCH_CHECK(dim_ >= -ndim && dim_ < std::max<int64_t>(ndim, 1) && ndim > 0, "tessera: Shard(",
+              dim_, ") is out of range for a tensor with ", ndim, " dims; use a dim in [", -ndim,
+              ", ", ndim - 1, "]");
   return Placement::shard(dim_ < 0 ? dim_ + ndim : dim_);
 }
 

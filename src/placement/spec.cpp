@@ -58,9 +58,8 @@ ShardTable marginalize(const ShardTable& table, const std::vector<int64_t>& leve
   return out;
 }
 
-DTensorSpec::DTensorSpec(DeviceMesh mesh, Placements placements,
-                         std::vector<int64_t> global_sizes, c10::ScalarType dtype,
-                         std::vector<ShardTable> tables)
+DTensorSpec::DTensorSpec(DeviceMesh mesh, Placements placements, std::vector<int64_t> global_sizes,
+                         c10::ScalarType dtype, std::vector<ShardTable> tables)
     : mesh_(std::move(mesh)), sizes_(std::move(global_sizes)), dtype_(dtype) {
   TORCH_CHECK(mesh_.defined(), "tessera: a distributed tensor needs a defined DeviceMesh");
   TORCH_CHECK(static_cast<int64_t>(placements.size()) == mesh_.ndim(), "tessera: placements ",
@@ -74,14 +73,15 @@ DTensorSpec::DTensorSpec(DeviceMesh mesh, Placements placements,
   }
   for (auto s : sizes_) TORCH_CHECK(s >= 0, "tessera: negative global size in ", shape_str(sizes_));
   TORCH_CHECK(static_cast<int64_t>(tables.size()) <= nd, "tessera: ", tables.size(),
-              " shard tables given for a ", nd, "-dim tensor (global shape ", shape_str(sizes_), ")");
+              " shard tables given for a ", nd, "-dim tensor (global shape ", shape_str(sizes_),
+              ")");
   tables.resize(nd);  // tensor dims without a table get the chunk layout
   tables_.resize(nd);
   for (int64_t t = 0; t < nd; ++t) {
     auto dims = mesh_dims_sharding(t);
     if (dims.empty()) {
-      TORCH_CHECK(tables[t].empty(), "tessera: a shard table was given for ",
-                  "tensor dim ", t, ", which ", to_string(placements_), " does not shard");
+      TORCH_CHECK(tables[t].empty(), "tessera: a shard table was given for ", "tensor dim ", t,
+                  ", which ", to_string(placements_), " does not shard");
       continue;
     }
     if (tables[t].empty()) {
@@ -91,9 +91,9 @@ DTensorSpec::DTensorSpec(DeviceMesh mesh, Placements placements,
     int64_t expected = 1;
     for (auto m : dims) expected *= mesh_.size(m);
     auto& tab = tables[t];
-    TORCH_CHECK(static_cast<int64_t>(tab.size()) == expected, "tessera: shard sizes for tensor dim ",
-                t, " have ", tab.size(), " entries but ", to_string(placements_), " on ",
-                mesh_.str(), " makes ", expected, " shards");
+    TORCH_CHECK(static_cast<int64_t>(tab.size()) == expected,
+                "tessera: shard sizes for tensor dim ", t, " have ", tab.size(), " entries but ",
+                to_string(placements_), " on ", mesh_.str(), " makes ", expected, " shards");
     int64_t total = 0;
     for (auto s : tab) {
       TORCH_CHECK(s >= 0, "tessera: negative shard size in ", shape_str(tab));
@@ -106,9 +106,8 @@ DTensorSpec::DTensorSpec(DeviceMesh mesh, Placements placements,
   }
   size_t h = std::hash<const void*>()(mesh_.id());
   for (auto& p : placements_)
-    h = hash_mix(h, (static_cast<size_t>(p.kind()) << 16) ^
-                                 (static_cast<size_t>(p.dim()) << 4) ^
-                                 static_cast<size_t>(p.reduce_op()));
+    h = hash_mix(h, (static_cast<size_t>(p.kind()) << 16) ^ (static_cast<size_t>(p.dim()) << 4) ^
+                        static_cast<size_t>(p.reduce_op()));
   for (auto s : sizes_) h = hash_mix(h, static_cast<size_t>(s));
   for (auto& tab : tables_) {
     h = hash_mix(h, tab.size());
@@ -172,15 +171,18 @@ std::vector<int64_t> DTensorSpec::local_offsets(const std::vector<int64_t>& coor
 }
 
 bool DTensorSpec::has_partial() const {
-  for (auto& p : placements_) if (p.is_partial()) return true;
+  for (auto& p : placements_)
+    if (p.is_partial()) return true;
   return false;
 }
 bool DTensorSpec::is_replicated() const {
-  for (auto& p : placements_) if (!p.is_replicate()) return false;
+  for (auto& p : placements_)
+    if (!p.is_replicate()) return false;
   return true;
 }
 bool DTensorSpec::is_sharded() const {
-  for (auto& p : placements_) if (p.is_shard()) return true;
+  for (auto& p : placements_)
+    if (p.is_shard()) return true;
   return false;
 }
 

@@ -50,7 +50,8 @@ at::Tensor all_to_all_step(const at::Tensor& x, const RedistributeStep& st) {
     const Extent part = intersect(mine_before_u, extent(*st.after, coord, u));
     send.push_back({part.length() > 0 ? part.lo - mine_before_u.lo : 0, part.length()});
     std::vector<int64_t> shape = x.sizes().vec();
-    for (int64_t k : {t, u}) shape[k] = intersect(extent(*st.before, coord, k), extent(*st.after, me, k)).length();
+    for (int64_t k : {t, u})
+      shape[k] = intersect(extent(*st.before, coord, k), extent(*st.after, me, k)).length();
     recv_shapes.push_back(std::move(shape));
   }
   return comm::all_to_all(mesh.group(d), x, u, send, t, recv_shapes);
@@ -64,8 +65,7 @@ at::Tensor run_step(const at::Tensor& x, const RedistributeStep& st) {
       const int64_t t = st.before->placement(d).dim();
       return comm::all_gather(mesh.group(d), x, t, st.before->shard_sizes(d));
     }
-    case StepKind::LocalSlice:
-      return local_slice(x, st);
+    case StepKind::LocalSlice: return local_slice(x, st);
     case StepKind::AllReduce:
       return comm::all_reduce(mesh.group(d), x, st.before->placement(d).reduce_op());
     case StepKind::ReduceScatter: {
@@ -73,13 +73,12 @@ at::Tensor run_step(const at::Tensor& x, const RedistributeStep& st) {
       return comm::reduce_scatter(mesh.group(d), x, u, st.after->shard_sizes(d),
                                   st.before->placement(d).reduce_op());
     }
-    case StepKind::AllToAll:
-      return all_to_all_step(x, st);
+    case StepKind::AllToAll: return all_to_all_step(x, st);
     case StepKind::ToPartial: {
       // Sum: the value lives on coordinate 0, zeros elsewhere (exact for every dtype).
       // Avg/Max/Min: every rank keeps the value.
-      const bool zero = st.after->placement(d).reduce_op() == PartialOp::Sum &&
-                        mesh.coordinate()[d] != 0;
+      const bool zero =
+          st.after->placement(d).reduce_op() == PartialOp::Sum && mesh.coordinate()[d] != 0;
       return zero ? at::zeros_like(x) : x;
     }
   }

@@ -204,8 +204,8 @@ double redistribute_cost(const SpecPtr& from, const SpecPtr& to) {
 }
 
 std::shared_ptr<const RedistributePlan> plan_redistribute(const SpecPtr& from, const SpecPtr& to) {
-  TORCH_CHECK(from->mesh() == to->mesh(), "tessera: redistribute from ", from->mesh().str(),
-              " to ", to->mesh().str(), ": moving between meshes is not supported yet");
+  TORCH_CHECK(from->mesh() == to->mesh(), "tessera: redistribute from ", from->mesh().str(), " to ",
+              to->mesh().str(), ": moving between meshes is not supported yet");
   TORCH_CHECK(from->sizes() == to->sizes(), "tessera: redistribute: global shapes differ (",
               shape_str(from->sizes()), " vs ", shape_str(to->sizes()), ")");
   TORCH_CHECK(from->dtype() == to->dtype(), "tessera: redistribute: the target spec has dtype ",
@@ -220,8 +220,8 @@ std::shared_ptr<const RedistributePlan> plan_redistribute(const SpecPtr& from, c
     if (*e.from == *from && *e.to == *to) return e.plan;
   auto plan = build_plan(unowned_copy(*from), unowned_copy(*to));
   if (g_debug) {
-    fprintf(stderr, "tessera: redistribute %s -> %s: %s\n", from->str().c_str(),
-            to->str().c_str(), plan->str().c_str());
+    fprintf(stderr, "tessera: redistribute %s -> %s: %s\n", from->str().c_str(), to->str().c_str(),
+            plan->str().c_str());
   }
   bucket.push_back({unowned_copy(*from), unowned_copy(*to), plan});
   return plan;

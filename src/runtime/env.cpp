@@ -80,7 +80,8 @@ struct LauncherVars {
   const char* local_size;
 };
 
-constexpr LauncherVars kTorchrun{"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
+constexpr LauncherVars kTorchrun{"torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                 "LOCAL_WORLD_SIZE"};
 constexpr LauncherVars kOpenMpi{"openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                                 "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"};
 constexpr LauncherVars kPmi{"pmi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"};
@@ -97,8 +98,8 @@ int checked_rank(const Env& env, const char* name, long long v, const char* size
   if (v < 0) fail(quoted(name, env.get(name)) + " must be non-negative");
   if (v >= size) {
     fail(quoted(name, env.get(name)) + " must be less than " +
-         (env.has(size_name) ? quoted(size_name, env.get(size_name)) : std::string(size_name) + "=" +
-                                                                           std::to_string(size)));
+         (env.has(size_name) ? quoted(size_name, env.get(size_name))
+                             : std::string(size_name) + "=" + std::to_string(size)));
   }
   return static_cast<int>(v);
 }
@@ -145,7 +146,8 @@ struct LocalSize {
   long long value;
 };
 
-RendezvousInfo read_quad(const Env& env, const LauncherVars& v, std::optional<LocalSize> local_override = {}) {
+RendezvousInfo read_quad(const Env& env, const LauncherVars& v,
+                         std::optional<LocalSize> local_override = {}) {
   const auto rank = env.integer(v.rank);
   const auto size = env.integer(v.size);
   if (!rank) fail(quoted(v.size, env.get(v.size)) + " is set but " + v.rank + " is not");
@@ -157,15 +159,16 @@ RendezvousInfo read_quad(const Env& env, const LauncherVars& v, std::optional<Lo
   info.rank = checked_rank(env, v.rank, *rank, v.size, info.world_size);
 
   const char* local_size_name = local_override ? local_override->name : v.local_size;
-  const auto local_size = local_override ? std::optional<long long>(local_override->value) : env.integer(v.local_size);
+  const auto local_size =
+      local_override ? std::optional<long long>(local_override->value) : env.integer(v.local_size);
   if (local_size) {
     info.local_world_size = checked_size(env, local_size_name, *local_size);
   } else {
     info.local_world_size = info.world_size;
   }
   if (const auto local_rank = env.integer(v.local_rank)) {
-    info.local_rank = checked_rank(env, v.local_rank, *local_rank, local_size ? local_size_name : v.size,
-                                   info.local_world_size);
+    info.local_rank = checked_rank(env, v.local_rank, *local_rank,
+                                   local_size ? local_size_name : v.size, info.local_world_size);
   } else {
     info.local_rank = info.rank % info.local_world_size;
   }
@@ -195,7 +198,8 @@ std::optional<RendezvousInfo> detect(const Env& env) {
       for (const char* name : {"SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"}) {
         if (env.has(name)) {
           const long long node_id = env.integer("SLURM_NODEID").value_or(0);
-          if (node_id < 0) fail(quoted("SLURM_NODEID", env.get("SLURM_NODEID")) + " must be non-negative");
+          if (node_id < 0)
+            fail(quoted("SLURM_NODEID", env.get("SLURM_NODEID")) + " must be non-negative");
           local_size = LocalSize{name, tasks_on_node(env, name, node_id)};
           break;
         }

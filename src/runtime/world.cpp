@@ -91,9 +91,11 @@ std::chrono::milliseconds timeout_from_env(std::chrono::milliseconds fallback) {
 std::vector<std::shared_ptr<::gloo::transport::Device>> gloo_devices(const World& w) {
   std::vector<std::shared_ptr<::gloo::transport::Device>> devices;
   const std::string what = !w.gloo_interfaces().empty() ? "interface"
-                           : !w.gloo_hostname().empty() ? "address" : "loopback address";
+                           : !w.gloo_hostname().empty() ? "address"
+                                                        : "loopback address";
   const std::string where = !w.gloo_interfaces().empty() ? w.gloo_interfaces()
-                            : !w.gloo_hostname().empty() ? w.gloo_hostname() : "127.0.0.1";
+                            : !w.gloo_hostname().empty() ? w.gloo_hostname()
+                                                         : "127.0.0.1";
   try {
     if (!w.gloo_interfaces().empty()) {
       for (const auto& name : split_list(w.gloo_interfaces()))
@@ -102,8 +104,8 @@ std::vector<std::shared_ptr<::gloo::transport::Device>> gloo_devices(const World
       devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(where));
     }
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "tessera: rank ", w.rank(), " cannot listen for Gloo connections on ",
-                what, " \"", where, "\": ", message_of(e), ". Name an interface this host has with ",
+    TORCH_CHECK(false, "tessera: rank ", w.rank(), " cannot listen for Gloo connections on ", what,
+                " \"", where, "\": ", message_of(e), ". Name an interface this host has with ",
                 "GLOO_SOCKET_IFNAME (see `ip -brief address`), or an address with ",
                 "TESSERA_GLOO_HOSTNAME");
   }
@@ -127,14 +129,14 @@ void World::set_gloo_address(std::string interfaces, std::string hostname) {
 }
 
 World::World(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
-              std::chrono::milliseconds timeout, int local_rank)
+             std::chrono::milliseconds timeout, int local_rank)
     : store_(std::move(store)),
       rank_(rank),
       size_(size),
       local_rank_(local_rank < 0 ? rank : local_rank),
       timeout_(timeout) {
-  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "tessera: invalid world: rank ", rank,
-              " of ", size);
+  TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "tessera: invalid world: rank ", rank, " of ",
+              size);
 }
 
 void World::set_cuda_transport(std::string transport) {
@@ -155,7 +157,8 @@ int World::select_cuda_device() const {
   // Device 0 is also what a program that chose nothing sees: only then pick by local rank.
   if (current != 0) return current;
   const int wanted = local_rank_ % count;
-  if (wanted != current) impl->setDevice(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(wanted)));
+  if (wanted != current)
+    impl->setDevice(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(wanted)));
   return wanted;
 }
 
@@ -170,8 +173,8 @@ compat::BackendPtr World::new_group(const std::vector<int>& ranks, const std::st
   TORCH_INTERNAL_ASSERT(it != ranks.end(), "new_group called by a non-member");
   const int group_rank = static_cast<int>(it - ranks.begin());
   const int group_size = static_cast<int>(ranks.size());
-  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
-      "tessera/" + tag + "/[" + join(ranks) + "]", store_);
+  auto prefixed =
+      c10::make_intrusive<c10d::PrefixStore>("tessera/" + tag + "/[" + join(ranks) + "]", store_);
   if (transport == "nccl") {
     TORCH_CHECK(device == c10::DeviceType::CUDA, "tessera: NCCL carries CUDA tensors only; ",
                 "use Gloo for a cpu mesh");
@@ -183,7 +186,8 @@ compat::BackendPtr World::new_group(const std::vector<int>& ranks, const std::st
     comm::set_home(pg, device);
     return pg;
 #else
-    TORCH_CHECK(false, "tessera: a CUDA mesh needs NCCL, but this build of Tessera has none; "
+    TORCH_CHECK(false,
+                "tessera: a CUDA mesh needs NCCL, but this build of Tessera has none; "
                 "rebuild against a LibTorch with CUDA or use device_type \"cpu\"");
 #endif
   }
@@ -203,7 +207,8 @@ compat::BackendPtr World::new_group(const std::vector<int>& ranks, const std::st
 
 void init_process_group(const InitOptions& options) {
   std::lock_guard<std::mutex> lock(g_world_mu);
-  TORCH_CHECK(!g_world, "tessera: init_process_group() called twice; call "
+  TORCH_CHECK(!g_world,
+              "tessera: init_process_group() called twice; call "
               "destroy_process_group() first");
   auto info = runtime::rendezvous_from_env();
   const auto timeout = timeout_from_env(options.timeout);
@@ -224,7 +229,9 @@ void init_process_group(const InitOptions& options) {
   const char* use_libuv = std::getenv("USE_LIBUV");
   if (use_libuv && std::string(use_libuv) == "0") compat::set_tcp_store_libuv(sopts, false, 0);
   c10::intrusive_ptr<c10d::TCPStore> store;
-  const auto connect = [&] { store = c10::make_intrusive<c10d::TCPStore>(info->master_addr, sopts); };
+  const auto connect = [&] {
+    store = c10::make_intrusive<c10d::TCPStore>(info->master_addr, sopts);
+  };
   try {
     try {
       connect();
@@ -234,11 +241,11 @@ void init_process_group(const InitOptions& options) {
       connect();
     }
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "tessera: init_process_group: rank ", info->rank, " of ",
-                info->world_size, (info->rank == 0 ? " could not serve" : " could not reach"),
-                " the rendezvous store at ", info->master_addr, ":", info->master_port,
-                " within ", timeout.count() / 1000.0, " s (", info->source, " variables): ",
-                message_of(e), ". Check MASTER_ADDR and MASTER_PORT, that rank 0 ",
+    TORCH_CHECK(false, "tessera: init_process_group: rank ", info->rank, " of ", info->world_size,
+                (info->rank == 0 ? " could not serve" : " could not reach"),
+                " the rendezvous store at ", info->master_addr, ":", info->master_port, " within ",
+                timeout.count() / 1000.0, " s (", info->source, " variables): ", message_of(e),
+                ". Check MASTER_ADDR and MASTER_PORT, that rank 0 ",
                 "has started and that the port is open between the hosts; TESSERA_TIMEOUT ",
                 "(seconds) sets how long to wait");
   }
@@ -274,7 +281,8 @@ bool is_initialized() {
 std::shared_ptr<World> current_world() {
   if (t_world) return t_world;
   std::lock_guard<std::mutex> lock(g_world_mu);
-  TORCH_CHECK(g_world, "tessera: no process group; call tessera::init_process_group() first "
+  TORCH_CHECK(g_world,
+              "tessera: no process group; call tessera::init_process_group() first "
               "(or run ranks with tessera::testing::run_ranks)");
   return g_world;
 }

@@ -45,8 +45,8 @@ std::vector<ShardTable> target_tables(const char* what, const DTensorSpec* src,
   const int64_t nd = static_cast<int64_t>(sizes.size());
   std::vector<ShardTable> tables(nd);
   for (int64_t t = 0; t < nd; ++t) {
-    if (given.mode() == ShardSizes::Mode::Given && t < static_cast<int64_t>(given.tables().size()) &&
-        !given.tables()[t].empty()) {
+    if (given.mode() == ShardSizes::Mode::Given &&
+        t < static_cast<int64_t>(given.tables().size()) && !given.tables()[t].empty()) {
       tables[t] = given.tables()[t];
       continue;
     }
@@ -83,8 +83,8 @@ SpecPtr grad_spec_for(const DTensorSpec& s) {
 at::Tensor as_dtensor_grad(const at::Tensor& g, const DTensorSpec& like) {
   if (is_dtensor(g)) return g;
   Placements r(like.mesh().ndim(), Replicate());
-  return make_dtensor(g, std::make_shared<DTensorSpec>(like.mesh(), r, g.sizes().vec(),
-                                                       g.scalar_type()));
+  return make_dtensor(
+      g, std::make_shared<DTensorSpec>(like.mesh(), r, g.sizes().vec(), g.scalar_type()));
 }
 
 SpecPtr with_dtype(const SpecPtr& s, c10::ScalarType dt) {
@@ -139,8 +139,9 @@ struct ScatterBackward : Node {
     if (!grads[0].defined()) return {at::Tensor()};
     auto full = full_tensor(as_dtensor_grad(grads[0], *spec));
     if (is_src) return {full};
-    return {input_sizes.empty() && !input_options.has_dtype() ? at::Tensor()
-                                                               : at::zeros(input_sizes, input_options)};
+    return {input_sizes.empty() && !input_options.has_dtype()
+                ? at::Tensor()
+                : at::zeros(input_sizes, input_options)};
   }
   std::string name() const override { return "tessera::ScatterBackward"; }
 };
@@ -187,8 +188,7 @@ SpecPtr make_spec(const char* what, const DeviceMesh& mesh, const Placements& pl
 }
 
 // Checks that need nothing but the arguments: the same verdict on every rank.
-void check_placement_count(const char* what, const DeviceMesh& mesh,
-                           const Placements& placements) {
+void check_placement_count(const char* what, const DeviceMesh& mesh, const Placements& placements) {
   TORCH_CHECK(static_cast<int64_t>(placements.size()) == mesh.ndim(), "tessera: ", what, "(",
               to_string(placements), "): placements ", to_string(placements), " has ",
               placements.size(), " entries but ", mesh.str(), " has ", mesh.ndim(),
@@ -200,8 +200,8 @@ void check_placements(const char* what, const DeviceMesh& mesh, const Placements
   check_placement_count(what, mesh, placements);
   const int64_t ndim = static_cast<int64_t>(shape.size());
   for (auto& p : placements) {
-    TORCH_CHECK(!p.is_shard() || (ndim > 0 && p.dim() >= -ndim && p.dim() < ndim), "tessera: ",
-                what, "(", to_string(placements), "): Shard(", p.dim(),
+    TORCH_CHECK(!p.is_shard() || (ndim > 0 && p.dim() >= -ndim && p.dim() < ndim),
+                "tessera: ", what, "(", to_string(placements), "): Shard(", p.dim(),
                 ") is out of range for a tensor with ", ndim, " dims (shape ", shape_str(shape),
                 "); use a dim in [", -ndim, ", ", ndim - 1, "]");
   }
@@ -231,8 +231,10 @@ std::vector<std::pair<std::string, std::vector<size_t>>> group_texts(
     if (!include[i]) continue;
     auto it = std::find_if(groups.begin(), groups.end(),
                            [&](const auto& g) { return g.first == texts[i]; });
-    if (it == groups.end()) groups.push_back({texts[i], {i}});
-    else it->second.push_back(i);
+    if (it == groups.end())
+      groups.push_back({texts[i], {i}});
+    else
+      it->second.push_back(i);
   }
   return groups;
 }
@@ -282,8 +284,9 @@ std::vector<std::vector<int64_t>> agree(const char* what, const DeviceMesh& mesh
     std::string msg;
     for (auto& g : groups)
       msg += (msg.empty() ? "" : "; ") + g.first + " [on " + ranks_str(mesh, g.second) + "]";
-    TORCH_CHECK(false, msg, count < n ? " (the other ranks of " + mesh.str() + " passed these checks)"
-                                     : std::string());
+    TORCH_CHECK(
+        false, msg,
+        count < n ? " (the other ranks of " + mesh.str() + " passed these checks)" : std::string());
   }
   std::string msg;
   for (auto& g : group_texts(texts, std::vector<bool>(n, true)))
@@ -358,8 +361,8 @@ SourceMeta agree_with_source(const char* what, const DeviceMesh& mesh, const at:
   auto shapes = comm::all_gather_ints(pg, mine);
   for (size_t r = 0; every_rank_has_data && r < shapes.size(); ++r) {
     TORCH_CHECK(shapes[r] == shapes[src_flat], "tessera: ", what, ": rank ", mesh.ranks()[r],
-                " passed shape ", shape_str(shapes[r]), " but the source rank ", src_rank,
-                " has ", shape_str(shapes[src_flat]), "; every rank must pass the global shape");
+                " passed shape ", shape_str(shapes[r]), " but the source rank ", src_rank, " has ",
+                shape_str(shapes[src_flat]), "; every rank must pass the global shape");
   }
   return {shapes[src_flat], dtype, src[3] == 1};
 }
@@ -372,23 +375,21 @@ SpecPtr infer_spec(const at::Tensor& local, const DeviceMesh& mesh, const Placem
   // The local shape rides in the agreement's own exchange when it has at most kInline dims
   // (every tensor in practice): one metadata all-gather per call. Longer shapes take a second.
   constexpr int64_t kInline = 8;
-  std::vector<int64_t> head{def ? local.dim() : -1, def ? static_cast<int64_t>(local.scalar_type()) : -1};
+  std::vector<int64_t> head{def ? local.dim() : -1,
+                            def ? static_cast<int64_t>(local.scalar_type()) : -1};
   for (int64_t i = 0; i < kInline; ++i) head.push_back(def && i < local.dim() ? local.size(i) : -1);
   auto heads = agree(
-      "from_local", mesh, error, args, head,
-        [&](const std::vector<std::vector<int64_t>>& heads) {
-          for (size_t r = 1; r < heads.size(); ++r) {
-            TORCH_CHECK(heads[r][0] == heads[0][0] && heads[r][1] == heads[0][1],
-                        "tessera: from_local(", to_string(placements),
-                        "): mesh ranks ", mesh.ranks()[0], " and ", mesh.ranks()[r],
-                        " disagree on the local tensor's ",
-                        heads[r][0] != heads[0][0] ? "number of dims" : "dtype", " (",
-                        heads[0][0], "-d ",
-                        c10::toString(static_cast<c10::ScalarType>(heads[0][1])), " vs ",
-                        heads[r][0], "-d ",
-                        c10::toString(static_cast<c10::ScalarType>(heads[r][1])), ")");
-          }
-        });
+      "from_local", mesh, error, args, head, [&](const std::vector<std::vector<int64_t>>& heads) {
+        for (size_t r = 1; r < heads.size(); ++r) {
+          TORCH_CHECK(heads[r][0] == heads[0][0] && heads[r][1] == heads[0][1],
+                      "tessera: from_local(", to_string(placements), "): mesh ranks ",
+                      mesh.ranks()[0], " and ", mesh.ranks()[r], " disagree on the local tensor's ",
+                      heads[r][0] != heads[0][0] ? "number of dims" : "dtype", " (", heads[0][0],
+                      "-d ", c10::toString(static_cast<c10::ScalarType>(heads[0][1])), " vs ",
+                      heads[r][0], "-d ", c10::toString(static_cast<c10::ScalarType>(heads[r][1])),
+                      ")");
+        }
+      });
   // Every rank passed the same placements and a tensor of the same rank, and checked them.
   const int64_t nd = local.dim();
   std::vector<std::vector<int64_t>> shapes;
@@ -423,8 +424,8 @@ SpecPtr infer_spec(const at::Tensor& local, const DeviceMesh& mesh, const Placem
       TORCH_CHECK(table[idx] == shapes[f][t], "tessera: from_local(", to_string(placements),
                   "): ranks ", mesh.ranks()[owner[idx]], " and ", mesh.ranks()[f],
                   " hold the same ", dims.empty() ? "replicated extent" : "shard",
-                  " of tensor dim ", t, " but their local shapes ",
-                  shape_str(shapes[owner[idx]]), " and ", shape_str(shapes[f]), " differ there");
+                  " of tensor dim ", t, " but their local shapes ", shape_str(shapes[owner[idx]]),
+                  " and ", shape_str(shapes[f]), " differ there");
     }
     global[t] = dims.empty() ? table[0] : 0;
     if (!dims.empty()) {
@@ -436,8 +437,8 @@ SpecPtr infer_spec(const at::Tensor& local, const DeviceMesh& mesh, const Placem
 }
 
 // The global shape implied by `local` under the chunk/given layout at this rank (no comm).
-SpecPtr declared_spec(const at::Tensor& local, const DeviceMesh& mesh,
-                      const Placements& placements, const ShardSizes& sizes) {
+SpecPtr declared_spec(const at::Tensor& local, const DeviceMesh& mesh, const Placements& placements,
+                      const ShardSizes& sizes) {
   const int64_t nd = local.dim();
   std::vector<int64_t> global = local.sizes().vec();
   auto tables = target_tables("from_local", nullptr, mesh, placements, global, sizes);
@@ -464,7 +465,8 @@ SpecPtr declared_spec(const at::Tensor& local, const DeviceMesh& mesh,
 }
 
 // Each rank's block of the global tensor, cut out by the spec.
-at::Tensor block_of(const at::Tensor& full, const DTensorSpec& s, const std::vector<int64_t>& coord) {
+at::Tensor block_of(const at::Tensor& full, const DTensorSpec& s,
+                    const std::vector<int64_t>& coord) {
   auto off = s.local_offsets(coord);
   auto len = s.local_sizes(coord);
   at::Tensor b = full;
@@ -498,8 +500,8 @@ at::Tensor scatter_impl(const at::Tensor& full, int src_flat, const SpecPtr& spe
   auto pg = mesh.mesh_group();
   const int64_t n = mesh.size();
   const bool is_src = comm::group_rank(pg) == src_flat;
-  auto opts = at::TensorOptions().dtype(spec->dtype()).device(
-      is_src ? full.device() : mesh.device());
+  auto opts =
+      at::TensorOptions().dtype(spec->dtype()).device(is_src ? full.device() : mesh.device());
   std::vector<at::Tensor> send;
   std::vector<std::vector<int64_t>> recv_shapes;
   for (int64_t f = 0; f < n; ++f) {
@@ -596,13 +598,14 @@ at::Tensor scatter_tensor(const at::Tensor& given, int src, const DeviceMesh& me
   auto meta = agree_with_source("scatter_tensor", mesh, full_on_src, src_flat, false, error, args);
   // Arguments and the source's shape are the same everywhere now: one verdict.
   check_placements("scatter_tensor", mesh, placements, meta.sizes);
-  auto spec = make_spec("scatter_tensor", mesh, placements, meta.sizes, meta.dtype,
-                        target_tables("scatter_tensor", nullptr, mesh, placements, meta.sizes, sizes));
+  auto spec =
+      make_spec("scatter_tensor", mesh, placements, meta.sizes, meta.dtype,
+                target_tables("scatter_tensor", nullptr, mesh, placements, meta.sizes, sizes));
   return scatter_impl(full_on_src, src_flat, spec, meta.requires_grad);
 }
 
-at::Tensor from_local(const at::Tensor& given, const DeviceMesh& mesh,
-                      const Placements& placements, const FromLocalOptions& options) {
+at::Tensor from_local(const at::Tensor& given, const DeviceMesh& mesh, const Placements& placements,
+                      const FromLocalOptions& options) {
   const at::Tensor local = on_mesh_device(given, mesh);
   auto checks = [&] {
     TORCH_CHECK(local.defined(), "tessera: from_local needs a defined local tensor");
@@ -614,8 +617,9 @@ at::Tensor from_local(const at::Tensor& given, const DeviceMesh& mesh,
   // batches); PyTorch's chunk assumption only when asked for.
   bool shards = false;
   for (const auto& p : placements) shards = shards || p.is_shard();
-  const ShardSizes sizes =
-      options.sizes ? *options.sizes : shards ? ShardSizes::Infer() : ShardSizes::Chunk();
+  const ShardSizes sizes = options.sizes ? *options.sizes
+                           : shards      ? ShardSizes::Infer()
+                                         : ShardSizes::Chunk();
   const auto mode = sizes.mode();
   if (mode != ShardSizes::Mode::Infer && !options.run_check) {
     checks();  // no communication: each rank decides alone
@@ -633,8 +637,8 @@ at::Tensor from_local(const at::Tensor& given, const DeviceMesh& mesh,
   for (int64_t t = 0; t < inferred->ndim(); ++t) {
     auto dims = inferred->mesh_dims_sharding(t);
     if (dims.empty()) continue;
-    auto table = tables[t].empty() ? chunk_table(mesh, inferred->placements(), t, global[t])
-                                   : tables[t];
+    auto table =
+        tables[t].empty() ? chunk_table(mesh, inferred->placements(), t, global[t]) : tables[t];
     int64_t entries = 1;
     for (auto m : dims) entries *= mesh.size(m);
     if (static_cast<int64_t>(table.size()) != entries) continue;  // make_spec says why
@@ -659,10 +663,9 @@ at::Tensor to_local(const at::Tensor& dtensor, const std::optional<Placements>& 
   at::Tensor out = d->local().detach();
   if (needs_grad(dtensor)) {
     auto node = compat::make_node<ToLocalBackward>();
-    node->grad_spec = grad_placements
-                          ? std::make_shared<DTensorSpec>(d->spec().with_placements(*grad_placements,
-                                                                                    d->spec().shard_tables()))
-                          : grad_spec_for(d->spec());
+    node->grad_spec = grad_placements ? std::make_shared<DTensorSpec>(d->spec().with_placements(
+                                            *grad_placements, d->spec().shard_tables()))
+                                      : grad_spec_for(d->spec());
     connect(node, dtensor, out);
   }
   return out;
@@ -671,8 +674,8 @@ at::Tensor to_local(const at::Tensor& dtensor, const std::optional<Placements>& 
 at::Tensor full_tensor(const at::Tensor& dtensor) {
   comm::detail::CallerScope caller("full_tensor");  // named if its collective fails
   const auto& s = spec(dtensor);
-  return to_local(redistribute_to(
-      dtensor, std::make_shared<DTensorSpec>(s.with_placements(Placements(s.mesh().ndim(), Replicate())))));
+  return to_local(redistribute_to(dtensor, std::make_shared<DTensorSpec>(s.with_placements(
+                                               Placements(s.mesh().ndim(), Replicate())))));
 }
 
 // TESSERA_CHECK_ARGUMENTS=0 trusts every rank to pass the same arguments to redistribute and
@@ -702,8 +705,7 @@ at::Tensor redistribute(const at::Tensor& dtensor, const Placements& placements,
     target = make_spec("redistribute", s.mesh(), placements, s.sizes(), s.dtype(),
                        target_tables("redistribute", &s, s.mesh(), placements, s.sizes(), sizes));
   };
-  if (s.mesh().size() == 1 || !s.mesh().contains_this_rank() ||
-      !redistribute_agreement_wanted()) {
+  if (s.mesh().size() == 1 || !s.mesh().contains_this_rank() || !redistribute_agreement_wanted()) {
     checks();
     return redistribute_to(dtensor, target);
   }
@@ -741,8 +743,7 @@ std::string to_string(const at::Tensor& t) {
     if (!s.shard_table(i).empty())
       tabs += (tabs.empty() ? "" : ", ") + std::to_string(i) + ": " + shape_str(s.shard_table(i));
   if (!tabs.empty()) os << ", shards={" << tabs << "}";
-  if (s.mesh().contains_this_rank())
-    os << ", coordinate=" << shape_str(s.mesh().coordinate());
+  if (s.mesh().contains_this_rank()) os << ", coordinate=" << shape_str(s.mesh().coordinate());
   os << ")\nlocal values:\n" << d->local();
   return os.str();
 }

@@ -93,7 +93,8 @@ c10::intrusive_ptr<c10::TensorImpl> DTensorImpl::shallow_copy_and_detach(
 
 void DTensorImpl::shallow_copy_from(const c10::intrusive_ptr<c10::TensorImpl>& impl) {
   auto* other = dynamic_cast<DTensorImpl*>(impl.get());
-  TORCH_CHECK(other, "tessera: set_data/shallow copy of a plain tensor into a distributed one; "
+  TORCH_CHECK(other,
+              "tessera: set_data/shallow copy of a plain tensor into a distributed one; "
               "wrap the data with tessera::distribute_tensor first");
   set_local_and_spec(other->local_, other->spec_);
 }

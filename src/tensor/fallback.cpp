@@ -8,7 +8,6 @@
 #include <mutex>
 #include <unordered_map>
 
-
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -106,10 +105,8 @@ bool shapes_matter(const c10::TypePtr& type) {
     case c10::TypeKind::StringType:
     case c10::TypeKind::FloatType:
     case c10::TypeKind::ListType:
-    case c10::TypeKind::OptionalType:
-      return true;
-    default:
-      return false;
+    case c10::TypeKind::OptionalType: return true;
+    default: return false;
   }
 }
 
@@ -130,9 +127,12 @@ size_t double_bits(double d) {
 }
 
 void hash_value(const c10::IValue& v, Key& key, bool floats) {
-  if (v.isNone()) key.push_back(0x9e37);
-  else if (v.isInt()) key.push_back(static_cast<size_t>(v.toInt()) * 3 + 1);
-  else if (v.isBool()) key.push_back(v.toBool() ? 0x51 : 0x50);
+  if (v.isNone())
+    key.push_back(0x9e37);
+  else if (v.isInt())
+    key.push_back(static_cast<size_t>(v.toInt()) * 3 + 1);
+  else if (v.isBool())
+    key.push_back(v.toBool() ? 0x51 : 0x50);
   else if (v.isIntList()) {
     key.push_back(0xabc0 + v.toIntList().size());
     for (int64_t x : v.toIntList()) key.push_back(static_cast<size_t>(x));
@@ -145,8 +145,10 @@ void hash_value(const c10::IValue& v, Key& key, bool floats) {
   } else if (floats && v.isDoubleList()) {
     key.push_back(0xd0b70 + v.toDoubleList().size());
     for (double d : v.toDoubleList()) key.push_back(double_bits(d));
-  } else if (v.isString()) key.push_back(std::hash<std::string>()(v.toStringRef()));
-  else key.push_back(0x7f);  // other optional/list payloads: only their presence
+  } else if (v.isString())
+    key.push_back(std::hash<std::string>()(v.toStringRef()));
+  else
+    key.push_back(0x7f);  // other optional/list payloads: only their presence
 }
 
 size_t scalar_kind(const c10::IValue& v) {
@@ -202,8 +204,10 @@ c10::IValue map_tensors(const c10::IValue& v, Holds h, F&& fn) {
   c10::List<c10::optional<at::Tensor>> out;
   out.reserve(v.toListRef().size());
   for (const auto& e : v.toListRef()) {
-    if (e.isTensor()) out.push_back(fn(k, e.toTensor()));
-    else out.push_back(c10::nullopt);
+    if (e.isTensor())
+      out.push_back(fn(k, e.toTensor()));
+    else
+      out.push_back(c10::nullopt);
     ++k;
   }
   return out;
@@ -392,8 +396,9 @@ void decide(Frame& f) {
       if (in[i] && f.impls[i] && *in[i] == f.impls[i]->spec()) in[i] = f.impls[i]->spec_ptr();
   } else {
     for (size_t i = 0; i < f.nargs; ++i)
-      TORCH_CHECK(!f.call.specs[i] || f.call.specs[i]->is_replicated(), "tessera: ",
-                  f.call.describe(), ": no sharding rule for this op on non-replicated inputs; ",
+      TORCH_CHECK(!f.call.specs[i] || f.call.specs[i]->is_replicated(),
+                  "tessera: ", f.call.describe(),
+                  ": no sharding rule for this op on non-replicated inputs; ",
                   "redistribute the inputs to Replicate() first, or register a rule with ",
                   "tessera::ops::register_rule");
     for (auto& l : f.call.list_specs)
@@ -447,8 +452,10 @@ void run(Frame& f) {
   torch::jit::Stack own(f.stack->begin() + f.base, f.stack->end());
   f.stack->resize(f.base);
   ops::KernelCall kernel(f.op, own);
-  if (plan.local_kernel) plan.local_kernel(kernel);
-  else plan.distributed_kernel(kernel, f.ref().mesh());
+  if (plan.local_kernel)
+    plan.local_kernel(kernel);
+  else
+    plan.distributed_kernel(kernel, f.ref().mesh());
   f.stack->insert(f.stack->end(), std::make_move_iterator(own.begin()),
                   std::make_move_iterator(own.end()));
 }
@@ -481,12 +488,12 @@ SpecPtr next_aliased_spec(Frame& f, const SpecPtr& otherwise, const at::Tensor& 
   const ops::OpPlan& plan = f.plan();
   const size_t r = f.next_out++;
   if (f.hit) return plan.outputs[r];
-  SpecPtr planned = f.decision->replicate_all || plan.outputs.size() <= r ? otherwise
-                                                                           : plan.outputs[r];
+  SpecPtr planned =
+      f.decision->replicate_all || plan.outputs.size() <= r ? otherwise : plan.outputs[r];
   if (planned && local.defined() && planned->dtype() != local.scalar_type())
-    planned = std::make_shared<DTensorSpec>(planned->mesh(), planned->placements(),
-                                            planned->sizes(), local.scalar_type(),
-                                            planned->shard_tables());
+    planned =
+        std::make_shared<DTensorSpec>(planned->mesh(), planned->placements(), planned->sizes(),
+                                      local.scalar_type(), planned->shard_tables());
   f.final_outputs.push_back(planned);
   return planned;
 }
@@ -565,9 +572,9 @@ void remember(Frame& f) {
 // Whether the fast path may replay this call (see detail::FallbackReport).
 void report(const Frame& f, detail::FallbackReport* out) {
   const ops::OpPlan& plan = f.plan();
-  if (f.lists || !f.keep_alive.empty() || f.decision->replicate_all ||
-      plan.data_dependent_shapes || plan.local_kernel || plan.distributed_kernel ||
-      f.schema.returns().size() != 1 || plan.outputs.size() != 1)
+  if (f.lists || !f.keep_alive.empty() || f.decision->replicate_all || plan.data_dependent_shapes ||
+      plan.local_kernel || plan.distributed_kernel || f.schema.returns().size() != 1 ||
+      plan.outputs.size() != 1)
     return;
   for (size_t i = 0; i < f.nargs; ++i) {
     if (!f.impls[i]) continue;
@@ -670,7 +677,9 @@ void clear_dispatch_cache() {
   t_cache.entries = 0;
 }
 
-DispatchCacheStats dispatch_cache_stats() { return {t_cache.hits, t_cache.misses, t_cache.entries}; }
+DispatchCacheStats dispatch_cache_stats() {
+  return {t_cache.hits, t_cache.misses, t_cache.entries};
+}
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&dtensor_fallback>());

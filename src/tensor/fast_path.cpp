@@ -32,7 +32,7 @@ using detail::as_dtensor;
 struct Probe {
   bool ok = true;
   c10::SmallVector<const SpecPtr*, 4> specs;  // per distributed argument
-  c10::SmallVector<int64_t, 8> extras;       // non-tensor arguments, 0-dim plain tensors
+  c10::SmallVector<int64_t, 8> extras;        // non-tensor arguments, 0-dim plain tensors
   bool freed = false;  // a shard whose storage fully_shard freed (refilled before any read)
 };
 
@@ -85,7 +85,7 @@ struct Entry {
   const void* op = nullptr;
   c10::SmallVector<SpecPtr, 4> specs;
   c10::SmallVector<int64_t, 8> extras;
-  SpecPtr output;  // null: in place on the first argument
+  SpecPtr output;      // null: in place on the first argument
   int sizes_arg = -1;  // a SymInt[] argument the local op gets as `local_sizes`
   std::vector<c10::SymInt> local_sizes;
 };

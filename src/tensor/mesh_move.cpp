@@ -33,15 +33,16 @@ at::Tensor redistribute(const at::Tensor& dtensor, const DeviceMesh& mesh,
                         const Placements& placements) {
   const DTensorSpec& s = spec(dtensor);
   const DeviceMesh& from = s.mesh();
-  const std::string what = "redistribute(" + s.str() + " -> " + mesh.str() + " " +
-                           placements_str(placements) + ")";
+  const std::string what =
+      "redistribute(" + s.str() + " -> " + mesh.str() + " " + placements_str(placements) + ")";
   TORCH_CHECK(mesh.defined() && static_cast<int64_t>(placements.size()) == mesh.ndim(),
               "tessera: ", what, ": give one placement per dim of the target mesh (",
               mesh.defined() ? mesh.ndim() : 0, ")");
   if (mesh == from) return redistribute(dtensor, placements);
-  TORCH_CHECK(mesh.root() == from.root(), "tessera: ", what, ": the target mesh is not a slice of ",
-              "the tensor's root mesh (nor that root); a tensor moves between meshes only where "
-              "each rank's block can stay put. Across unrelated meshes use to_local and from_local");
+  TORCH_CHECK(
+      mesh.root() == from.root(), "tessera: ", what, ": the target mesh is not a slice of ",
+      "the tensor's root mesh (nor that root); a tensor moves between meshes only where "
+      "each rank's block can stay put. Across unrelated meshes use to_local and from_local");
   const auto src_dims = root_dims(from), dst_dims = root_dims(mesh);
   // Step 1, on the tensor's own mesh: dims the target keeps take their target placement; dims
   // it drops become Replicate (every group then holds the same value, as on a slice).
@@ -49,8 +50,10 @@ at::Tensor redistribute(const at::Tensor& dtensor, const DeviceMesh& mesh,
   bool added_shard = false;
   for (size_t i = 0; i < dst_dims.size(); ++i) {
     const int64_t j = position(src_dims, dst_dims[i]);
-    if (j >= 0) here[static_cast<size_t>(j)] = placements[i];
-    else added_shard = added_shard || placements[i].is_shard();
+    if (j >= 0)
+      here[static_cast<size_t>(j)] = placements[i];
+    else
+      added_shard = added_shard || placements[i].is_shard();
     TORCH_CHECK(j >= 0 || !placements[i].is_partial(), "tessera: ", what, ": a dim the tensor's ",
                 "mesh lacks cannot become Partial (declare partial values with from_local)");
   }
@@ -64,8 +67,10 @@ at::Tensor redistribute(const at::Tensor& dtensor, const DeviceMesh& mesh,
   for (int64_t d : dst_dims)
     if (position(src_dims, d) >= 0) kept_in_dst.push_back(d);
   FromLocalOptions o;
-  if (added_shard || kept != kept_in_dst) o.sizes = ShardSizes::Infer();
-  else o.sizes = ShardSizes::Given(spec(x).shard_tables());
+  if (added_shard || kept != kept_in_dst)
+    o.sizes = ShardSizes::Infer();
+  else
+    o.sizes = ShardSizes::Given(spec(x).shard_tables());
   return from_local(to_local(x), mesh, placements, o);
 }
 

@@ -80,8 +80,10 @@ std::shared_ptr<RankRng> rank_rng(const std::shared_ptr<World>& world) {
   auto it = g_ranks.find(world.get());
   if (it != g_ranks.end() && it->second.world.lock() == world) return it->second.rng;
   for (auto i = g_ranks.begin(); i != g_ranks.end();) {
-    if (i->second.world.expired()) i = g_ranks.erase(i);
-    else ++i;
+    if (i->second.world.expired())
+      i = g_ranks.erase(i);
+    else
+      ++i;
   }
   auto rng = std::make_shared<RankRng>();
   rng->thread_scoped = detail::thread_scoped_world();
@@ -158,8 +160,8 @@ void settle(const World& world, const RankRng& rng, c10::DeviceType type, Device
     value.insert(value.end(), p, p + state.numel());
   }
   world.store()->set(agreement_key(rng, type), value);
-  comm::record({comm::CollectiveKind::Metadata, static_cast<int64_t>(value.size()), 0,
-                world.size()});
+  comm::record(
+      {comm::CollectiveKind::Metadata, static_cast<int64_t>(value.size()), 0, world.size()});
 }
 
 // A rank other than world rank 0 waits for rank 0's state of the same reset and takes it.
@@ -168,15 +170,17 @@ void agree(const World& world, const RankRng& rng, c10::DeviceType type, DeviceR
   try {
     value = world.store()->get(agreement_key(rng, type));
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "tessera: a random op on a distributed tensor waited for world rank 0's "
-                "generator state (", c10::DeviceTypeName(type), ", after reset ", rng.epoch,
-                ") and failed: ", e.what(), "\nEvery rank must call tessera::manual_seed / "
+    TORCH_CHECK(false,
+                "tessera: a random op on a distributed tensor waited for world rank 0's "
+                "generator state (",
+                c10::DeviceTypeName(type), ", after reset ", rng.epoch, ") and failed: ", e.what(),
+                "\nEvery rank must call tessera::manual_seed / "
                 "clear_manual_seed at the same points; a rank 0 that runs no random op on "
                 "distributed tensors must still call them (or, without any, sync the ranks that "
                 "draw with tessera::sync_random_state(mesh)); see docs/random.md");
   }
-  TORCH_INTERNAL_ASSERT(!value.empty() && (value[0] == kState ||
-                                           (value[0] == kSeed && value.size() == 9)));
+  TORCH_INTERNAL_ASSERT(!value.empty() &&
+                        (value[0] == kState || (value[0] == kSeed && value.size() == 9)));
   at::Tensor state;
   if (value[0] == kSeed) {
     uint64_t seed;
@@ -187,8 +191,8 @@ void agree(const World& world, const RankRng& rng, c10::DeviceType type, DeviceR
     std::memcpy(state.data_ptr<uint8_t>(), value.data() + 1, value.size() - 1);
   }
   set_state(dev.gen, state);
-  comm::record({comm::CollectiveKind::Metadata, 0, static_cast<int64_t>(value.size()),
-                world.size()});
+  comm::record(
+      {comm::CollectiveKind::Metadata, 0, static_cast<int64_t>(value.size()), world.size()});
   dev.agreed = true;
 }
 

@@ -42,7 +42,8 @@ void run_ranks(int world_size, const std::function<void(int rank)>& fn, const Ru
     threads.emplace_back([&, r] {
       std::string error;
       try {
-        ScopedWorld scope(std::make_shared<World>(store, r, world_size, options.collective_timeout));
+        ScopedWorld scope(
+            std::make_shared<World>(store, r, world_size, options.collective_timeout));
         fn(r);
         // A rank's groups close with its World, while a peer may still be finishing a last
         // exchange or a connection handshake with it: leave together (or as soon as a rank
@@ -79,11 +80,10 @@ void run_ranks(int world_size, const std::function<void(int rank)>& fn, const Ru
       std::string stuck;
       for (int r = 0; r < world_size; ++r)
         if (!done[r]) stuck += (stuck.empty() ? "" : ", ") + std::to_string(r);
-      std::fprintf(stderr,
-                   "tessera::testing::run_ranks: ranks [%s] of %d still running after %lld ms%s%s\n",
-                   stuck.c_str(), world_size,
-                   static_cast<long long>(options.timeout.count()),
-                   first_failed >= 0 ? "; first failure: " : "", first_message.c_str());
+      std::fprintf(
+          stderr, "tessera::testing::run_ranks: ranks [%s] of %d still running after %lld ms%s%s\n",
+          stuck.c_str(), world_size, static_cast<long long>(options.timeout.count()),
+          first_failed >= 0 ? "; first failure: " : "", first_message.c_str());
       std::fflush(stderr);
       std::_Exit(124);  // a hung collective cannot be cancelled; fail loudly instead of hanging
     }
@@ -108,9 +108,8 @@ void run_ranks(int world_size, const std::function<void(int rank)>& fn, const Ru
     for (int r : failure_order)
       if (r != cause) others += (others.empty() ? "" : ", ") + std::to_string(r);
     throw compat::error_without_backtrace(
-        "rank " + std::to_string(cause) + " of " + std::to_string(world_size) +
-        " failed: " + errors[cause] +
-        (others.empty() ? "" : " (ranks " + others + " failed after it)"));
+        "rank " + std::to_string(cause) + " of " + std::to_string(world_size) + " failed: " +
+        errors[cause] + (others.empty() ? "" : " (ranks " + others + " failed after it)"));
   }
 }
 

@@ -23,8 +23,8 @@ inline void expect_close(const std::string& what, const at::Tensor& got, const a
                          double rtol = 1e-6, double atol = 1e-9) {
   if (!got.defined() || !want.defined()) {
     ++failures;
-    std::fprintf(stderr, "rank %d: %s: %s tensor is undefined\n", tessera::get_rank(),
-                 what.c_str(), got.defined() ? "the one-device" : "the distributed");
+    std::fprintf(stderr, "rank %d: %s: %s tensor is undefined\n", tessera::get_rank(), what.c_str(),
+                 got.defined() ? "the one-device" : "the distributed");
     return;
   }
   const auto g = whole(got), w = whole(want);

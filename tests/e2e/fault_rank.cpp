@@ -40,7 +40,8 @@ int main(int argc, char** argv) {
   const int target = mode == "loop" ? -1 : std::stoi(argv[2]);
   init_process_group();
   const int rank = get_rank();
-  std::ofstream(std::string(argv[3]) + "/rank" + std::to_string(rank) + ".pid") << ::getpid() << "\n";
+  std::ofstream(std::string(argv[3]) + "/rank" + std::to_string(rank) + ".pid")
+      << ::getpid() << "\n";
   auto mesh = init_device_mesh("cpu", {get_world_size()});
   const auto term = at::ones({1 << 20});  // 4 MiB per all-reduce: long enough to be cut
   for (long step = 0;; ++step) {
@@ -59,7 +60,8 @@ int main(int argc, char** argv) {
       }
     }
     auto sum = full_tensor(from_local(term, mesh, {Partial()}));
-    if (step == 0) std::printf("rank %d: collectives running (sum %g)\n", rank, sum[0].item<double>());
+    if (step == 0)
+      std::printf("rank %d: collectives running (sum %g)\n", rank, sum[0].item<double>());
     std::fflush(stdout);
   }
 }

@@ -35,8 +35,10 @@ void redistribute_chains(const DeviceMesh& mesh) {
   // Uneven: dim 0 cut 7 | 6 over "dp", dim 1 cut 1 | 9 over "tp".
   auto x = distribute_tensor(full, mesh, {Shard(0), Shard(1)}, std::nullopt,
                              ShardSizes::Given({{7, 6}, {1, 9}}));
-  const std::vector<Placements> chain = {{Shard(1), Shard(0)}, {Replicate(), Shard(0)},
-                                         {Shard(0), Shard(0)}, {Shard(1), Replicate()},
+  const std::vector<Placements> chain = {{Shard(1), Shard(0)},
+                                         {Replicate(), Shard(0)},
+                                         {Shard(0), Shard(0)},
+                                         {Shard(1), Replicate()},
                                          {Replicate(), Replicate()}};
   at::Tensor y = x;
   bool ok = true;

@@ -50,7 +50,8 @@ inline std::ostream& operator<<(std::ostream& os, const GpuMesh& m) { return os 
 inline std::optional<std::string> skip_reason(const GpuMesh& m) {
   if (on_cpu_instead()) return std::nullopt;
   if (!torch::cuda::is_available())
-    return std::string("no CUDA device: the GPU tier needs one (torch::cuda::is_available() is false)");
+    return std::string(
+        "no CUDA device: the GPU tier needs one (torch::cuda::is_available() is false)");
   if (!m.nccl()) return std::nullopt;
 #ifndef TESSERA_WITH_NCCL
   return std::string("this build of Tessera has no NCCL (LibTorch without CUDA)");
@@ -66,9 +67,9 @@ inline std::optional<std::string> skip_reason(const GpuMesh& m) {
 }  // namespace tessera::gpu_test
 
 // GTEST_SKIP returns from the test body, so this is a macro.
-#define TESSERA_REQUIRE_GPU_MESH(m)                                                       \
-  do {                                                                                    \
-    if (auto why_ = ::tessera::gpu_test::skip_reason(m)) GTEST_SKIP() << *why_;           \
+#define TESSERA_REQUIRE_GPU_MESH(m)                                             \
+  do {                                                                          \
+    if (auto why_ = ::tessera::gpu_test::skip_reason(m)) GTEST_SKIP() << *why_; \
   } while (0)
 
 namespace tessera::gpu_test {
@@ -80,7 +81,8 @@ inline const tessera::testing::RunOptions kRunOptions{std::chrono::seconds(240),
 // body(mesh) on every rank of `m`, with the timeout above.
 inline void on_gpu_mesh(const GpuMesh& m, const std::function<void(const DeviceMesh&)>& body) {
   tessera::testing::run_ranks(
-      m.world(), [&](int) { body(init_device_mesh(m.mesh_type(), m.shape, m.names)); }, kRunOptions);
+      m.world(), [&](int) { body(init_device_mesh(m.mesh_type(), m.shape, m.names)); },
+      kRunOptions);
 }
 
 // The meshes most tests sweep: Gloo-staged meshes of 2, 3 and 2x2 ranks on one GPU, and
@@ -123,7 +125,8 @@ inline ::testing::AssertionResult parameters_on_mesh_device(const torch::nn::Mod
     if (!r) return ::testing::AssertionFailure() << "parameter " << p.key() << ": " << r.message();
     if (p.value().grad().defined()) {
       r = on_mesh_device(p.value().grad(), mesh);
-      if (!r) return ::testing::AssertionFailure() << "gradient of " << p.key() << ": " << r.message();
+      if (!r)
+        return ::testing::AssertionFailure() << "gradient of " << p.key() << ": " << r.message();
     }
   }
   return ::testing::AssertionSuccess();
@@ -134,7 +137,6 @@ inline at::Tensor grad_like(const at::Tensor& g, const at::Tensor& out) {
   return distribute_tensor(g, device_mesh(out), spec(out).partial_as_replicate().placements(),
                            std::nullopt, ShardSizes::Given(spec(out).shard_tables()));
 }
-
 
 // One op on distributed operands and on the full tensors (float64 on the mesh's device):
 // the value and every operand's gradient must agree, and stay on the GPU. An operand with

@@ -134,20 +134,27 @@ TEST_P(GpuCheckpoint, SavedFromCudaLoadsOnCpuAndBackOnCuda) {
   });
   ASSERT_FALSE(saved.empty());
   const at::Device cpu(at::kCPU);
-  tessera::testing::run_ranks(3, [&](int) {
-    auto mesh = init_device_mesh("cpu", {3}, {"dp"});
-    const auto more = load_and_resume(proto, dir, mesh, cpu, saved, x, y, "cpu x3");
-    expect_losses(more, expected, "resumed on 3 CPU ranks");
-  }, gpu_test::kRunOptions);
+  tessera::testing::run_ranks(
+      3,
+      [&](int) {
+        auto mesh = init_device_mesh("cpu", {3}, {"dp"});
+        const auto more = load_and_resume(proto, dir, mesh, cpu, saved, x, y, "cpu x3");
+        expect_losses(more, expected, "resumed on 3 CPU ranks");
+      },
+      gpu_test::kRunOptions);
   const GpuMesh back{"cuda:gloo", {3}, {"dp"}};
   gpu_test::on_gpu_mesh(back, [&](const DeviceMesh& mesh) {
     const auto more = load_and_resume(proto, dir, mesh, mesh.device(), saved, x, y, back.name());
     expect_losses(more, expected, "resumed on " + back.name());
   });
-  tessera::testing::run_ranks(1, [&](int) {
-    const auto more = load_and_resume(proto, dir, DeviceMesh(), gpu_test::cuda(), saved, x, y, "plain");
-    expect_losses(more, expected, "resumed in a plain one-GPU model");
-  }, gpu_test::kRunOptions);
+  tessera::testing::run_ranks(
+      1,
+      [&](int) {
+        const auto more =
+            load_and_resume(proto, dir, DeviceMesh(), gpu_test::cuda(), saved, x, y, "plain");
+        expect_losses(more, expected, "resumed in a plain one-GPU model");
+      },
+      gpu_test::kRunOptions);
   fs::remove_all(fs::path(dir).parent_path());
 }
 

@@ -58,30 +58,53 @@ std::vector<WindowCase> window_cases() {
   return {
       {"conv2d k3 pad1 bias", false, {{4, 3, 3, 3}, {4}}, conv({1, 1}, {1, 1}, {1, 1})},
       {"conv2d k5x3 stride2x1 dil1x2", false, {{4, 3, 5, 3}}, conv({2, 1}, {2, 1}, {1, 2})},
-      {"conv2d groups3 no pad", false, {{3, 1, 3, 3}}, conv({1, 1}, {0, 0}, {1, 1}, false, {0, 0}, 3)},
-      {"conv_transpose2d stride2 bias", false, {{3, 2, 3, 3}, {2}},
+      {"conv2d groups3 no pad",
+       false,
+       {{3, 1, 3, 3}},
+       conv({1, 1}, {0, 0}, {1, 1}, false, {0, 0}, 3)},
+      {"conv_transpose2d stride2 bias",
+       false,
+       {{3, 2, 3, 3}, {2}},
        conv({2, 2}, {1, 1}, {1, 1}, true, {1, 0})},
       {"conv3d k3 pad1", true, {{2, 2, 3, 3, 3}}, conv({1, 1, 1}, {1, 1, 1}, {1, 1, 1})},
-      {"max_pool2d k3 s2 p1", false, {},
-       [](const V& t) { return at::max_pool2d(t[0], {3, 3}, {2, 2}, {1, 1}); }},
-      {"avg_pool2d k3 s1 p1 exclude_pad", false, {},
-       [](const V& t) { return at::avg_pool2d(t[0], {3, 3}, {1, 1}, {1, 1}, false, false); }},
-      {"max_pool3d k2 s2 ceil", true, {},
-       [](const V& t) { return at::max_pool3d(t[0], {2, 2, 2}, {2, 2, 2}, {0, 0, 0}, {1, 1, 1}, true); }},
-      {"bilinear x2", false, {},
+      {"max_pool2d k3 s2 p1",
+       false,
+       {},
+       [](const V& t) {
+         return at::max_pool2d(t[0], {3, 3}, {2, 2}, {1, 1});
+       }},
+      {"avg_pool2d k3 s1 p1 exclude_pad",
+       false,
+       {},
+       [](const V& t) {
+         return at::avg_pool2d(t[0], {3, 3}, {1, 1}, {1, 1}, false, false);
+       }},
+      {"max_pool3d k2 s2 ceil",
+       true,
+       {},
+       [](const V& t) {
+         return at::max_pool3d(t[0], {2, 2, 2}, {2, 2, 2}, {0, 0, 0}, {1, 1, 1}, true);
+       }},
+      {"bilinear x2",
+       false,
+       {},
        [](const V& t) {
          return F::interpolate(t[0], F::InterpolateFuncOptions()
                                          .scale_factor(std::vector<double>{2, 2})
                                          .mode(torch::kBilinear)
                                          .align_corners(false));
        }},
-      {"nearest to 20x17", false, {},
+      {"nearest to 20x17",
+       false,
+       {},
        [](const V& t) {
-         return F::interpolate(t[0], F::InterpolateFuncOptions()
-                                         .size(std::vector<int64_t>{20, 17})
-                                         .mode(torch::kNearest));
+         return F::interpolate(
+             t[0],
+             F::InterpolateFuncOptions().size(std::vector<int64_t>{20, 17}).mode(torch::kNearest));
        }},
-      {"trilinear align_corners to 9x5x6", true, {},
+      {"trilinear align_corners to 9x5x6",
+       true,
+       {},
        [](const V& t) {
          return F::interpolate(t[0], F::InterpolateFuncOptions()
                                          .size(std::vector<int64_t>{9, 5, 6})
@@ -107,18 +130,41 @@ struct NACase {
 std::vector<NACase> na_cases() {
   return {
       // na1d: X 9 / 4 with a dilated 5-wide window (reach 4 rows), heads split 3 / 1.
-      {"na1d k5 dil2 heads cut", {13}, 4, 4, 8, {5},
-       NA::NeighborhoodAttentionFuncOptions().dilation({2}), false, {1, 2}, {{9, 4}, {3, 1}}},
+      {"na1d k5 dil2 heads cut",
+       {13},
+       4,
+       4,
+       8,
+       {5},
+       NA::NeighborhoodAttentionFuncOptions().dilation({2}),
+       false,
+       {1, 2},
+       {{9, 4}, {3, 1}}},
       // na2d: X 3 / 8, Y 6 / 3; relative positional bias; grouped query (2 heads, 1 kv).
-      {"na2d k5x3 rpb gqa", {11, 9}, 2, 1, 4, {5, 3},
-       NA::NeighborhoodAttentionFuncOptions(), true, {1, 2}, {{3, 8}, {6, 3}}},
+      {"na2d k5x3 rpb gqa",
+       {11, 9},
+       2,
+       1,
+       4,
+       {5, 3},
+       NA::NeighborhoodAttentionFuncOptions(),
+       true,
+       {1, 2},
+       {{3, 8}, {6, 3}}},
       // na3d: X 2 / 4, Y 1 / 4; causal along Z, circular along Y, stride 2 along X.
-      {"na3d k3 causal-z circular-y stride-x", {6, 5, 7}, 2, 2, 4, {3},
+      {"na3d k3 causal-z circular-y stride-x",
+       {6, 5, 7},
+       2,
+       2,
+       4,
+       {3},
        NA::NeighborhoodAttentionFuncOptions()
            .is_causal({false, false, true})
            .circular({false, true, false})
            .stride({2, 1, 1}),
-       false, {1, 2}, {{2, 4}, {1, 4}}},
+       false,
+       {1, 2},
+       {{2, 4}, {1, 4}}},
   };
 }
 
@@ -165,8 +211,8 @@ void run_na(const DeviceMesh& mesh, const NACase& c) {
       mesh.str() + " " + c.name, 31);
 }
 
-const auto kDomainMeshes = ::testing::Values(GpuMesh{"cuda:gloo", {2, 2}}, GpuMesh{"cuda", {1}},
-                                             GpuMesh{"cuda", {2, 2}});
+const auto kDomainMeshes =
+    ::testing::Values(GpuMesh{"cuda:gloo", {2, 2}}, GpuMesh{"cuda", {1}}, GpuMesh{"cuda", {2, 2}});
 
 }  // namespace
 
@@ -205,7 +251,9 @@ TEST_P(GpuHalo, ExchangeAndAdjointMatchOneDevice) {
   TESSERA_REQUIRE_GPU_MESH(GetParam());
   gpu_test::on_gpu_mesh(GetParam(), [&](const DeviceMesh& mesh) {
     const int64_t n = mesh.size(0), me = mesh.coordinate()[0];
-    const ShardTable sizes = n == 1 ? ShardTable{7} : n == 2 ? ShardTable{6, 1} : ShardTable{4, 1, 2};
+    const ShardTable sizes = n == 1   ? ShardTable{7}
+                             : n == 2 ? ShardTable{6, 1}
+                                      : ShardTable{4, 1, 2};
     const int64_t total = 7, before = 2, after = 3;
     std::vector<int64_t> offsets(n, 0);
     for (int64_t i = 1; i < n; ++i) offsets[i] = offsets[i - 1] + sizes[i - 1];
@@ -219,8 +267,9 @@ TEST_P(GpuHalo, ExchangeAndAdjointMatchOneDevice) {
       ASSERT_TRUE(gpu_test::on_mesh_device(ext, mesh)) << what;
       // One device: the full tensor padded (zeros) or wrapped, then windowed.
       const at::Tensor padded =
-          wrap ? at::cat({full.narrow(1, total - before, before), full, full.narrow(1, 0, after)}, 1)
-               : at::constant_pad_nd(full, {before, after});
+          wrap
+              ? at::cat({full.narrow(1, total - before, before), full, full.narrow(1, 0, after)}, 1)
+              : at::constant_pad_nd(full, {before, after});
       ASSERT_TRUE(test::matches(ext, padded.narrow(1, offsets[me], before + sizes[me] + after)))
           << what;
       // Adjoint: a gradient on every rank's extended block, summed back onto the owners.

@@ -73,7 +73,8 @@ void expect_same(const std::vector<double>& losses, const std::vector<double>& e
                  const std::string& what) {
   ASSERT_EQ(losses.size(), expected.size());
   for (size_t s = 0; s < losses.size(); ++s)
-    ASSERT_NEAR(losses[s], expected[s], 1e-9 * (1 + std::abs(expected[s]))) << what << " step " << s;
+    ASSERT_NEAR(losses[s], expected[s], 1e-9 * (1 + std::abs(expected[s])))
+        << what << " step " << s;
   ASSERT_TRUE(gpu_test::parameters_on_mesh_device(*model, mesh)) << what;
   const auto want = ref->named_parameters();
   for (const auto& item : model->named_parameters()) {
@@ -98,7 +99,8 @@ TEST_P(GpuLlama, DataTimesTensorParallelTrainsLikeOneDevice) {
   auto g = test::generator(6);
   const auto start = at::randint(0, c.vocab_size, {3, 1}, g, at::kLong);
   const auto stride = at::randint(1, 5, {3, 1}, g, at::kLong);
-  const auto walk = at::remainder(start + stride * at::arange(8, at::kLong).view({1, -1}), c.vocab_size);
+  const auto walk =
+      at::remainder(start + stride * at::arange(8, at::kLong).view({1, -1}), c.vocab_size);
   const at::Tensor tokens = walk.narrow(1, 0, 7).contiguous().to(gpu_test::cuda());
   const at::Tensor targets = walk.narrow(1, 1, 7).contiguous().to(gpu_test::cuda());
   torch::manual_seed(23);  // on the test thread, before any rank exists
@@ -160,18 +162,21 @@ void check_loss(const DeviceMesh& mesh, const LossCase& c, uint64_t seed) {
   at::Tensor target = at::randint(0, C, rows, test::generator(seed + 1), at::kLong);
   target.view({-1}).slice(0, 1, c10::nullopt, 3).fill_(-100);  // every third ignored
   target = target.to(dev);
-  const at::Tensor weight = (at::rand({C}, test::generator(seed + 2)) + 0.5).to(at::kDouble).to(dev);
+  const at::Tensor weight =
+      (at::rand({C}, test::generator(seed + 2)) + 0.5).to(at::kDouble).to(dev);
 
   const at::Tensor ref_x = logits.clone().requires_grad_();
-  const at::Tensor ref = at::cross_entropy_loss(ref_x, target, weight, c.reduction, -100, c.smoothing);
+  const at::Tensor ref =
+      at::cross_entropy_loss(ref_x, target, weight, c.reduction, -100, c.smoothing);
 
   const bool split = mesh.size() > 1;
   const Placements lp = c.two_d ? Placements{Shard(0), Shard(1)} : Placements{Shard(1)};
   std::vector<ShardTable> lt(c.shape.size());
   if (split) lt[1] = c.class_table;
   if (split && c.two_d) lt[0] = c.row_table;
-  const at::Tensor dx =
-      distribute_tensor(logits, mesh, lp, std::nullopt, ShardSizes::Given(lt)).detach().requires_grad_();
+  const at::Tensor dx = distribute_tensor(logits, mesh, lp, std::nullopt, ShardSizes::Given(lt))
+                            .detach()
+                            .requires_grad_();
   // A distributed target is sharded like the logits' rows; a plain one is whole everywhere.
   at::Tensor dt = target;
   if (c.target_distributed) {
@@ -180,14 +185,16 @@ void check_loss(const DeviceMesh& mesh, const LossCase& c, uint64_t seed) {
     if (c.two_d) tp[0] = Shard(0), tt[0] = split ? c.row_table : ShardTable{};
     dt = distribute_tensor(target, mesh, tp, std::nullopt, ShardSizes::Given(tt));
   }
-  const at::Tensor dw = distribute_tensor(weight, mesh, Placements(mesh.ndim(), Replicate()), std::nullopt);
+  const at::Tensor dw =
+      distribute_tensor(weight, mesh, Placements(mesh.ndim(), Replicate()), std::nullopt);
   at::Tensor got;
   {
     LossParallel scope;
     got = at::cross_entropy_loss(dx, dt, dw, c.reduction, -100, c.smoothing);
   }
   const std::string what = mesh.str() + " logits " + shape_str(c.shape) + " reduction " +
-                           std::to_string(c.reduction) + " smoothing " + std::to_string(c.smoothing);
+                           std::to_string(c.reduction) + " smoothing " +
+                           std::to_string(c.smoothing);
   ASSERT_TRUE(is_dtensor(got)) << what;
   ASSERT_TRUE(gpu_test::on_mesh_device(got, mesh)) << what;
   ASSERT_TRUE(test::full_matches(got, ref, gpu_test::kTol)) << what << " (forward)";

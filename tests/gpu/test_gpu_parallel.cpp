@@ -1,7 +1,8 @@
 // Data parallelism on the GPU, each trained against the same model trained on one GPU:
 // replicate with distributed inputs (uneven and empty batch shards, gradients summed) and
 // with plain per-rank batches (torch DDP: gradients averaged; default options and
-// local_batches), fully_shard (uneven and empty parameter shards), HSDP on a 2x2 mesh. Every parameter and gradient stays on the GPU.
+// local_batches), fully_shard (uneven and empty parameter shards), HSDP on a 2x2 mesh. Every
+// parameter and gradient stays on the GPU.
 #include "gpu_helpers.h"
 #include "multirank/fully_shard_helpers.h"
 

@@ -26,9 +26,12 @@ std::vector<Placements> combinations(int64_t mesh_ndim, const std::vector<Placem
 }
 
 const std::vector<Placement> kTargets = {Shard(0), Shard(1), Replicate()};
-const std::vector<Placement> kSources = {Shard(0),         Shard(1),
-                                         Replicate(),      Partial(PartialOp::Sum),
-                                         Partial(PartialOp::Avg), Partial(PartialOp::Max),
+const std::vector<Placement> kSources = {Shard(0),
+                                         Shard(1),
+                                         Replicate(),
+                                         Partial(PartialOp::Sum),
+                                         Partial(PartialOp::Avg),
+                                         Partial(PartialOp::Max),
                                          Partial(PartialOp::Min)};
 
 void run_matrix(const DeviceMesh& mesh, at::ScalarType dtype) {
@@ -43,8 +46,8 @@ void run_matrix(const DeviceMesh& mesh, at::ScalarType dtype) {
     for (const auto& dst : combinations(mesh.ndim(), kTargets)) {
       const auto src_tables = test::random_tables(rng, mesh, src, shape);
       const auto dst_tables = test::random_tables(rng, mesh, dst, shape);
-      const std::string ctx = mesh.str() + " " + to_string(src) + " -> " + to_string(dst) +
-                              " " + c10::toString(dtype);
+      const std::string ctx =
+          mesh.str() + " " + to_string(src) + " -> " + to_string(dst) + " " + c10::toString(dtype);
       at::Tensor x = test::make_dtensor_from_full(full, mesh, src, src_tables);
       ASSERT_TRUE(gpu_test::on_mesh_device(x, mesh)) << ctx << " (input)";
       if (floating) x = x.detach().requires_grad_();
@@ -93,13 +96,13 @@ TEST_P(GpuRedistribute, EveryTransitionOnUnevenShardsMatchesOneDevice) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Meshes, GpuRedistribute,
-    ::testing::Combine(::testing::ValuesIn(gpu_test::standard_gpu_meshes()),
-                       ::testing::Values(at::kFloat, at::kDouble, at::kLong)),
-    [](const ::testing::TestParamInfo<Param>& info) {
-      return std::get<0>(info.param).name() + "_" + c10::toString(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Meshes, GpuRedistribute,
+                         ::testing::Combine(::testing::ValuesIn(gpu_test::standard_gpu_meshes()),
+                                            ::testing::Values(at::kFloat, at::kDouble, at::kLong)),
+                         [](const ::testing::TestParamInfo<Param>& info) {
+                           return std::get<0>(info.param).name() + "_" +
+                                  c10::toString(std::get<1>(info.param));
+                         });
 
 // distribute_tensor and from_local take a tensor from anywhere (host or GPU) to the mesh's
 // device, as PyTorch does; full_tensor and the gradients come back there too. Each rank's
@@ -113,15 +116,16 @@ TEST_P(GpuPlacementEntry, HostTensorsMoveToTheMeshDevice) {
   gpu_test::on_gpu_mesh(m, [&](const DeviceMesh& mesh) {
     // A CUDA mesh runs on device local rank % device count (ranks as threads: local = global).
     if (!gpu_test::on_cpu_instead()) {
-      EXPECT_EQ(mesh.device().index(), get_local_rank() % static_cast<int>(torch::cuda::device_count()));
+      EXPECT_EQ(mesh.device().index(),
+                get_local_rank() % static_cast<int>(torch::cuda::device_count()));
     }
     const int64_t n = mesh.size(0);
     ShardTable rows(n, 0);
     for (int64_t i = 0; i < 9; ++i) rows[(i * i) % n]++;  // uneven, possibly empty
     Placements p(mesh.ndim(), Replicate());
     p[0] = Shard(0);
-    const at::Tensor d = distribute_tensor(host, mesh, p, std::nullopt, ShardSizes::Given(0, rows))
-                             .requires_grad_();
+    const at::Tensor d =
+        distribute_tensor(host, mesh, p, std::nullopt, ShardSizes::Given(0, rows)).requires_grad_();
     ASSERT_TRUE(gpu_test::on_mesh_device(d, mesh));
     const at::Tensor full = full_tensor(d);
     ASSERT_EQ(full.device().type(), gpu_test::cuda().type()) << full.device();

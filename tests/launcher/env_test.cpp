@@ -46,7 +46,8 @@ void expect_invalid(const Vars& vars, std::initializer_list<std::string> needles
 TEST(Env, NothingSetGivesNullopt) {
   EXPECT_FALSE(rendezvous_from(lookup({})).has_value());
   // Rendezvous variables alone do not identify a launcher.
-  EXPECT_FALSE(rendezvous_from(lookup({{"MASTER_ADDR", "h"}, {"MASTER_PORT", "1234"}})).has_value());
+  EXPECT_FALSE(
+      rendezvous_from(lookup({{"MASTER_ADDR", "h"}, {"MASTER_PORT", "1234"}})).has_value());
   // Empty values count as unset.
   EXPECT_FALSE(rendezvous_from(lookup({{"RANK", ""}, {"WORLD_SIZE", ""}})).has_value());
 }
@@ -74,7 +75,8 @@ TEST(Env, TorchrunDefaults) {
   EXPECT_EQ(info.master_addr, "127.0.0.1");
   EXPECT_EQ(info.master_port, 29500);
 
-  const auto with_local_size = parse({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_WORLD_SIZE", "4"}});
+  const auto with_local_size =
+      parse({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_WORLD_SIZE", "4"}});
   EXPECT_EQ(with_local_size.local_rank, 1);
   EXPECT_EQ(with_local_size.local_world_size, 4);
 }
@@ -143,16 +145,21 @@ TEST(Env, MasterOverridesApplyToEveryLauncher) {
   EXPECT_EQ(slurm.master_addr, "10.0.0.1");
   EXPECT_EQ(slurm.master_port, 6000);
 
-  const auto mpi = parse({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"MASTER_PORT", "7000"}});
+  const auto mpi = parse(
+      {{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"MASTER_PORT", "7000"}});
   EXPECT_EQ(mpi.master_addr, "127.0.0.1");
   EXPECT_EQ(mpi.master_port, 7000);
 }
 
 TEST(Env, Precedence) {
-  Vars all{{"RANK", "1"},         {"WORLD_SIZE", "2"},
-           {"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "3"},
-           {"PMI_RANK", "3"},     {"PMI_SIZE", "4"},
-           {"SLURM_PROCID", "4"}, {"SLURM_NTASKS", "5"}};
+  Vars all{{"RANK", "1"},
+           {"WORLD_SIZE", "2"},
+           {"OMPI_COMM_WORLD_RANK", "2"},
+           {"OMPI_COMM_WORLD_SIZE", "3"},
+           {"PMI_RANK", "3"},
+           {"PMI_SIZE", "4"},
+           {"SLURM_PROCID", "4"},
+           {"SLURM_NTASKS", "5"}};
   EXPECT_EQ(parse(all).source, "torchrun");
   EXPECT_EQ(parse(all).rank, 1);
   all.erase("RANK");
@@ -176,16 +183,23 @@ TEST(Env, MalformedValuesNameTheVariable) {
   expect_invalid({{"RANK", "4"}, {"WORLD_SIZE", "4"}}, {"RANK", "'4'", "WORLD_SIZE"});
   expect_invalid({{"RANK", "-1"}, {"WORLD_SIZE", "4"}}, {"RANK", "-1"});
   expect_invalid({{"RANK", "0"}, {"WORLD_SIZE", "0"}}, {"WORLD_SIZE", "'0'"});
-  expect_invalid({{"RANK", "0"}, {"WORLD_SIZE", "99999999999999999999"}}, {"WORLD_SIZE", "99999999999999999999"});
-  expect_invalid({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"}},
-                 {"LOCAL_RANK", "LOCAL_WORLD_SIZE"});
-  expect_invalid({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}}, {"MASTER_PORT", "70000"});
-  expect_invalid({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "0"}}, {"MASTER_PORT", "'0'"});
-  expect_invalid({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "http"}}, {"MASTER_PORT", "http"});
+  expect_invalid({{"RANK", "0"}, {"WORLD_SIZE", "99999999999999999999"}},
+                 {"WORLD_SIZE", "99999999999999999999"});
+  expect_invalid(
+      {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"}},
+      {"LOCAL_RANK", "LOCAL_WORLD_SIZE"});
+  expect_invalid({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}},
+                 {"MASTER_PORT", "70000"});
+  expect_invalid({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "0"}},
+                 {"MASTER_PORT", "'0'"});
+  expect_invalid({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "http"}},
+                 {"MASTER_PORT", "http"});
   expect_invalid({{"RANK", "0"}}, {"WORLD_SIZE"});
-  expect_invalid({{"OMPI_COMM_WORLD_RANK", "x"}, {"OMPI_COMM_WORLD_SIZE", "2"}}, {"OMPI_COMM_WORLD_RANK", "x"});
+  expect_invalid({{"OMPI_COMM_WORLD_RANK", "x"}, {"OMPI_COMM_WORLD_SIZE", "2"}},
+                 {"OMPI_COMM_WORLD_RANK", "x"});
   expect_invalid({{"PMI_RANK", "0"}, {"PMI_SIZE", "-3"}}, {"PMI_SIZE", "-3"});
-  expect_invalid({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "z"}}, {"SLURM_LOCALID", "z"});
+  expect_invalid({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "z"}},
+                 {"SLURM_LOCALID", "z"});
   expect_invalid({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_STEP_NODELIST", "n[1-2"}},
                  {"SLURM_STEP_NODELIST", "n[1-2"});
   expect_invalid({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_TASKS_PER_NODE", "2(x"}},

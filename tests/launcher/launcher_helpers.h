@@ -49,12 +49,12 @@ class TempDir {
 };
 
 struct RunResult {
-  int exit_code = -1;    // -1 when the launcher itself died by a signal
+  int exit_code = -1;  // -1 when the launcher itself died by a signal
   int term_signal = 0;
   std::string out;
   std::string err;
   double seconds = 0;
-  bool hung = false;     // had to be killed by the test
+  bool hung = false;  // had to be killed by the test
 };
 
 inline std::string slurp(const fs::path& p) {

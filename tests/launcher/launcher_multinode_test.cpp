@@ -20,9 +20,16 @@ std::string some_port() {
 
 std::vector<std::string> node_args(int node, const std::string& port, std::vector<std::string> rest,
                                    int nnodes = 2, int nproc = 2) {
-  std::vector<std::string> a{"-n", std::to_string(nproc), "--nnodes", std::to_string(nnodes),
-                             "--node-rank", std::to_string(node), "--master-port", port,
-                             "--rdzv-timeout", "30"};
+  std::vector<std::string> a{"-n",
+                             std::to_string(nproc),
+                             "--nnodes",
+                             std::to_string(nnodes),
+                             "--node-rank",
+                             std::to_string(node),
+                             "--master-port",
+                             port,
+                             "--rdzv-timeout",
+                             "30"};
   a.insert(a.end(), rest.begin(), rest.end());
   return a;
 }
@@ -62,7 +69,8 @@ TEST(LauncherMultiNode, RanksShareOneStorePortPickedByNodeZero) {
   std::vector<std::string> seen;
   for (const auto& l : lines_of(r0.out + r1.out)) seen.push_back(l.substr(l.find("] ") + 2));
   ASSERT_EQ(seen.size(), 4u);
-  EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [&](const std::string& s) { return s == seen[0]; }));
+  EXPECT_TRUE(
+      std::all_of(seen.begin(), seen.end(), [&](const std::string& s) { return s == seen[0]; }));
   EXPECT_EQ(seen[0].rfind("127.0.0.1:", 0), 0u);
   EXPECT_NE(seen[0], "127.0.0.1:" + port);  // the launchers' own port is not the ranks'
 }
@@ -98,7 +106,8 @@ TEST(LauncherMultiNode, MismatchedJobShapeIsRefusedOnBothNodes) {
   EXPECT_EQ(r0.exit_code, 1);
   EXPECT_EQ(r1.exit_code, 1);
   EXPECT_NE(r0.err.find("--nproc-per-node 3, node 0 with --nnodes 2 --nproc-per-node 2"),
-            std::string::npos) << r0.err;
+            std::string::npos)
+      << r0.err;
   EXPECT_NE(r1.err.find("node 0 refused this node"), std::string::npos) << r1.err;
 }
 
@@ -121,9 +130,12 @@ TEST(LauncherMultiNode, FailedRankOnOneNodeStopsTheOther) {
   EXPECT_EQ(r1.exit_code, 5);
   EXPECT_EQ(r0.exit_code, 1);
   EXPECT_LT(r0.seconds, 20.0);
-  EXPECT_NE(r1.err.find("tessera-run[node 1]: rank 3 failed (exit code 5)"), std::string::npos) << r1.err;
-  EXPECT_NE(r0.err.find("tessera-run[node 0]: rank 3 on node 1 failed (exit code 5); stopping the job"),
-            std::string::npos) << r0.err;
+  EXPECT_NE(r1.err.find("tessera-run[node 1]: rank 3 failed (exit code 5)"), std::string::npos)
+      << r1.err;
+  EXPECT_NE(
+      r0.err.find("tessera-run[node 0]: rank 3 on node 1 failed (exit code 5); stopping the job"),
+      std::string::npos)
+      << r0.err;
   auto pids = read_pids(d0.path(), "pid.");
   const auto more = read_pids(d1.path(), "pid.");
   pids.insert(pids.end(), more.begin(), more.end());
@@ -143,7 +155,8 @@ TEST(LauncherMultiNode, KilledLauncherTakesItsRanksAndStopsTheJob) {
   const auto r0 = n0.wait();
   ASSERT_FALSE(r0.hung);
   EXPECT_EQ(r0.exit_code, 1);
-  EXPECT_NE(r0.err.find("lost node 1: its launcher closed the connection"), std::string::npos) << r0.err;
+  EXPECT_NE(r0.err.find("lost node 1: its launcher closed the connection"), std::string::npos)
+      << r0.err;
   n1.wait();
   // Node 1's ranks die with their launcher (they may linger as zombies of another parent).
   const auto until = Clock::now() + std::chrono::seconds(10);

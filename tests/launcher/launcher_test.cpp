@@ -24,7 +24,7 @@ TEST(Launcher, FourRanksPrefixEveryLine) {
   ASSERT_FALSE(r.hung);
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(sorted_lines(r.out), (std::vector<std::string>{"[rank 0] hi 0 4", "[rank 1] hi 1 4",
-                                                            "[rank 2] hi 2 4", "[rank 3] hi 3 4"}));
+                                                           "[rank 2] hi 2 4", "[rank 3] hi 3 4"}));
   EXPECT_EQ(r.err, "");
 }
 
@@ -33,15 +33,17 @@ TEST(Launcher, StdoutAndStderrStaySeparate) {
   const auto r = run_launcher(
       {"-n", "2", "sh", "-c", "echo out $RANK; echo err $RANK >&2; echo more out $RANK"}, dir);
   EXPECT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_EQ(sorted_lines(r.out), (std::vector<std::string>{"[rank 0] more out 0", "[rank 0] out 0",
-                                                            "[rank 1] more out 1", "[rank 1] out 1"}));
+  EXPECT_EQ(sorted_lines(r.out),
+            (std::vector<std::string>{"[rank 0] more out 0", "[rank 0] out 0",
+                                      "[rank 1] more out 1", "[rank 1] out 1"}));
   EXPECT_EQ(sorted_lines(r.err), (std::vector<std::string>{"[rank 0] err 0", "[rank 1] err 1"}));
 }
 
 TEST(Launcher, LinesFromOneRankKeepTheirOrder) {
   TempDir dir;
-  const auto r = run_launcher({"-n", "3", "sh", "-c", "i=0; while [ $i -lt 200 ]; do echo $RANK:$i; i=$((i+1)); done"},
-                              dir);
+  const auto r = run_launcher(
+      {"-n", "3", "sh", "-c", "i=0; while [ $i -lt 200 ]; do echo $RANK:$i; i=$((i+1)); done"},
+      dir);
   EXPECT_EQ(r.exit_code, 0) << r.err;
   const auto lines = lines_of(r.out);
   ASSERT_EQ(lines.size(), 600u);
@@ -59,23 +61,25 @@ TEST(Launcher, LinesFromOneRankKeepTheirOrder) {
 
 TEST(Launcher, PartialLastLineIsFlushed) {
   TempDir dir;
-  const auto r = run_launcher({"-n", "2", "sh", "-c", "printf 'first\\nlast %s' $RANK; printf 'e%s' $RANK >&2"}, dir);
+  const auto r = run_launcher(
+      {"-n", "2", "sh", "-c", "printf 'first\\nlast %s' $RANK; printf 'e%s' $RANK >&2"}, dir);
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(sorted_lines(r.out), (std::vector<std::string>{"[rank 0] first", "[rank 0] last 0",
-                                                            "[rank 1] first", "[rank 1] last 1"}));
+                                                           "[rank 1] first", "[rank 1] last 1"}));
   EXPECT_EQ(sorted_lines(r.err), (std::vector<std::string>{"[rank 0] e0", "[rank 1] e1"}));
   EXPECT_EQ(r.out.back(), '\n');
 }
 
 TEST(Launcher, SetsRendezvousVariables) {
   TempDir dir;
-  const auto r = run_launcher({"-n", "2", "--master-addr", "10.1.2.3", "--master-port", "12345", "sh", "-c",
-                               "echo $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT "
-                               "$TESSERA_LAUNCHER"},
-                              dir);
+  const auto r = run_launcher(
+      {"-n", "2", "--master-addr", "10.1.2.3", "--master-port", "12345", "sh", "-c",
+       "echo $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT "
+       "$TESSERA_LAUNCHER"},
+      dir);
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(sorted_lines(r.out), (std::vector<std::string>{"[rank 0] 0 0 2 2 10.1.2.3 12345 1",
-                                                            "[rank 1] 1 1 2 2 10.1.2.3 12345 1"}));
+                                                           "[rank 1] 1 1 2 2 10.1.2.3 12345 1"}));
 }
 
 TEST(Launcher, DefaultPortIsSharedAndValid) {
@@ -94,8 +98,8 @@ TEST(Launcher, DefaultPortIsSharedAndValid) {
 
 TEST(Launcher, ArgumentsAfterTheProgramPassThrough) {
   TempDir dir;
-  const auto r = run_launcher({"-n", "2", "sh", "-c", "for a in \"$@\"; do echo \"<$a>\"; done", "argv0", "--foo",
-                               "-n", "7", "two words", "--timeout=3"},
+  const auto r = run_launcher({"-n", "2", "sh", "-c", "for a in \"$@\"; do echo \"<$a>\"; done",
+                               "argv0", "--foo", "-n", "7", "two words", "--timeout=3"},
                               dir);
   EXPECT_EQ(r.exit_code, 0) << r.err;
   for (const char* rank : {"[rank 0] ", "[rank 1] "}) {
@@ -103,7 +107,9 @@ TEST(Launcher, ArgumentsAfterTheProgramPassThrough) {
     for (const auto& line : lines_of(r.out)) {
       if (line.rfind(rank, 0) == 0) got.push_back(line.substr(9));
     }
-    EXPECT_EQ(got, (std::vector<std::string>{"<--foo>", "<-n>", "<7>", "<two words>", "<--timeout=3>"})) << rank;
+    EXPECT_EQ(got,
+              (std::vector<std::string>{"<--foo>", "<-n>", "<7>", "<two words>", "<--timeout=3>"}))
+        << rank;
   }
 }
 
@@ -116,7 +122,8 @@ TEST(Launcher, DoubleDashSeparatesTheProgram) {
 
 TEST(Launcher, NoPrefixWritesDirectly) {
   TempDir dir;
-  const auto r = run_launcher({"--no-prefix", "-n", "2", "sh", "-c", "echo plain $RANK; echo e >&2"}, dir);
+  const auto r =
+      run_launcher({"--no-prefix", "-n", "2", "sh", "-c", "echo plain $RANK; echo e >&2"}, dir);
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(sorted_lines(r.out), (std::vector<std::string>{"plain 0", "plain 1"}));
   EXPECT_EQ(r.err, "e\ne\n");
@@ -126,7 +133,8 @@ TEST(Launcher, StrayBackgroundProcessesAreCleanedUp) {
   TempDir dir;
   // Each rank leaves a sleeper behind that still holds the output pipe.
   const auto r = run_launcher(
-      {"-n", "2", "sh", "-c", "sleep 60 & echo $! > \"$1/.t$RANK\" && mv \"$1/.t$RANK\" \"$1/sleep.$RANK\"; echo done",
+      {"-n", "2", "sh", "-c",
+       "sleep 60 & echo $! > \"$1/.t$RANK\" && mv \"$1/.t$RANK\" \"$1/sleep.$RANK\"; echo done",
        "sh", dir.str()},
       dir);
   ASSERT_FALSE(r.hung);
@@ -162,7 +170,8 @@ TEST(Launcher, UnknownProgramFailsWith127) {
   const auto r = run_launcher({"-n", "2", "/nonexistent/tessera-program"}, dir);
   ASSERT_FALSE(r.hung);
   EXPECT_EQ(r.exit_code, 127);
-  EXPECT_NE(r.err.find("cannot execute '/nonexistent/tessera-program'"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("cannot execute '/nonexistent/tessera-program'"), std::string::npos)
+      << r.err;
   EXPECT_NE(r.err.find("failed (exit code 127)"), std::string::npos) << r.err;
   EXPECT_LT(r.seconds, 30.0);
 }

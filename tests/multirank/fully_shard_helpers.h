@@ -140,7 +140,8 @@ inline void expect_parameters(torch::nn::Module& model, torch::nn::Module& ref, 
     ASSERT_TRUE(test::full_matches(*p, expected, tol)) << ctx << " " << item.key();
     const auto chunks = expected.chunk(n, 0);
     const at::Tensor rows = rank < static_cast<int64_t>(chunks.size())
-                                ? chunks[rank] : expected.narrow(0, expected.size(0), 0);
+                                ? chunks[rank]
+                                : expected.narrow(0, expected.size(0), 0);
     ASSERT_TRUE(test::matches(to_local(p->detach()), rows, tol))
         << ctx << " " << item.key() << ": local rows differ from torch.chunk's";
   }

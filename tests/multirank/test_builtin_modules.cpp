@@ -54,9 +54,9 @@ ShardTable batch_table(int world) {
 }
 
 struct Input {
-  at::Tensor full;           // the global value, the same on every rank
-  int64_t batch_dim = -1;    // sharded along this dim (size kBatch); -1: replicated
-  bool requires_grad = true; // floating inputs only; false for targets
+  at::Tensor full;            // the global value, the same on every rank
+  int64_t batch_dim = -1;     // sharded along this dim (size kBatch); -1: replicated
+  bool requires_grad = true;  // floating inputs only; false for targets
 };
 using Inputs = std::vector<Input>;
 using Forward = std::function<at::Tensor(torch::nn::Module&, const std::vector<at::Tensor>&)>;
@@ -95,150 +95,216 @@ std::vector<Case> cases() {
   std::vector<Case> c;
 
   // ---- linear and convolution ----
-  c.push_back({"Linear", [] { return Linear(6, 4).ptr(); },
-               [=] { return Inputs{batch(randn({B, 6}, 1))}; },
+  c.push_back({"Linear",
+               [] { return Linear(6, 4).ptr(); },
+               [=] {
+                 return Inputs{batch(randn({B, 6}, 1))};
+               },
                call<LinearImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
                {{"weight", Shard(0)}, {"bias", Shard(0)}}});
-  c.push_back({"Bilinear", [] { return Bilinear(3, 4, 5).ptr(); },
-               [=] { return Inputs{batch(randn({B, 3}, 1)), batch(randn({B, 4}, 2))}; },
+  c.push_back({"Bilinear",
+               [] { return Bilinear(3, 4, 5).ptr(); },
+               [=] {
+                 return Inputs{batch(randn({B, 3}, 1)), batch(randn({B, 4}, 2))};
+               },
                call<BilinearImpl>([](auto& m, auto& x) { return m.forward(x[0], x[1]); }),
                {{"weight", Shard(0)}, {"bias", Shard(0)}}});
-  c.push_back({"Conv1d", [] { return Conv1d(Conv1dOptions(2, 4, 3).padding(1)).ptr(); },
-               [=] { return Inputs{batch(randn({B, 2, 7}, 1))}; },
+  c.push_back({"Conv1d",
+               [] { return Conv1d(Conv1dOptions(2, 4, 3).padding(1)).ptr(); },
+               [=] {
+                 return Inputs{batch(randn({B, 2, 7}, 1))};
+               },
                call<Conv1dImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
                {{"weight", Shard(0)}, {"bias", Shard(0)}}});
-  c.push_back({"Conv2d", [] { return Conv2d(Conv2dOptions(2, 4, 3)).ptr(); },
-               [=] { return Inputs{batch(randn({B, 2, 6, 6}, 1))}; },
+  c.push_back({"Conv2d",
+               [] { return Conv2d(Conv2dOptions(2, 4, 3)).ptr(); },
+               [=] {
+                 return Inputs{batch(randn({B, 2, 6, 6}, 1))};
+               },
                call<Conv2dImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
                {{"weight", Shard(0)}, {"bias", Shard(0)}}});
-  c.push_back({"Conv3d", [] { return Conv3d(Conv3dOptions(2, 3, 2)).ptr(); },
-               [=] { return Inputs{batch(randn({B, 2, 4, 4, 4}, 1))}; },
+  c.push_back({"Conv3d",
+               [] { return Conv3d(Conv3dOptions(2, 3, 2)).ptr(); },
+               [=] {
+                 return Inputs{batch(randn({B, 2, 4, 4, 4}, 1))};
+               },
                call<Conv3dImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
                {{"weight", Shard(0)}, {"bias", Shard(0)}}});
   c.push_back({"ConvTranspose1d",
                [] { return ConvTranspose1d(ConvTranspose1dOptions(2, 4, 3).stride(2)).ptr(); },
-               [=] { return Inputs{batch(randn({B, 2, 5}, 1))}; },
+               [=] {
+                 return Inputs{batch(randn({B, 2, 5}, 1))};
+               },
                call<ConvTranspose1dImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
                {{"weight", Shard(1)}, {"bias", Shard(0)}}});
-  c.push_back({"ConvTranspose2d", [] { return ConvTranspose2d(ConvTranspose2dOptions(2, 3, 3)).ptr(); },
-               [=] { return Inputs{batch(randn({B, 2, 4, 4}, 1))}; },
+  c.push_back({"ConvTranspose2d",
+               [] { return ConvTranspose2d(ConvTranspose2dOptions(2, 3, 3)).ptr(); },
+               [=] {
+                 return Inputs{batch(randn({B, 2, 4, 4}, 1))};
+               },
                call<ConvTranspose2dImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
                {{"weight", Shard(1)}, {"bias", Shard(0)}}});
-  c.push_back({"ConvTranspose3d", [] { return ConvTranspose3d(ConvTranspose3dOptions(2, 3, 2)).ptr(); },
-               [=] { return Inputs{batch(randn({B, 2, 3, 3, 3}, 1))}; },
+  c.push_back({"ConvTranspose3d",
+               [] { return ConvTranspose3d(ConvTranspose3dOptions(2, 3, 2)).ptr(); },
+               [=] {
+                 return Inputs{batch(randn({B, 2, 3, 3, 3}, 1))};
+               },
                call<ConvTranspose3dImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
                {{"weight", Shard(1)}, {"bias", Shard(0)}}});
 
   // ---- embeddings ----
-  c.push_back({"Embedding", [] { return Embedding(10, 4).ptr(); },
-               [=] { return Inputs{target(indices({B, 3}, 10, 1))}; },
+  c.push_back({"Embedding",
+               [] { return Embedding(10, 4).ptr(); },
+               [=] {
+                 return Inputs{target(indices({B, 3}, 10, 1))};
+               },
                call<EmbeddingImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
                {{"weight", Shard(1)}}});
   c.push_back({"EmbeddingBagMean",
                [] { return EmbeddingBag(EmbeddingBagOptions(10, 4).mode(torch::kMean)).ptr(); },
-               [=] { return Inputs{target(indices({B, 3}, 10, 1))}; },
+               [=] {
+                 return Inputs{target(indices({B, 3}, 10, 1))};
+               },
                call<EmbeddingBagImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
                {{"weight", Shard(1)}}});
   c.push_back({"EmbeddingBagWeightedSum",
                [] { return EmbeddingBag(EmbeddingBagOptions(10, 4).mode(torch::kSum)).ptr(); },
-               [=] { return Inputs{target(indices({B, 3}, 10, 1)), batch(randn({B, 3}, 2))}; },
+               [=] {
+                 return Inputs{target(indices({B, 3}, 10, 1)), batch(randn({B, 3}, 2))};
+               },
                call<EmbeddingBagImpl>([](auto& m, auto& x) { return m.forward(x[0], {}, x[1]); }),
                {{"weight", Shard(0)}}});
   c.push_back({"EmbeddingBagMax",
                [] { return EmbeddingBag(EmbeddingBagOptions(10, 4).mode(torch::kMax)).ptr(); },
-               [=] { return Inputs{target(indices({B, 3}, 10, 1))}; },
+               [=] {
+                 return Inputs{target(indices({B, 3}, 10, 1))};
+               },
                call<EmbeddingBagImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
                {{"weight", Shard(1)}}});
 
   // ---- activations and normalization ----
-  c.push_back({"PReLU", [] { return PReLU(PReLUOptions().num_parameters(3)).ptr(); },
-               [=] { return Inputs{batch(randn({B, 3, 4}, 1))}; },
+  c.push_back({"PReLU",
+               [] { return PReLU(PReLUOptions().num_parameters(3)).ptr(); },
+               [=] {
+                 return Inputs{batch(randn({B, 3, 4}, 1))};
+               },
                call<PReLUImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
                {{"weight", Shard(0)}}});
-  c.push_back({"LayerNorm", [] { return LayerNorm(LayerNormOptions({3, 4})).ptr(); },
-               [=] { return Inputs{batch(randn({B, 3, 4}, 1))}; },
+  c.push_back({"LayerNorm",
+               [] {
+                 return LayerNorm(LayerNormOptions({3, 4})).ptr();
+               },
+               [=] {
+                 return Inputs{batch(randn({B, 3, 4}, 1))};
+               },
                call<LayerNormImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
                {{"weight", Shard(1)}, {"bias", Shard(1)}}});
-  c.push_back({"GroupNorm", [] { return GroupNorm(GroupNormOptions(2, 4)).ptr(); },
-               [=] { return Inputs{batch(randn({B, 4, 3}, 1))}; },
+  c.push_back({"GroupNorm",
+               [] { return GroupNorm(GroupNormOptions(2, 4)).ptr(); },
+               [=] {
+                 return Inputs{batch(randn({B, 4, 3}, 1))};
+               },
                call<GroupNormImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
                {{"weight", Shard(0)}, {"bias", Shard(0)}}});
-  c.push_back({"BatchNorm1d", [] { return BatchNorm1d(3).ptr(); },
-               [=] { return Inputs{batch(randn({B, 3, 4}, 1))}; },
+  c.push_back({"BatchNorm1d",
+               [] { return BatchNorm1d(3).ptr(); },
+               [=] {
+                 return Inputs{batch(randn({B, 3, 4}, 1))};
+               },
                call<BatchNorm1dImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
                // (the running statistics stay replicated: native_batch_norm updates them in
                // place and requires that)
                {{"weight", Shard(0)}, {"bias", Shard(0)}}});
   c.push_back({"BatchNorm2d", [] { return BatchNorm2d(3).ptr(); },
-               [=] { return Inputs{batch(randn({B, 3, 4, 4}, 1))}; },
+               [=] {
+                 return Inputs{batch(randn({B, 3, 4, 4}, 1))};
+               },
                call<BatchNorm2dImpl>([](auto& m, auto& x) { return m.forward(x[0]); })});
   c.push_back({"BatchNorm3d", [] { return BatchNorm3d(2).ptr(); },
-               [=] { return Inputs{batch(randn({B, 2, 3, 3, 3}, 1))}; },
+               [=] {
+                 return Inputs{batch(randn({B, 2, 3, 3, 3}, 1))};
+               },
                call<BatchNorm3dImpl>([](auto& m, auto& x) { return m.forward(x[0]); })});
   c.push_back({"InstanceNorm1d",
                [] {
-                 return InstanceNorm1d(InstanceNorm1dOptions(3).affine(true).track_running_stats(true))
+                 return InstanceNorm1d(
+                            InstanceNorm1dOptions(3).affine(true).track_running_stats(true))
                      .ptr();
                },
-               [=] { return Inputs{batch(randn({B, 3, 6}, 1))}; },
+               [=] {
+                 return Inputs{batch(randn({B, 3, 6}, 1))};
+               },
                call<InstanceNorm1dImpl>([](auto& m, auto& x) { return m.forward(x[0]); })});
   c.push_back({"InstanceNorm2d",
                [] {
-                 return InstanceNorm2d(InstanceNorm2dOptions(3).affine(true).track_running_stats(true))
+                 return InstanceNorm2d(
+                            InstanceNorm2dOptions(3).affine(true).track_running_stats(true))
                      .ptr();
                },
-               [=] { return Inputs{batch(randn({B, 3, 4, 4}, 1))}; },
+               [=] {
+                 return Inputs{batch(randn({B, 3, 4, 4}, 1))};
+               },
                call<InstanceNorm2dImpl>([](auto& m, auto& x) { return m.forward(x[0]); })});
   c.push_back({"InstanceNorm3d",
                [] {
-                 return InstanceNorm3d(InstanceNorm3dOptions(2).affine(true).track_running_stats(true))
+                 return InstanceNorm3d(
+                            InstanceNorm3dOptions(2).affine(true).track_running_stats(true))
                      .ptr();
                },
-               [=] { return Inputs{batch(randn({B, 2, 3, 3, 3}, 1))}; },
+               [=] {
+                 return Inputs{batch(randn({B, 2, 3, 3, 3}, 1))};
+               },
                call<InstanceNorm3dImpl>([](auto& m, auto& x) { return m.forward(x[0]); })});
 
   // ---- attention and transformers (sequence first: the batch is dim 1) ----
   c.push_back({"MultiheadAttention",
                [] { return MultiheadAttention(MultiheadAttentionOptions(8, 2)).ptr(); },
-               [=] { return Inputs{batch(randn({3, B, 8}, 1), 1)}; },
-               call<MultiheadAttentionImpl>([](auto& m, auto& x) {
-                 return std::get<0>(m.forward(x[0], x[0], x[0]));
-               }),
-               {{"in_proj_weight", Shard(0)}, {"out_proj.weight", Shard(1)}}});
-  c.push_back({"MultiheadAttentionSeparateProjections",
-               [] {
-                 // (LibTorch's C++ attention takes keys and values of one shape)
-                 return MultiheadAttention(
-                            MultiheadAttentionOptions(8, 2).kdim(6).vdim(6).add_bias_kv(true).add_zero_attn(true))
-                     .ptr();
-               },
                [=] {
-                 return Inputs{batch(randn({3, B, 8}, 1), 1), batch(randn({4, B, 6}, 2), 1),
-                               batch(randn({4, B, 6}, 3), 1)};
+                 return Inputs{batch(randn({3, B, 8}, 1), 1)};
                },
-               call<MultiheadAttentionImpl>([](auto& m, auto& x) {
-                 return std::get<0>(m.forward(x[0], x[1], x[2]));
-               })});
-  c.push_back({"TransformerEncoderLayer",
-               [] {
-                 return TransformerEncoderLayer(
-                            TransformerEncoderLayerOptions(8, 2).dim_feedforward(16).dropout(0.0))
-                     .ptr();
-               },
-               [=] { return Inputs{batch(randn({3, B, 8}, 1), 1)}; },
-               call<TransformerEncoderLayerImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
-               {{"linear1.weight", Shard(0)}, {"linear1.bias", Shard(0)}, {"linear2.weight", Shard(1)}}});
-  c.push_back({"TransformerDecoderLayer",
-               [] {
-                 return TransformerDecoderLayer(TransformerDecoderLayerOptions(8, 2)
-                                                    .dim_feedforward(16)
-                                                    .dropout(0.0)
-                                                    .activation(torch::kGELU))
-                     .ptr();
-               },
-               [=] { return Inputs{batch(randn({3, B, 8}, 1), 1), batch(randn({4, B, 8}, 2), 1)}; },
-               call<TransformerDecoderLayerImpl>(
-                   [](auto& m, auto& x) { return m.forward(x[0], x[1]); })});
+               call<MultiheadAttentionImpl>(
+                   [](auto& m, auto& x) { return std::get<0>(m.forward(x[0], x[0], x[0])); }),
+               {{"in_proj_weight", Shard(0)}, {"out_proj.weight", Shard(1)}}});
+  c.push_back(
+      {"MultiheadAttentionSeparateProjections",
+       [] {
+         // (LibTorch's C++ attention takes keys and values of one shape)
+         return MultiheadAttention(
+                    MultiheadAttentionOptions(8, 2).kdim(6).vdim(6).add_bias_kv(true).add_zero_attn(
+                        true))
+             .ptr();
+       },
+       [=] {
+         return Inputs{batch(randn({3, B, 8}, 1), 1), batch(randn({4, B, 6}, 2), 1),
+                       batch(randn({4, B, 6}, 3), 1)};
+       },
+       call<MultiheadAttentionImpl>(
+           [](auto& m, auto& x) { return std::get<0>(m.forward(x[0], x[1], x[2])); })});
+  c.push_back(
+      {"TransformerEncoderLayer",
+       [] {
+         return TransformerEncoderLayer(
+                    TransformerEncoderLayerOptions(8, 2).dim_feedforward(16).dropout(0.0))
+             .ptr();
+       },
+       [=] {
+         return Inputs{batch(randn({3, B, 8}, 1), 1)};
+       },
+       call<TransformerEncoderLayerImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
+       {{"linear1.weight", Shard(0)}, {"linear1.bias", Shard(0)}, {"linear2.weight", Shard(1)}}});
+  c.push_back(
+      {"TransformerDecoderLayer",
+       [] {
+         return TransformerDecoderLayer(TransformerDecoderLayerOptions(8, 2)
+                                            .dim_feedforward(16)
+                                            .dropout(0.0)
+                                            .activation(torch::kGELU))
+             .ptr();
+       },
+       [=] {
+         return Inputs{batch(randn({3, B, 8}, 1), 1), batch(randn({4, B, 8}, 2), 1)};
+       },
+       call<TransformerDecoderLayerImpl>([](auto& m, auto& x) { return m.forward(x[0], x[1]); })});
   c.push_back({"TransformerEncoder",
                [] {
                  auto layer = TransformerEncoderLayer(
@@ -247,107 +313,156 @@ std::vector<Case> cases() {
                                                AnyModule(LayerNorm(LayerNormOptions({8})))))
                      .ptr();
                },
-               [=] { return Inputs{batch(randn({3, B, 8}, 1), 1)}; },
+               [=] {
+                 return Inputs{batch(randn({3, B, 8}, 1), 1)};
+               },
                call<TransformerEncoderImpl>([](auto& m, auto& x) { return m.forward(x[0]); })});
-  c.push_back({"TransformerDecoder",
-               [] {
-                 auto layer = TransformerDecoderLayer(
-                     TransformerDecoderLayerOptions(8, 2).dim_feedforward(16).dropout(0.0));
-                 return TransformerDecoder(TransformerDecoderOptions(layer, 2)).ptr();
-               },
-               [=] { return Inputs{batch(randn({3, B, 8}, 1), 1), batch(randn({4, B, 8}, 2), 1)}; },
-               call<TransformerDecoderImpl>(
-                   [](auto& m, auto& x) { return m.forward(x[0], x[1]); })});
-  c.push_back({"Transformer",
-               [] {
-                 return Transformer(
-                            TransformerOptions(8, 2, 1, 1).dim_feedforward(16).dropout(0.0))
-                     .ptr();
-               },
-               [=] { return Inputs{batch(randn({4, B, 8}, 1), 1), batch(randn({3, B, 8}, 2), 1)}; },
-               call<TransformerImpl>([](auto& m, auto& x) { return m.forward(x[0], x[1]); })});
+  c.push_back(
+      {"TransformerDecoder",
+       [] {
+         auto layer = TransformerDecoderLayer(
+             TransformerDecoderLayerOptions(8, 2).dim_feedforward(16).dropout(0.0));
+         return TransformerDecoder(TransformerDecoderOptions(layer, 2)).ptr();
+       },
+       [=] {
+         return Inputs{batch(randn({3, B, 8}, 1), 1), batch(randn({4, B, 8}, 2), 1)};
+       },
+       call<TransformerDecoderImpl>([](auto& m, auto& x) { return m.forward(x[0], x[1]); })});
+  c.push_back(
+      {"Transformer",
+       [] {
+         return Transformer(TransformerOptions(8, 2, 1, 1).dim_feedforward(16).dropout(0.0)).ptr();
+       },
+       [=] {
+         return Inputs{batch(randn({4, B, 8}, 1), 1), batch(randn({3, B, 8}, 2), 1)};
+       },
+       call<TransformerImpl>([](auto& m, auto& x) { return m.forward(x[0], x[1]); })});
 
   // ---- recurrent (sequence first unless batch_first) ----
   c.push_back({"RNN",
                [] { return RNN(RNNOptions(4, 6).num_layers(2).nonlinearity(torch::kReLU)).ptr(); },
-               [=] { return Inputs{batch(randn({3, B, 4}, 1), 1)}; },
+               [=] {
+                 return Inputs{batch(randn({3, B, 4}, 1), 1)};
+               },
                call<RNNImpl>([](auto& m, auto& x) { return std::get<0>(m.forward(x[0])); })});
-  c.push_back({"LSTM", [] { return LSTM(LSTMOptions(4, 6).num_layers(2).bidirectional(true)).ptr(); },
-               [=] { return Inputs{batch(randn({3, B, 4}, 1), 1)}; },
+  c.push_back({"LSTM",
+               [] { return LSTM(LSTMOptions(4, 6).num_layers(2).bidirectional(true)).ptr(); },
+               [=] {
+                 return Inputs{batch(randn({3, B, 4}, 1), 1)};
+               },
                call<LSTMImpl>([](auto& m, auto& x) { return std::get<0>(m.forward(x[0])); }),
                {{"weight_ih_l0", Shard(0)}, {"weight_hh_l1_reverse", Shard(1)}}});
   c.push_back({"LSTMWithProjections", [] { return LSTM(LSTMOptions(4, 6).proj_size(3)).ptr(); },
-               [=] { return Inputs{batch(randn({3, B, 4}, 1), 1)}; },
+               [=] {
+                 return Inputs{batch(randn({3, B, 4}, 1), 1)};
+               },
                call<LSTMImpl>([](auto& m, auto& x) {
                  auto [out, state] = m.forward(x[0]);
                  return at::cat({out.flatten(), std::get<1>(state).flatten()});
                })});
   c.push_back({"GRU", [] { return GRU(GRUOptions(4, 6).num_layers(2).batch_first(true)).ptr(); },
-               [=] { return Inputs{batch(randn({B, 3, 4}, 1), 0)}; },
+               [=] {
+                 return Inputs{batch(randn({B, 3, 4}, 1), 0)};
+               },
                call<GRUImpl>([](auto& m, auto& x) { return std::get<0>(m.forward(x[0])); })});
   c.push_back({"RNNCell", [] { return RNNCell(4, 6).ptr(); },
-               [=] { return Inputs{batch(randn({B, 4}, 1)), batch(randn({B, 6}, 2))}; },
+               [=] {
+                 return Inputs{batch(randn({B, 4}, 1)), batch(randn({B, 6}, 2))};
+               },
                call<RNNCellImpl>([](auto& m, auto& x) { return m.forward(x[0], x[1]); })});
   c.push_back({"LSTMCell", [] { return LSTMCell(4, 6).ptr(); },
-               [=] { return Inputs{batch(randn({B, 4}, 1))}; },
+               [=] {
+                 return Inputs{batch(randn({B, 4}, 1))};
+               },
                call<LSTMCellImpl>([](auto& m, auto& x) {
                  auto [h, cell] = m.forward(x[0]);
                  return h + cell;
                })});
-  c.push_back({"GRUCell", [] { return GRUCell(4, 6).ptr(); },
-               [=] { return Inputs{batch(randn({B, 4}, 1))}; },
+  c.push_back({"GRUCell",
+               [] { return GRUCell(4, 6).ptr(); },
+               [=] {
+                 return Inputs{batch(randn({B, 4}, 1))};
+               },
                call<GRUCellImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
                {{"weight_ih", Shard(0)}, {"weight_hh", Shard(1)}}});
 
   // ---- losses with class weights (buffers), pooling with fixed samples (a buffer) ----
-  c.push_back({"NLLLoss", [] { return NLLLoss(NLLLossOptions().weight(torch::rand({3}) + 0.5)).ptr(); },
-               [=] { return Inputs{batch(randn({B, 3}, 1)), target(indices({B}, 3, 2))}; },
+  c.push_back({"NLLLoss",
+               [] { return NLLLoss(NLLLossOptions().weight(torch::rand({3}) + 0.5)).ptr(); },
+               [=] {
+                 return Inputs{batch(randn({B, 3}, 1)), target(indices({B}, 3, 2))};
+               },
                call<NLLLossImpl>([](auto& m, auto& x) { return m.forward(x[0], x[1]); }),
                {{"weight", Shard(0)}}});
-  c.push_back({"CrossEntropyLoss",
-               [] { return CrossEntropyLoss(CrossEntropyLossOptions().weight(torch::rand({3}) + 0.5)).ptr(); },
-               [=] { return Inputs{batch(randn({B, 3}, 1)), target(indices({B}, 3, 2))}; },
-               call<CrossEntropyLossImpl>([](auto& m, auto& x) { return m.forward(x[0], x[1]); })});
-  c.push_back({"BCELoss", [] { return BCELoss(BCELossOptions().weight(torch::rand({3}) + 0.5)).ptr(); },
-               [=] { return Inputs{batch(randn({B, 3}, 1).sigmoid()), target(rand({B, 3}, 2))}; },
+  c.push_back(
+      {"CrossEntropyLoss",
+       [] {
+         return CrossEntropyLoss(CrossEntropyLossOptions().weight(torch::rand({3}) + 0.5)).ptr();
+       },
+       [=] {
+         return Inputs{batch(randn({B, 3}, 1)), target(indices({B}, 3, 2))};
+       },
+       call<CrossEntropyLossImpl>([](auto& m, auto& x) { return m.forward(x[0], x[1]); })});
+  c.push_back({"BCELoss",
+               [] { return BCELoss(BCELossOptions().weight(torch::rand({3}) + 0.5)).ptr(); },
+               [=] {
+                 return Inputs{batch(randn({B, 3}, 1).sigmoid()), target(rand({B, 3}, 2))};
+               },
                call<BCELossImpl>([](auto& m, auto& x) { return m.forward(x[0], x[1]); })});
-  c.push_back({"BCEWithLogitsLoss",
-               [] {
-                 return BCEWithLogitsLoss(BCEWithLogitsLossOptions()
-                                              .weight(torch::rand({3}) + 0.5)
-                                              .pos_weight(torch::rand({3}) + 0.5))
-                     .ptr();
-               },
-               [=] { return Inputs{batch(randn({B, 3}, 1)), target(rand({B, 3}, 2))}; },
-               call<BCEWithLogitsLossImpl>([](auto& m, auto& x) { return m.forward(x[0], x[1]); })});
-  c.push_back({"MultiMarginLoss",
-               [] { return MultiMarginLoss(MultiMarginLossOptions().weight(torch::rand({3}) + 0.5)).ptr(); },
-               [=] { return Inputs{batch(randn({B, 3}, 1)), target(indices({B}, 3, 2))}; },
-               call<MultiMarginLossImpl>([](auto& m, auto& x) { return m.forward(x[0], x[1]); })});
-  c.push_back({"MultiLabelSoftMarginLoss",
-               [] {
-                 return MultiLabelSoftMarginLoss(
-                            MultiLabelSoftMarginLossOptions().weight(torch::rand({3}) + 0.5))
-                     .ptr();
-               },
-               [=] { return Inputs{batch(randn({B, 3}, 1)), target(indices({B, 3}, 2, 2).to(at::kFloat))}; },
-               call<MultiLabelSoftMarginLossImpl>([](auto& m, auto& x) { return m.forward(x[0], x[1]); })});
+  c.push_back(
+      {"BCEWithLogitsLoss",
+       [] {
+         return BCEWithLogitsLoss(BCEWithLogitsLossOptions()
+                                      .weight(torch::rand({3}) + 0.5)
+                                      .pos_weight(torch::rand({3}) + 0.5))
+             .ptr();
+       },
+       [=] {
+         return Inputs{batch(randn({B, 3}, 1)), target(rand({B, 3}, 2))};
+       },
+       call<BCEWithLogitsLossImpl>([](auto& m, auto& x) { return m.forward(x[0], x[1]); })});
+  c.push_back(
+      {"MultiMarginLoss",
+       [] {
+         return MultiMarginLoss(MultiMarginLossOptions().weight(torch::rand({3}) + 0.5)).ptr();
+       },
+       [=] {
+         return Inputs{batch(randn({B, 3}, 1)), target(indices({B}, 3, 2))};
+       },
+       call<MultiMarginLossImpl>([](auto& m, auto& x) { return m.forward(x[0], x[1]); })});
+  c.push_back(
+      {"MultiLabelSoftMarginLoss",
+       [] {
+         return MultiLabelSoftMarginLoss(
+                    MultiLabelSoftMarginLossOptions().weight(torch::rand({3}) + 0.5))
+             .ptr();
+       },
+       [=] {
+         return Inputs{batch(randn({B, 3}, 1)), target(indices({B, 3}, 2, 2).to(at::kFloat))};
+       },
+       call<MultiLabelSoftMarginLossImpl>([](auto& m, auto& x) { return m.forward(x[0], x[1]); })});
   c.push_back({"FractionalMaxPool2d",
                [=] {
                  return FractionalMaxPool2d(
-                            FractionalMaxPool2dOptions(2).output_size(3)._random_samples(torch::rand({B, 2, 2})))
+                            FractionalMaxPool2dOptions(2).output_size(3)._random_samples(
+                                torch::rand({B, 2, 2})))
                      .ptr();
                },
-               [=] { return Inputs{batch(randn({B, 2, 6, 6}, 1))}; },
+               [=] {
+                 return Inputs{batch(randn({B, 2, 6, 6}, 1))};
+               },
                call<FractionalMaxPool2dImpl>([](auto& m, auto& x) { return m.forward(x[0]); }),
                {{"_random_samples", Shard(0)}}});
   c.push_back({"FractionalMaxPool3d",
                [=] {
                  return FractionalMaxPool3d(
-                            FractionalMaxPool3dOptions(2).output_size(2)._random_samples(torch::rand({B, 2, 3})))
+                            FractionalMaxPool3dOptions(2).output_size(2)._random_samples(
+                                torch::rand({B, 2, 3})))
                      .ptr();
                },
-               [=] { return Inputs{batch(randn({B, 2, 5, 5, 5}, 1))}; },
+               [=] {
+                 return Inputs{batch(randn({B, 2, 5, 5, 5}, 1))};
+               },
                call<FractionalMaxPool3dImpl>([](auto& m, auto& x) { return m.forward(x[0]); })});
   c.push_back({"AdaptiveLogSoftmaxWithLoss",
                [] {
@@ -355,7 +470,9 @@ std::vector<Case> cases() {
                             AdaptiveLogSoftmaxWithLossOptions(8, 10, {4, 8}).div_value(2.))
                      .ptr();
                },
-               [=] { return Inputs{batch(randn({B, 8}, 1)), target(indices({B}, 10, 2))}; },
+               [=] {
+                 return Inputs{batch(randn({B, 8}, 1)), target(indices({B}, 10, 2))};
+               },
                call<AdaptiveLogSoftmaxWithLossImpl>(
                    [](auto& m, auto& x) { return m.forward(x[0], x[1]).output; })});
 
@@ -367,8 +484,11 @@ std::vector<Case> cases() {
                  d->insert("shift", torch::randn({4}).requires_grad_());
                  return d.ptr();
                },
-               [=] { return Inputs{batch(randn({B, 4}, 1))}; },
-               call<ParameterDictImpl>([](auto& m, auto& x) { return x[0] * m.get("scale") + m.get("shift"); }),
+               [=] {
+                 return Inputs{batch(randn({B, 4}, 1))};
+               },
+               call<ParameterDictImpl>(
+                   [](auto& m, auto& x) { return x[0] * m.get("scale") + m.get("shift"); }),
                {{"scale", Shard(0)}}});
   c.push_back({"ParameterList",
                [] {
@@ -376,7 +496,9 @@ std::vector<Case> cases() {
                  l->append(torch::randn({4, 3}).requires_grad_());
                  return l.ptr();
                },
-               [=] { return Inputs{batch(randn({B, 4}, 1))}; },
+               [=] {
+                 return Inputs{batch(randn({B, 4}, 1))};
+               },
                call<ParameterListImpl>([](auto& m, auto& x) { return at::matmul(x[0], m[0]); }),
                {{"0", Shard(1)}}});
   return c;
@@ -407,8 +529,8 @@ at::Tensor scalar_loss(const at::Tensor& out) { return out.dim() == 0 ? out : ou
 
 const test::Tolerance kTol{1e-4, 1e-5};
 
-void expect_same_step(const Case& c, torch::nn::Module& ref, torch::nn::Module& dist, const DeviceMesh& mesh,
-                      const std::string& what) {
+void expect_same_step(const Case& c, torch::nn::Module& ref, torch::nn::Module& dist,
+                      const DeviceMesh& mesh, const std::string& what) {
   const int world = static_cast<int>(mesh.size(0));
   const auto inputs = c.inputs();
   std::vector<at::Tensor> ref_in, dist_in;
@@ -447,11 +569,13 @@ void expect_same_step(const Case& c, torch::nn::Module& ref, torch::nn::Module& 
   ASSERT_EQ(ref_params.size(), dist_params.size()) << what;
   for (const auto& item : ref_params) {
     const at::Tensor* got = dist_params.find(item.key());
-    ASSERT_TRUE(got && is_dtensor(*got)) << what << ": parameter " << item.key() << " not distributed";
+    ASSERT_TRUE(got && is_dtensor(*got))
+        << what << ": parameter " << item.key() << " not distributed";
     const at::Tensor& g = item.value().grad();
     ASSERT_EQ(got->grad().defined(), g.defined()) << what << ": gradient of " << item.key();
     if (g.defined())
-      ASSERT_TRUE(test::full_matches(got->grad(), g, kTol)) << what << ": gradient of " << item.key();
+      ASSERT_TRUE(test::full_matches(got->grad(), g, kTol))
+          << what << ": gradient of " << item.key();
   }
 
   ref_opt.step();
@@ -487,11 +611,13 @@ void run_case(const Case& c, bool sharded_parameters) {
     tessera::testing::run_ranks(world, [&](int rank) {
       auto mesh = init_device_mesh("cpu", {world});
       auto& [ref, dist] = pairs[rank];
-      if (sharded_parameters) distribute_module(*dist, mesh, partition(c.sharded));
-      else distribute_module(*dist, mesh);
+      if (sharded_parameters)
+        distribute_module(*dist, mesh, partition(c.sharded));
+      else
+        distribute_module(*dist, mesh);
       expect_same_step(c, *ref, *dist, mesh,
-                       c.name + (sharded_parameters ? " (sharded parameters)" : "") +
-                           " on " + std::to_string(world) + " ranks");
+                       c.name + (sharded_parameters ? " (sharded parameters)" : "") + " on " +
+                           std::to_string(world) + " ranks");
     });
   }
 }
@@ -521,7 +647,8 @@ void run_parallelized_case(const Case& c) {
           parallelize_module(*dist, mesh, SequenceParallel(dim).use_local_output(false));
           ADD_FAILURE() << what << ": a module without parameters was accepted";
         } catch (const c10::Error& e) {
-          EXPECT_NE(std::string(e.what_without_backtrace()).find("has no parameters"), std::string::npos)
+          EXPECT_NE(std::string(e.what_without_backtrace()).find("has no parameters"),
+                    std::string::npos)
               << e.what_without_backtrace();
         }
         return;
@@ -586,13 +713,19 @@ std::vector<TransformerCase> transformer_cases() {
          return dynamic_cast<TransformerDecoderLayerImpl&>(m).forward(x, mem);
        },
        ""},
-      {"TransformerEncoder", [=] { return TransformerEncoder(TransformerEncoderOptions(TransformerEncoderLayer(enc()), 2)).ptr(); },
+      {"TransformerEncoder",
+       [=] {
+         return TransformerEncoder(TransformerEncoderOptions(TransformerEncoderLayer(enc()), 2))
+             .ptr();
+       },
        [](torch::nn::Module& m, const at::Tensor& x, const at::Tensor&) {
          return dynamic_cast<TransformerEncoderImpl&>(m).forward(x);
        },
        "layers.*."},
       {"Transformer",
-       [] { return Transformer(TransformerOptions(8, 2, 1, 1).dim_feedforward(7).dropout(0.0)).ptr(); },
+       [] {
+         return Transformer(TransformerOptions(8, 2, 1, 1).dim_feedforward(7).dropout(0.0)).ptr();
+       },
        [](torch::nn::Module& m, const at::Tensor& x, const at::Tensor& tgt) {
          return dynamic_cast<TransformerImpl&>(m).forward(x, tgt);
        },
@@ -627,7 +760,8 @@ TEST(BuiltinModules, TransformerLayersWithTheMegatronPlan) {
           ADD_FAILURE() << what << ": a local output before the bias add went unnoticed";
         } catch (const c10::Error& e) {
           EXPECT_NE(std::string(e.what_without_backtrace()).find("use_local_output(false)"),
-                    std::string::npos) << e.what_without_backtrace();
+                    std::string::npos)
+              << e.what_without_backtrace();
         }
         parallelize_module(*dist, mesh,
                            {{c.layers + "linear1", ColwiseParallel().use_local_output(false)},

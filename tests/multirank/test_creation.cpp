@@ -20,7 +20,8 @@ using Shape = std::vector<int64_t>;
 at::Tensor seeded(const Shape& shape, at::ScalarType dtype, uint64_t seed) {
   auto gen = at::detail::createCPUGenerator(seed);
   auto opts = at::TensorOptions().dtype(dtype);
-  if (at::isIntegralType(dtype, /*includeBool=*/false)) return at::randint(-100, 100, shape, gen, opts);
+  if (at::isIntegralType(dtype, /*includeBool=*/false))
+    return at::randint(-100, 100, shape, gen, opts);
   return at::randn(shape, gen, opts);
 }
 
@@ -32,8 +33,8 @@ const std::vector<Shape> kMeshes = {{1}, {2}, {3}, {4}, {2, 2}, {2, 3}};
 
 std::vector<Placements> placements_for(size_t mesh_ndim) {
   if (mesh_ndim == 1) return {{Shard(0)}, {Shard(1)}, {Shard(-1)}, {Replicate()}};
-  return {{Shard(0), Shard(1)}, {Shard(0), Shard(0)}, {Shard(1), Shard(1)},
-          {Shard(1), Shard(0)}, {Replicate(), Shard(0)}, {Shard(1), Replicate()},
+  return {{Shard(0), Shard(1)},      {Shard(0), Shard(0)},    {Shard(1), Shard(1)},
+          {Shard(1), Shard(0)},      {Replicate(), Shard(0)}, {Shard(1), Replicate()},
           {Replicate(), Replicate()}};
 }
 
@@ -153,8 +154,8 @@ TEST(CreationDistribute, BackwardGoesToSourceOrEveryRank) {
       for (const auto& pl : placements_for(ms.size())) {
         for (const Shape& shape : {Shape{7, 5}, Shape{2, 3}}) {
           at::Tensor w = seeded(shape, at::kDouble, 42);
-          for (std::optional<int> src : {std::optional<int>(0), std::optional<int>(world - 1),
-                                         std::optional<int>()}) {
+          for (std::optional<int> src :
+               {std::optional<int>(0), std::optional<int>(world - 1), std::optional<int>()}) {
             at::Tensor x = seeded(shape, at::kDouble, 41).requires_grad_();
             auto dt = distribute_tensor(x, mesh, pl, src);
             ASSERT_TRUE(dt.requires_grad());
@@ -344,7 +345,9 @@ TEST(CreationFullTensor, Backward) {
         at::Tensor w = seeded(shape, at::kDouble, 21);
         auto tables = tessera::test::random_tables(rng, mesh, pl, shape);
         auto dt = distribute_tensor(seeded(shape, at::kDouble, 20), mesh, pl, 0,
-                                    ShardSizes::Given(tables)).detach().requires_grad_();
+                                    ShardSizes::Given(tables))
+                      .detach()
+                      .requires_grad_();
         (full_tensor(dt) * w).sum().backward();
         ASSERT_TRUE(dt.grad().defined());
         expect_close(to_local(dt.grad()), local_block(w, spec(dt)), to_string(pl));
@@ -378,7 +381,8 @@ TEST(CreationRedistribute, BackwardThroughPartialIsNeverDivided) {
         expect_holds(out.detach(), full, to_string(target));
         (out * w).sum().backward();
         // Every term gets the whole gradient of its block.
-        expect_close(term.grad(), local_block(w, src_spec), to_string(src_pl) + "->" + to_string(target));
+        expect_close(term.grad(), local_block(w, src_spec),
+                     to_string(src_pl) + "->" + to_string(target));
       }
     });
   }
@@ -481,7 +485,9 @@ TEST(CreationToLocal, BackwardWhenTheLocalMeetsDistributedTensors) {
       for (const auto& pl : placements_for(ms.size())) {
         at::Tensor full = seeded({7, 5}, at::kDouble, 15);
         at::Tensor w = seeded({7, 5}, at::kDouble, 16);
-        auto p = distribute_tensor(full, mesh, Placements(ms.size(), Replicate())).detach().requires_grad_();
+        auto p = distribute_tensor(full, mesh, Placements(ms.size(), Replicate()))
+                     .detach()
+                     .requires_grad_();
         auto dw = distribute_tensor(w, mesh, pl);
         (to_local(p) * dw).sum().backward();
         ASSERT_TRUE(is_dtensor(p.grad()));

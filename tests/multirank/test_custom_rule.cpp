@@ -55,8 +55,8 @@ ops::OpPlan scale_and_index_rule(const ops::OpCall& call) {
 }
 
 // Any layout (Partial made whole first): the kernel sums its shard, all-reduces the sum over
-// the mesh dims that shard x, and divides. It communicates, so it is a distributed kernel, handed the
-// mesh at call time (a kernel never captures one).
+// the mesh dims that shard x, and divides. It communicates, so it is a distributed kernel, handed
+// the mesh at call time (a kernel never captures one).
 ops::OpPlan normalize_rule(const ops::OpCall& call) {
   const auto layout = std::make_shared<DTensorSpec>(call.spec("x")->partial_as_replicate());
   ops::OpPlan plan(call);
@@ -104,7 +104,8 @@ TEST(CustomRule, UserOpWithRegisteredRuleMatchesOneDevice) {
 
 TEST(CustomRule, DistributedKernelMatchesOneDevice) {
   ops::register_rule("tessera_test::normalize", normalize_rule);
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("tessera_test::normalize", "")
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("tessera_test::normalize", "")
                        .typed<at::Tensor(const at::Tensor&)>();
   const auto full = tessera::test::randn({5, 4}, 62).abs() + 1;
   const auto expected = normalize(full);
@@ -131,7 +132,8 @@ TEST(CustomRule, CustomOpWithoutRuleRunsOnlyReplicated) {
   tessera::testing::run_ranks(2, [](int) {
     auto mesh = init_device_mesh("cpu", {2});
     auto r = distribute_tensor(at::ones({4}), mesh, {Replicate()}, std::nullopt);
-    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("tessera_test::fragile", "")
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("tessera_test::fragile", "")
                          .typed<at::Tensor(const at::Tensor&)>();
     // No rule registered yet: replicated inputs run locally everywhere.
     EXPECT_TRUE(at::equal(full_tensor(op.call(r)), at::full({4}, 2.f)));
@@ -148,23 +150,28 @@ TEST(CustomRule, CustomOpWithoutRuleRunsOnlyReplicated) {
 
 TEST(CustomRule, RuleFailingOnOneRankFailsEveryRankPromptly) {
   ops::register_rule("tessera_test::fragile", fragile_rule);
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("tessera_test::fragile", "")
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("tessera_test::fragile", "")
                        .typed<at::Tensor(const at::Tensor&)>();
   tessera::testing::RunOptions quick;
   quick.collective_timeout = std::chrono::seconds(10);
   quick.timeout = std::chrono::seconds(40);
   const auto start = std::chrono::steady_clock::now();
   try {
-    tessera::testing::run_ranks(3, [](int) {
-      auto mesh = init_device_mesh("cpu", {3});
-      auto s = distribute_tensor(at::ones({6}), mesh, {Shard(0)}, std::nullopt);
-      auto y = op.call(s);   // rank 1 throws here; the others go on...
-      full_tensor(y);        // ...into a collective rank 1 never joins
-    }, quick);
+    tessera::testing::run_ranks(
+        3,
+        [](int) {
+          auto mesh = init_device_mesh("cpu", {3});
+          auto s = distribute_tensor(at::ones({6}), mesh, {Shard(0)}, std::nullopt);
+          auto y = op.call(s);  // rank 1 throws here; the others go on...
+          full_tensor(y);       // ...into a collective rank 1 never joins
+        },
+        quick);
     ADD_FAILURE() << "expected the run to fail";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("refuses to run on rank 1"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("refuses to run on rank 1"), std::string::npos)
+        << e.what();
   }
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
 }

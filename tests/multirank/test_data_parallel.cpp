@@ -62,14 +62,16 @@ at::Tensor batch(int64_t rows, int64_t cols, int s, int which) {
 }
 
 // Every parameter of `model` (distributed or not) equals the reference's.
-void expect_parameters_match(torch::nn::Module& model, torch::nn::Module& ref, const std::string& what,
-                             double tol = 1e-10) {
+void expect_parameters_match(torch::nn::Module& model, torch::nn::Module& ref,
+                             const std::string& what, double tol = 1e-10) {
   for (const auto& p : ref.named_parameters()) {
     at::Tensor mine = *model.named_parameters().find(p.key());
     if (is_dtensor(mine)) {
-      ASSERT_TRUE(test::full_matches(mine, p.value().detach(), {tol, tol})) << what << ": " << p.key();
+      ASSERT_TRUE(test::full_matches(mine, p.value().detach(), {tol, tol}))
+          << what << ": " << p.key();
     } else {
-      ASSERT_TRUE(at::allclose(mine.detach(), p.value().detach(), tol, tol)) << what << ": " << p.key();
+      ASSERT_TRUE(at::allclose(mine.detach(), p.value().detach(), tol, tol))
+          << what << ": " << p.key();
     }
   }
 }
@@ -107,15 +109,16 @@ void distributed_inputs_case(const std::vector<int64_t>& table, Opt opt, double 
     at::set_num_threads(1);
     auto mesh = init_device_mesh("cpu", {n}, {"dp"});
     auto model = mlp_clone(proto);
-    auto ddp = replicate(*model, mesh,
-                         ReplicateOptions().first_bucket_cap_mb(first_cap_mb).bucket_cap_mb(cap_mb));
+    auto ddp = replicate(
+        *model, mesh, ReplicateOptions().first_bucket_cap_mb(first_cap_mb).bucket_cap_mb(cap_mb));
     auto o = make_optimizer(opt, model->parameters());
     for (int s = 0; s < 10; ++s) {
       // (after the first step the buckets follow the order gradients became ready)
       const int64_t buckets = static_cast<int64_t>(ddp->bucket_parameter_names().size());
       o->zero_grad();
       auto sizes = ShardSizes::Given(0, table);
-      at::Tensor x = distribute_tensor(batch(rows, 15, s, 0), mesh, {Shard(0)}, std::nullopt, sizes);
+      at::Tensor x =
+          distribute_tensor(batch(rows, 15, s, 0), mesh, {Shard(0)}, std::nullopt, sizes);
       at::Tensor y = distribute_tensor(batch(rows, 7, s, 1), mesh, {Shard(0)}, std::nullopt, sizes);
       at::Tensor loss = at::mse_loss(model->forward(x), y);
       {
@@ -124,10 +127,12 @@ void distributed_inputs_case(const std::vector<int64_t>& table, Opt opt, double 
         // Step 0 also agrees on the rebuilt bucket order (one broadcast).
         if (n > 1)
           ASSERT_EQ(all_reduces(mode), buckets) << what << " step " << s << "\n" << mode.table();
-        if (s > 0 && n > 1) ASSERT_EQ(mode.get_total_counts(), buckets) << what << "\n" << mode.table();
+        if (s > 0 && n > 1)
+          ASSERT_EQ(mode.get_total_counts(), buckets) << what << "\n" << mode.table();
       }
       o->step();
-      ASSERT_NEAR(loss.item<double>(), expected[s], 1e-12 * (1 + std::abs(expected[s]))) << what << " step " << s;
+      ASSERT_NEAR(loss.item<double>(), expected[s], 1e-12 * (1 + std::abs(expected[s])))
+          << what << " step " << s;
     }
     expect_parameters_match(*model, *ref, what);
   });
@@ -152,7 +157,8 @@ TEST(DataParallel, BucketsFollowCapacitiesInReverseOrder) {
     model->to(at::kDouble);
     // Parameter bytes in reverse registration order, and the buckets those caps give.
     std::vector<std::pair<std::string, int64_t>> reversed;
-    for (const auto& p : model->named_parameters()) reversed.insert(reversed.begin(), {p.key(), p.value().numel() * 8});
+    for (const auto& p : model->named_parameters())
+      reversed.insert(reversed.begin(), {p.key(), p.value().numel() * 8});
     const double first = 0.0008, rest = 0.002;  // MiB
     std::vector<std::vector<std::string>> expected(1);
     int64_t bytes = 0;
@@ -166,7 +172,8 @@ TEST(DataParallel, BucketsFollowCapacitiesInReverseOrder) {
       }
     }
     if (expected.back().empty()) expected.pop_back();
-    auto ddp = replicate(model, mesh, ReplicateOptions().first_bucket_cap_mb(first).bucket_cap_mb(rest));
+    auto ddp =
+        replicate(model, mesh, ReplicateOptions().first_bucket_cap_mb(first).bucket_cap_mb(rest));
     ASSERT_EQ(ddp->bucket_parameter_names(), expected);
     ASSERT_GT(expected.size(), 2u);
   });
@@ -184,7 +191,8 @@ TEST(DataParallel, LocalBatchesAverageLikeTorchDDP) {
       for (int s = 0; s < 10; ++s) {
         o->zero_grad();
         // The mean of equal-sized local means is the global mean.
-        at::Tensor loss = at::mse_loss(ref->forward(batch(n * per_rank, 15, s, 0)), batch(n * per_rank, 7, s, 1));
+        at::Tensor loss =
+            at::mse_loss(ref->forward(batch(n * per_rank, 15, s, 0)), batch(n * per_rank, 7, s, 1));
         loss.backward();
         o->step();
         expected.push_back(loss.item<double>());
@@ -199,7 +207,9 @@ TEST(DataParallel, LocalBatchesAverageLikeTorchDDP) {
         at::NoGradGuard g;
         for (auto& p : model->parameters()) p.add_(1.0);
       }
-      auto ddp = replicate(*model, mesh, ReplicateOptions().local_batches(true).first_bucket_cap_mb(0.0005).bucket_cap_mb(0.001));
+      auto ddp = replicate(
+          *model, mesh,
+          ReplicateOptions().local_batches(true).first_bucket_cap_mb(0.0005).bucket_cap_mb(0.001));
       const int64_t buckets = static_cast<int64_t>(ddp->bucket_parameter_names().size());
       for (const auto& p : model->parameters()) ASSERT_FALSE(is_dtensor(p));
       auto o = make_optimizer(Opt::Sgd, model->parameters());
@@ -213,8 +223,10 @@ TEST(DataParallel, LocalBatchesAverageLikeTorchDDP) {
         if (n > 1) ASSERT_EQ(all_reduces(mode), buckets);
         o->step();
         // The global loss is the mean of the ranks' losses.
-        at::Tensor global = comm::all_reduce(mesh.group(0), loss.detach().reshape({1}), PartialOp::Avg);
-        ASSERT_NEAR(global.item<double>(), expected[s], 1e-12 * (1 + std::abs(expected[s]))) << "n " << n << " step " << s;
+        at::Tensor global =
+            comm::all_reduce(mesh.group(0), loss.detach().reshape({1}), PartialOp::Avg);
+        ASSERT_NEAR(global.item<double>(), expected[s], 1e-12 * (1 + std::abs(expected[s])))
+            << "n " << n << " step " << s;
       }
       expect_parameters_match(*model, *ref, "local batches, n " + std::to_string(n));
     });
@@ -234,7 +246,8 @@ TEST(DataParallel, NoSyncAccumulatesThenReducesOnce) {
     for (int s = 0; s < 3; ++s) {
       o_ref->zero_grad();
       for (int micro = 0; micro < 2; ++micro)
-        at::mse_loss(ref->forward(batch(n * per_rank, 15, 2 * s + micro, 0)), batch(n * per_rank, 7, 2 * s + micro, 1))
+        at::mse_loss(ref->forward(batch(n * per_rank, 15, 2 * s + micro, 0)),
+                     batch(n * per_rank, 7, 2 * s + micro, 1))
             .backward();
       o_ref->step();
     }
@@ -255,14 +268,16 @@ TEST(DataParallel, NoSyncAccumulatesThenReducesOnce) {
           auto guard = ddp->no_sync();
           CommDebugMode mode;
           at::mse_loss(model->forward(input(2 * s, 0, 15)), input(2 * s, 1, 7)).backward();
-          ASSERT_EQ(mode.get_total_counts(), 0) << (local ? "local" : "distributed") << "\n" << mode.table();
+          ASSERT_EQ(mode.get_total_counts(), 0) << (local ? "local" : "distributed") << "\n"
+                                                << mode.table();
         }
         CommDebugMode mode;
         at::mse_loss(model->forward(input(2 * s + 1, 0, 15)), input(2 * s + 1, 1, 7)).backward();
         ASSERT_EQ(all_reduces(mode), static_cast<int64_t>(ddp->bucket_parameter_names().size()));
         o->step();
       }
-      expect_parameters_match(*model, *ref, local ? "no_sync, local batches" : "no_sync, distributed inputs");
+      expect_parameters_match(*model, *ref,
+                              local ? "no_sync, local batches" : "no_sync, distributed inputs");
     });
   }
 }
@@ -278,7 +293,9 @@ TEST(DataParallel, UnusedParameters) {
     auto mesh = init_device_mesh("cpu", {n}, {"dp"});
     for (bool local : {false, true}) {
       auto model = mlp_clone(proto);
-      auto ddp = replicate(*model, mesh, ReplicateOptions().local_batches(local).bucket_cap_mb(0.001).first_bucket_cap_mb(0.0005));
+      auto ddp = replicate(
+          *model, mesh,
+          ReplicateOptions().local_batches(local).bucket_cap_mb(0.001).first_bucket_cap_mb(0.0005));
       at::Tensor x = batch(6, 15, 0, 0), y = batch(6, 7, 0, 1);
       if (local) {
         x = x.narrow(0, 2 * rank, 2);
@@ -297,9 +314,12 @@ TEST(DataParallel, UnusedParameters) {
       at::mse_loss(model->forward(x), y).backward();
       auto solo = mlp_clone(proto);
       solo->use_spare = true;
-      at::mse_loss(solo->forward(batch(6, 15, 0, 0).narrow(0, 0, 2)), batch(6, 7, 0, 1).narrow(0, 0, 2)).backward();
+      at::mse_loss(solo->forward(batch(6, 15, 0, 0).narrow(0, 0, 2)),
+                   batch(6, 7, 0, 1).narrow(0, 0, 2))
+          .backward();
       ASSERT_TRUE(model->spare->weight.grad().defined());
-      ASSERT_TRUE(at::allclose(model->spare->weight.grad(), solo->spare->weight.grad() / n, 1e-12, 1e-12));
+      ASSERT_TRUE(
+          at::allclose(model->spare->weight.grad(), solo->spare->weight.grad() / n, 1e-12, 1e-12));
     }
   });
 }
@@ -375,7 +395,8 @@ TEST(DataParallel, DomainUNetOnDpByDomainMesh) {
       ASSERT_EQ(bucketed, without_weights + 1) << "step " << s;
       ASSERT_GE(per_parameter, without_weights + params) << "step " << s;
       o.step();
-      ASSERT_NEAR(loss.item<double>(), expected[s], 1e-5 * (1 + std::abs(expected[s]))) << "step " << s;
+      ASSERT_NEAR(loss.item<double>(), expected[s], 1e-5 * (1 + std::abs(expected[s])))
+          << "step " << s;
     }
     expect_parameters_match(*model, *ref, "dp x domain U-Net", 1e-4);
   });
@@ -408,7 +429,8 @@ TEST(DataParallel, ErrorsOnEveryRank) {
       auto ddp = replicate(b, mesh);
       FAIL() << "a parameter on another mesh accepted";
     } catch (const c10::Error& e) {
-      EXPECT_NE(std::string(e.what()).find("distribute it on that mesh"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("distribute it on that mesh"), std::string::npos)
+          << e.what();
     }
     EXPECT_THROW((void)replicate(b, mesh, ReplicateOptions().bucket_cap_mb(0)), c10::Error);
   });

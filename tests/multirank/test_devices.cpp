@@ -71,13 +71,21 @@ TEST(Devices, CollectivesRefuseTensorsAwayFromHome) {
       std::function<void()> call;
     };
     const std::vector<Case> cases{
-        {"all_gather", [&] { comm::all_gather(pg, meta, 0, {4, 4}); }},
+        {"all_gather",
+         [&] {
+           comm::all_gather(pg, meta, 0, {4, 4});
+         }},
         {"all_reduce", [&] { comm::all_reduce(pg, meta, PartialOp::Sum); }},
-        {"reduce_scatter", [&] { comm::reduce_scatter(pg, meta, 0, {2, 2}, PartialOp::Sum); }},
+        {"reduce_scatter",
+         [&] {
+           comm::reduce_scatter(pg, meta, 0, {2, 2}, PartialOp::Sum);
+         }},
         {"broadcast", [&] { comm::broadcast(pg, meta, 0); }},
         {"all_reduce_start", [&] { comm::all_reduce_start(pg, meta, PartialOp::Sum); }},
         {"all_to_all_blocks",
-         [&] { comm::all_to_all_blocks(pg, {meta, meta}, {{4}, {4}}, meta.options()); }},
+         [&] {
+           comm::all_to_all_blocks(pg, {meta, meta}, {{4}, {4}}, meta.options());
+         }},
     };
     for (const auto& c : cases) {
       auto msg = error_of(c.call);

@@ -1,5 +1,5 @@
-// Dim-wise ops (cumsum, logcumsumexp, sort, flip, roll, tril / triu; NOTE: [Dim-wise ops]) along sharded and
-// unsharded dims, on uneven and empty shard tables and 1-D and 2-D meshes, forward and
+// Dim-wise ops (cumsum, logcumsumexp, sort, flip, roll, tril / triu; NOTE: [Dim-wise ops]) along
+// sharded and unsharded dims, on uneven and empty shard tables and 1-D and 2-D meshes, forward and
 // backward, against the same code on one device.
 #include <functional>
 #include <string>
@@ -68,9 +68,15 @@ TEST(DimWise, SortFlipRollTriangles) {
       {"sort(1)", [](auto& v) { return std::get<0>(v[0].sort(1)); }},
       {"sort(0, descending) indices", [](auto& v) { return std::get<1>(v[0].sort(0, true)); }},
       {"sort stable(2)", [](auto& v) { return std::get<0>(v[0].sort(true, 2, false)); }},
-      {"flip(0, 2)", [](auto& v) { return v[0].flip({0, 2}); }},
+      {"flip(0, 2)",
+       [](auto& v) {
+         return v[0].flip({0, 2});
+       }},
       {"roll(2, 1)", [](auto& v) { return v[0].roll({2}, {1}) * 3; }},
-      {"roll(-3, 0) and (1, 2)", [](auto& v) { return v[0].roll({-3, 1}, {0, 2}); }},
+      {"roll(-3, 0) and (1, 2)",
+       [](auto& v) {
+         return v[0].roll({-3, 1}, {0, 2});
+       }},
       {"roll flattened", [](auto& v) { return v[0].roll({4}); }},
       {"tril", [](auto& v) { return v[0].tril(); }},
       {"triu(-1)", [](auto& v) { return v[0].triu(-1); }},

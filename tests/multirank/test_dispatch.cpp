@@ -31,11 +31,16 @@ TEST(Dispatch, PointwiseSameLayout) {
     p[0] = Shard(0);
     auto tab = uneven_rows(mesh, 7);
     std::vector<Operand> two = {{{7, 5}, p, tab}, {{7, 5}, p, tab}};
-    differential(mesh, two, [](auto& v) { return v[0] + v[1] * 2; }, "add/mul");
-    differential(mesh, two, [](auto& v) { return (v[0] - v[1]).exp().relu(); }, "sub/exp/relu");
-    differential(mesh, two, [](auto& v) { return at::where(v[0] > v[1], v[0], v[1] * 3); }, "where");
-    differential(mesh, two, [](auto& v) { return at::maximum(v[0].tanh(), v[1].sigmoid()); }, "maximum");
-    differential(mesh, {{{7, 5}, p, tab}}, [](auto& v) { return v[0].clamp(-0.5, 0.5) / 3 + 1; }, "scalars");
+    differential(
+        mesh, two, [](auto& v) { return v[0] + v[1] * 2; }, "add/mul");
+    differential(
+        mesh, two, [](auto& v) { return (v[0] - v[1]).exp().relu(); }, "sub/exp/relu");
+    differential(
+        mesh, two, [](auto& v) { return at::where(v[0] > v[1], v[0], v[1] * 3); }, "where");
+    differential(
+        mesh, two, [](auto& v) { return at::maximum(v[0].tanh(), v[1].sigmoid()); }, "maximum");
+    differential(
+        mesh, {{{7, 5}, p, tab}}, [](auto& v) { return v[0].clamp(-0.5, 0.5) / 3 + 1; }, "scalars");
   });
 }
 
@@ -45,27 +50,38 @@ TEST(Dispatch, PointwiseMixedLayoutsAndBroadcast) {
     s0[0] = Shard(0);
     s1[mesh.ndim() - 1] = Shard(1);
     // Different layouts: the second operand moves to the first's.
-    differential(mesh, {{{6, 4}, s0}, {{6, 4}, s1}}, [](auto& v) { return v[0] * v[1]; }, "S0*S1");
+    differential(
+        mesh, {{{6, 4}, s0}, {{6, 4}, s1}}, [](auto& v) { return v[0] * v[1]; }, "S0*S1");
     // Bias broadcast over a sharded batch dim.
-    differential(mesh, {{{6, 4}, s0, uneven_rows(mesh, 6)}, {{4}, r}},
-                 [](auto& v) { return v[0] + v[1]; }, "broadcast bias");
+    differential(
+        mesh, {{{6, 4}, s0, uneven_rows(mesh, 6)}, {{4}, r}}, [](auto& v) { return v[0] + v[1]; },
+        "broadcast bias");
     // A plain tensor next to a distributed one is taken as a replicated value.
-    differential(mesh, {{{6, 4}, s0}}, [](auto& v) {
-      return v[0] * at::linspace(0, 1, 4).reshape({1, 4});
-    }, "plain operand");
+    differential(
+        mesh, {{{6, 4}, s0}},
+        [](auto& v) {
+          return v[0] * at::linspace(0, 1, 4).reshape({1, 4});
+        },
+        "plain operand");
   });
 }
 
 TEST(Dispatch, PartialRules) {
   on_meshes([](const DeviceMesh& mesh) {
     Placements p(mesh.ndim(), Partial());
-    differential(mesh, {{{5, 3}, p}, {{5, 3}, p}}, [](auto& v) { return v[0] + v[1]; }, "P+P");
-    differential(mesh, {{{5, 3}, p}}, [](auto& v) { return v[0] * 3 - v[0] / 2; }, "P*scalar");
-    differential(mesh, {{{5, 3}, p}}, [](auto& v) { return v[0] + 1; }, "P+scalar");
-    differential(mesh, {{{5, 3}, p}}, [](auto& v) { return v[0].exp(); }, "exp(P)");
+    differential(
+        mesh, {{{5, 3}, p}, {{5, 3}, p}}, [](auto& v) { return v[0] + v[1]; }, "P+P");
+    differential(
+        mesh, {{{5, 3}, p}}, [](auto& v) { return v[0] * 3 - v[0] / 2; }, "P*scalar");
+    differential(
+        mesh, {{{5, 3}, p}}, [](auto& v) { return v[0] + 1; }, "P+scalar");
+    differential(
+        mesh, {{{5, 3}, p}}, [](auto& v) { return v[0].exp(); }, "exp(P)");
     Placements r(mesh.ndim(), Replicate());
-    differential(mesh, {{{5, 3}, p}, {{5, 3}, r}}, [](auto& v) { return v[0] + v[1]; }, "P+R");
-    differential(mesh, {{{5, 3}, p}, {{5, 3}, r}}, [](auto& v) { return v[0] * v[1]; }, "P*R");
+    differential(
+        mesh, {{{5, 3}, p}, {{5, 3}, r}}, [](auto& v) { return v[0] + v[1]; }, "P+R");
+    differential(
+        mesh, {{{5, 3}, p}, {{5, 3}, r}}, [](auto& v) { return v[0] * v[1]; }, "P*R");
   });
 }
 
@@ -76,12 +92,22 @@ TEST(Dispatch, SumMeanExactOnUnevenShards) {
     if (mesh.ndim() > 1) p[1] = Shard(1);
     auto tab = uneven_rows(mesh, 7);
     std::vector<Operand> x = {{{7, 5}, p, tab}};
-    differential(mesh, x, [](auto& v) { return v[0].sum(); }, "sum()");
-    differential(mesh, x, [](auto& v) { return v[0].mean(); }, "mean()");
-    differential(mesh, x, [](auto& v) { return v[0].sum(0); }, "sum(0)");
-    differential(mesh, x, [](auto& v) { return v[0].mean(1); }, "mean(1)");
-    differential(mesh, x, [](auto& v) { return v[0].mean(0, /*keepdim=*/true); }, "mean(0, keepdim)");
-    differential(mesh, x, [](auto& v) { return (v[0] * v[0]).mean(at::IntArrayRef{0, 1}); }, "mean({0,1})");
+    differential(
+        mesh, x, [](auto& v) { return v[0].sum(); }, "sum()");
+    differential(
+        mesh, x, [](auto& v) { return v[0].mean(); }, "mean()");
+    differential(
+        mesh, x, [](auto& v) { return v[0].sum(0); }, "sum(0)");
+    differential(
+        mesh, x, [](auto& v) { return v[0].mean(1); }, "mean(1)");
+    differential(
+        mesh, x, [](auto& v) { return v[0].mean(0, /*keepdim=*/true); }, "mean(0, keepdim)");
+    differential(
+        mesh, x,
+        [](auto& v) {
+          return (v[0] * v[0]).mean(at::IntArrayRef{0, 1});
+        },
+        "mean({0,1})");
   });
 }
 
@@ -90,10 +116,14 @@ TEST(Dispatch, LayoutPreservingOps) {
     Placements p(mesh.ndim(), Replicate());
     p[0] = Shard(0);
     std::vector<Operand> x = {{{6, 3}, p, uneven_rows(mesh, 6)}};
-    differential(mesh, x, [](auto& v) { return v[0].clone() * at::ones_like(v[0]); }, "clone/ones_like");
-    differential(mesh, x, [](auto& v) { return v[0] + at::zeros_like(v[0]); }, "zeros_like");
-    differential(mesh, x, [](auto& v) { return v[0].to(at::kDouble) * 2; }, "to(double)");
-    differential(mesh, x, [](auto& v) { return v[0] * v[0].detach(); }, "detach");
+    differential(
+        mesh, x, [](auto& v) { return v[0].clone() * at::ones_like(v[0]); }, "clone/ones_like");
+    differential(
+        mesh, x, [](auto& v) { return v[0] + at::zeros_like(v[0]); }, "zeros_like");
+    differential(
+        mesh, x, [](auto& v) { return v[0].to(at::kDouble) * 2; }, "to(double)");
+    differential(
+        mesh, x, [](auto& v) { return v[0] * v[0].detach(); }, "detach");
   });
 }
 

@@ -92,7 +92,8 @@ int64_t check(const DeviceMesh& mesh, const NACase& c, uint64_t seed, const std:
   }
   if (c.extra) {
     ek = test::randn({c.batch, c.extra, c.kv_heads, c.dim}, seed + 4, at::kDouble).requires_grad_();
-    ev = test::randn({c.batch, c.extra, c.kv_heads, c.vdim}, seed + 5, at::kDouble).requires_grad_();
+    ev =
+        test::randn({c.batch, c.extra, c.kv_heads, c.vdim}, seed + 5, at::kDouble).requires_grad_();
   }
   at::Tensor expected = F::neighborhood_attention(q, k, v, c.kernel, options(c, rpb, ek, ev));
 
@@ -106,7 +107,8 @@ int64_t check(const DeviceMesh& mesh, const NACase& c, uint64_t seed, const std:
   auto dv = test::make_dtensor_from_full(v.detach(), mesh, p, kv_tables).requires_grad_();
   const Placements rep(mesh.ndim(), Placement::replicate());
   at::Tensor drpb, dek, dev;
-  if (rpb.defined()) drpb = distribute_tensor(rpb.detach(), mesh, rep, std::nullopt).requires_grad_();
+  if (rpb.defined())
+    drpb = distribute_tensor(rpb.detach(), mesh, rep, std::nullopt).requires_grad_();
   if (ek.defined()) {
     dek = distribute_tensor(ek.detach(), mesh, rep, std::nullopt).requires_grad_();
     dev = distribute_tensor(ev.detach(), mesh, rep, std::nullopt).requires_grad_();
@@ -119,7 +121,8 @@ int64_t check(const DeviceMesh& mesh, const NACase& c, uint64_t seed, const std:
   // keeps its outer one).
   bool nested = false;
   for (size_t m = 0; m < c.shard_dim.size(); ++m)
-    for (size_t n = 0; n < m; ++n) nested = nested || (c.shard_dim[m] >= 0 && c.shard_dim[m] == c.shard_dim[n]);
+    for (size_t n = 0; n < m; ++n)
+      nested = nested || (c.shard_dim[m] >= 0 && c.shard_dim[m] == c.shard_dim[n]);
   if (!nested) EXPECT_EQ(spec(got).placements(), p) << desc << ": the output keeps q's layout";
   EXPECT_TRUE(test::full_matches(got, expected, kTol)) << desc << ": output";
 
@@ -130,7 +133,8 @@ int64_t check(const DeviceMesh& mesh, const NACase& c, uint64_t seed, const std:
   auto grad_ok = [&](const at::Tensor& d, const at::Tensor& full, const char* what) {
     if (!d.defined()) return;
     EXPECT_TRUE(d.grad().defined()) << desc << ": no gradient for " << what;
-    if (d.grad().defined()) EXPECT_TRUE(test::full_matches(d.grad(), full.grad(), kTol)) << desc << ": " << what;
+    if (d.grad().defined())
+      EXPECT_TRUE(test::full_matches(d.grad(), full.grad(), kTol)) << desc << ": " << what;
   };
   grad_ok(dq, q, "query");
   grad_ok(dk, k, "key");
@@ -279,9 +283,12 @@ NACase random_case(Rng& rng, const DeviceMesh& mesh) {
   for (int64_t m = 0; m < mesh.ndim(); ++m) {
     const int64_t choice = rng.uniform(0, 9);
     int64_t dim = -1;
-    if (choice < 7) dim = 1 + rng.uniform(0, nd - 1);
-    else if (choice < 8) dim = 0;
-    else if (choice < 9) dim = nd + 1;
+    if (choice < 7)
+      dim = 1 + rng.uniform(0, nd - 1);
+    else if (choice < 8)
+      dim = 0;
+    else if (choice < 9)
+      dim = nd + 1;
     c.shard_dim.push_back(dim);
     p.push_back(dim >= 0 ? Placement::shard(dim) : Placement::replicate());
   }
@@ -426,7 +433,10 @@ TEST(DomainAttention, BadArgumentsFailOnEveryRank) {
       auto mesh = init_device_mesh("cpu", {3});
       const Placements p = {Placement::shard(1)};
       auto q = distribute_tensor(test::randn({1, 16, 2, 4}, 1, at::kDouble), mesh, p, std::nullopt);
-      auto opts = F::NeighborhoodAttentionFuncOptions().dilation(b.dilation).stride(b.stride).is_causal(b.causal);
+      auto opts = F::NeighborhoodAttentionFuncOptions()
+                      .dilation(b.dilation)
+                      .stride(b.stride)
+                      .is_causal(b.causal);
       if (b.rpb) opts.rpb(at::zeros({2, 2 * b.kernel[0] - 1}, at::kDouble));
       try {
         F::neighborhood_attention(q, q, q, b.kernel, opts);

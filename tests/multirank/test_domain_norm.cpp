@@ -83,7 +83,8 @@ int64_t stat_count(const Case& c) {
 Case make_case(Rng& rng, Kind kind) {
   Case c;
   c.kind = kind;
-  const int64_t nsp = kind == Kind::Instance ? rng.uniform(1, 3) : (rng.coin(0.1) ? 0 : rng.uniform(1, 3));
+  const int64_t nsp =
+      kind == Kind::Instance ? rng.uniform(1, 3) : (rng.coin(0.1) ? 0 : rng.uniform(1, 3));
   const int64_t batch = rng.uniform(1, 4);
   int64_t channels = rng.uniform(1, 4);
   if (kind == Kind::GroupNorm) {
@@ -91,7 +92,8 @@ Case make_case(Rng& rng, Kind kind) {
     channels = c.groups * rng.uniform(1, 3);
   }
   c.input = {batch, channels};
-  for (int64_t i = 0; i < nsp; ++i) c.input.push_back(rng.uniform(1, nsp == 1 ? 12 : nsp == 2 ? 8 : 5));
+  for (int64_t i = 0; i < nsp; ++i)
+    c.input.push_back(rng.uniform(1, nsp == 1 ? 12 : nsp == 2 ? 8 : 5));
   c.affine = rng.coin(0.75);
   c.eps = rng.coin() ? 1e-5 : 1e-3;
   c.momentum = rng.coin() ? 0.1 : 0.37;
@@ -102,11 +104,12 @@ Case make_case(Rng& rng, Kind kind) {
   if (kind == Kind::BatchEval) c.stats = rng.coin() ? Stats::Plain : Stats::Replicated;
   if (kind == Kind::Instance && c.stats != Stats::None) c.use_input_stats = rng.coin(0.7);
   if (stat_count(c) < 2) return make_case(rng, kind);
-  c.desc = std::string(kind_name(kind)) + " input " + shape_str(c.input) +
-           (kind == Kind::GroupNorm ? " groups " + std::to_string(c.groups) : "") +
-           (c.affine ? " affine" : " no-affine") + " eps " + std::to_string(c.eps) + " momentum " +
-           std::to_string(c.momentum) + " running stats " + stats_name(c.stats) +
-           (kind == Kind::Instance ? (c.use_input_stats ? " use_input_stats" : " running-only") : "");
+  c.desc =
+      std::string(kind_name(kind)) + " input " + shape_str(c.input) +
+      (kind == Kind::GroupNorm ? " groups " + std::to_string(c.groups) : "") +
+      (c.affine ? " affine" : " no-affine") + " eps " + std::to_string(c.eps) + " momentum " +
+      std::to_string(c.momentum) + " running stats " + stats_name(c.stats) +
+      (kind == Kind::Instance ? (c.use_input_stats ? " use_input_stats" : " running-only") : "");
   return c;
 }
 
@@ -117,11 +120,16 @@ Placements random_placements(Rng& rng, const DeviceMesh& mesh, const Shape& inpu
   Placements p;
   for (int64_t m = 0; m < mesh.ndim(); ++m) {
     const int64_t r = rng.uniform(0, 19);
-    if (r < 12 && nsp > 0) p.push_back(Shard(2 + rng.uniform(0, nsp - 1)));
-    else if (r < 16) p.push_back(Shard(0));
-    else if (r < 17) p.push_back(Shard(1));
-    else if (r < 18) p.push_back(Partial());
-    else p.push_back(Replicate());
+    if (r < 12 && nsp > 0)
+      p.push_back(Shard(2 + rng.uniform(0, nsp - 1)));
+    else if (r < 16)
+      p.push_back(Shard(0));
+    else if (r < 17)
+      p.push_back(Shard(1));
+    else if (r < 18)
+      p.push_back(Partial());
+    else
+      p.push_back(Replicate());
   }
   return p;
 }
@@ -146,7 +154,8 @@ void check(const DeviceMesh& mesh, const Case& c, const Placements& placements,
     drm = c.stats == Stats::Plain ? rm.clone() : distribute_tensor(rm, mesh, rep, std::nullopt);
     drv = c.stats == Stats::Plain ? rv.clone() : distribute_tensor(rv, mesh, rep, std::nullopt);
   }
-  at::Tensor dx = test::make_dtensor_from_full(x.detach(), mesh, placements, tables).requires_grad_();
+  at::Tensor dx =
+      test::make_dtensor_from_full(x.detach(), mesh, placements, tables).requires_grad_();
 
   at::Tensor expected = run(c, x, w, b, rm, rv);
   at::Tensor got = run(c, dx, dw, db, drm, drv);
@@ -177,10 +186,10 @@ void run_case(const DeviceMesh& mesh, int64_t i, Rng& rng, const std::string& la
   const Kind kinds[] = {Kind::GroupNorm, Kind::BatchTrain, Kind::BatchEval, Kind::Instance};
   Case c = make_case(rng, kinds[i % 4]);
   Placements p = random_placements(rng, mesh, c.input);
-  auto tables = rng.coin(0.8) ? test::random_tables(rng, mesh, p, c.input)
-                              : std::vector<ShardTable>{};
-  std::string desc = label + " mesh " + shape_str(mesh.shape()) + ": " + c.desc +
-                     " placements " + to_string(p);
+  auto tables =
+      rng.coin(0.8) ? test::random_tables(rng, mesh, p, c.input) : std::vector<ShardTable>{};
+  std::string desc =
+      label + " mesh " + shape_str(mesh.shape()) + ": " + c.desc + " placements " + to_string(p);
   for (size_t t = 0; t < tables.size(); ++t)
     if (!tables[t].empty()) desc += " t" + std::to_string(t) + "=" + shape_str(tables[t]);
   try {
@@ -222,7 +231,8 @@ TEST(DomainNorm, SpatialShardingCommunicatesOnlyStatistics) {
         CommDebugMode comm;
         out = batch_norm ? at::batch_norm(dx, {}, {}, {}, {}, true, 0.1, 1e-5, false)
                          : at::group_norm(dx, 3);
-        const auto kind = batch_norm ? comm::CollectiveKind::AllReduce : comm::CollectiveKind::AllGather;
+        const auto kind =
+            batch_norm ? comm::CollectiveKind::AllReduce : comm::CollectiveKind::AllGather;
         EXPECT_EQ(comm.get_total_counts(), batch_norm ? 4 : 2) << comm.table();
         EXPECT_EQ(comm.stats(kind).calls, batch_norm ? 4 : 2) << comm.table();
       }
@@ -264,13 +274,15 @@ TEST(DomainNorm, GroupNormAndBatchNormModulesTrainOnHxWDecomposition) {
       return a.sizes() == b.sizes() && at::allclose(a.to(at::kDouble), b.to(at::kDouble), tol, tol);
     };
     torch::manual_seed(3);  // on the test thread, before any rank thread exists
-    torch::nn::Sequential proto(torch::nn::GroupNorm(torch::nn::GroupNormOptions(2, 4)), torch::nn::ReLU(),
-                         torch::nn::BatchNorm2d(torch::nn::BatchNorm2dOptions(4).momentum(0.3)));
+    torch::nn::Sequential proto(
+        torch::nn::GroupNorm(torch::nn::GroupNormOptions(2, 4)), torch::nn::ReLU(),
+        torch::nn::BatchNorm2d(torch::nn::BatchNorm2dOptions(4).momentum(0.3)));
     proto->to(dtype);
     // Non-trivial affine parameters, so their gradients are tested through the whole net.
     {
       torch::NoGradGuard no_grad;
-      for (auto& p : proto->parameters()) p.add_(at::rand(p.sizes(), test::generator(p.numel()), p.options()));
+      for (auto& p : proto->parameters())
+        p.add_(at::rand(p.sizes(), test::generator(p.numel()), p.options()));
     }
     const auto x = test::randn({3, 4, 7, 6}, 31, dtype);
     const auto y = test::randn({3, 4, 7, 6}, 32, dtype);
@@ -294,7 +306,8 @@ TEST(DomainNorm, GroupNormAndBatchNormModulesTrainOnHxWDecomposition) {
         loss_dist.backward();
         opt_ref.step();
         opt_dist.step();
-        ASSERT_NEAR(loss_ref.item<double>(), loss_dist.item<double>(), tol) << what << " step " << step;
+        ASSERT_NEAR(loss_ref.item<double>(), loss_dist.item<double>(), tol)
+            << what << " step " << step;
       }
       auto pa = ref->named_parameters(), pb = dist->named_parameters();
       for (const auto& item : pa) {

@@ -36,11 +36,12 @@ void check(const DeviceMesh& mesh, const Case& c, const Placements& placements,
   std::vector<at::Tensor> ps, dps;
   for (size_t i = 0; i < c.params.size(); ++i) {
     ps.push_back(test::randn(c.params[i], seed + 1 + i, at::kDouble).requires_grad_());
-    dps.push_back(distribute_tensor(ps.back().detach(), mesh,
-                                    Placements(mesh.ndim(), Replicate()), std::nullopt)
+    dps.push_back(distribute_tensor(ps.back().detach(), mesh, Placements(mesh.ndim(), Replicate()),
+                                    std::nullopt)
                       .requires_grad_());
   }
-  at::Tensor dx = test::make_dtensor_from_full(x.detach(), mesh, placements, tables).requires_grad_();
+  at::Tensor dx =
+      test::make_dtensor_from_full(x.detach(), mesh, placements, tables).requires_grad_();
   at::Tensor expected = c.fn(x, ps);
   at::Tensor got = c.fn(dx, dps);
   ASSERT_TRUE(is_dtensor(got)) << desc;
@@ -103,13 +104,13 @@ Case conv_case(Rng& rng) {
   };
   // Outputs must exist.
   for (int64_t i = 0; i < nsp; ++i) {
-    const int64_t out = transposed ? (sizes[i] - 1) * s[i] - 2 * p[i] + d[i] * (k[i] - 1) + op[i] + 1
-                                   : (sizes[i] + 2 * p[i] - d[i] * (k[i] - 1) - 1) / s[i] + 1;
+    const int64_t out = transposed
+                            ? (sizes[i] - 1) * s[i] - 2 * p[i] + d[i] * (k[i] - 1) + op[i] + 1
+                            : (sizes[i] + 2 * p[i] - d[i] * (k[i] - 1) - 1) / s[i] + 1;
     if (out <= 0) return conv_case(rng);
   }
   return c;
 }
-
 
 // A batched input [N, C, spatial...] with nsp spatial dims of the given sizes.
 Shape batched(Rng& rng, const std::vector<int64_t>& spatial) {
@@ -119,7 +120,8 @@ Shape batched(Rng& rng, const std::vector<int64_t>& spatial) {
 }
 std::vector<int64_t> trailing_dims(const Shape& s, int64_t n) {
   std::vector<int64_t> d;
-  for (int64_t i = static_cast<int64_t>(s.size()) - n; i < static_cast<int64_t>(s.size()); ++i) d.push_back(i);
+  for (int64_t i = static_cast<int64_t>(s.size()) - n; i < static_cast<int64_t>(s.size()); ++i)
+    d.push_back(i);
   return d;
 }
 
@@ -144,10 +146,15 @@ Case pool_case(Rng& rng) {
   const bool indices = max && nsp > 1 && rng.coin(0.2);
   c.input = batched(rng, sizes);
   c.window_dims = trailing_dims(c.input, nsp);
-  c.desc = std::string(indices ? "max_pool_indices" : max ? "max_pool" : "avg_pool") +
+  c.desc = std::string(indices ? "max_pool_indices"
+                       : max   ? "max_pool"
+                               : "avg_pool") +
            std::to_string(nsp) + "d in " + shape_str(c.input) + " kernel " + shape_str(k) +
            " stride " + shape_str(s) + " pad " + shape_str(p) + " dil " + shape_str(d) +
-           (ceil ? " ceil" : "") + (max ? "" : include_pad ? " count_pad" : " exclude_pad") +
+           (ceil ? " ceil" : "") +
+           (max           ? ""
+            : include_pad ? " count_pad"
+                          : " exclude_pad") +
            (divisor ? " divisor " + std::to_string(divisor) : "");
   c.exact_grad = !indices;
   c.fn = [=](const at::Tensor& x, const std::vector<at::Tensor>&) -> at::Tensor {
@@ -158,9 +165,15 @@ Case pool_case(Rng& rng) {
       return std::get<1>(r).to(at::kDouble);
     }
     switch (nsp) {
-      case 1: return max ? at::max_pool1d(x, k, s, p, d, ceil) : at::avg_pool1d(x, k, s, p, ceil, include_pad);
-      case 2: return max ? at::max_pool2d(x, k, s, p, d, ceil) : at::avg_pool2d(x, k, s, p, ceil, include_pad, div);
-      default: return max ? at::max_pool3d(x, k, s, p, d, ceil) : at::avg_pool3d(x, k, s, p, ceil, include_pad, div);
+      case 1:
+        return max ? at::max_pool1d(x, k, s, p, d, ceil)
+                   : at::avg_pool1d(x, k, s, p, ceil, include_pad);
+      case 2:
+        return max ? at::max_pool2d(x, k, s, p, d, ceil)
+                   : at::avg_pool2d(x, k, s, p, ceil, include_pad, div);
+      default:
+        return max ? at::max_pool3d(x, k, s, p, d, ceil)
+                   : at::avg_pool3d(x, k, s, p, ceil, include_pad, div);
     }
   };
   // ATen rejects a last window that starts in the right padding; resample such shapes.
@@ -182,7 +195,8 @@ Case adaptive_case(Rng& rng) {
   }
   c.input = batched(rng, sizes);
   c.window_dims = trailing_dims(c.input, nsp);
-  c.desc = "adaptive_avg_pool" + std::to_string(nsp) + "d in " + shape_str(c.input) + " out " + shape_str(out);
+  c.desc = "adaptive_avg_pool" + std::to_string(nsp) + "d in " + shape_str(c.input) + " out " +
+           shape_str(out);
   c.fn = [=](const at::Tensor& x, const std::vector<at::Tensor>&) {
     return nsp == 2 ? at::adaptive_avg_pool2d(x, out) : at::adaptive_avg_pool3d(x, out);
   };
@@ -201,35 +215,49 @@ Case upsample_case(Rng& rng) {
     sizes.push_back(rng.uniform(1, nsp == 3 ? 5 : 9));
     const double sc = kScales[rng.uniform(0, 5)];
     scales.push_back(sc);
-    out.push_back(by_scale ? std::max<int64_t>(1, static_cast<int64_t>(std::floor(sizes.back() * sc)))
-                           : rng.uniform(1, 2 * sizes.back() + 2));
+    out.push_back(by_scale
+                      ? std::max<int64_t>(1, static_cast<int64_t>(std::floor(sizes.back() * sc)))
+                      : rng.uniform(1, 2 * sizes.back() + 2));
   }
   if (by_scale)
     for (int64_t i = 0; i < nsp; ++i)
       if (static_cast<int64_t>(std::floor(sizes[i] * scales[i])) < 1) return upsample_case(rng);
   c.input = batched(rng, sizes);
   c.window_dims = trailing_dims(c.input, nsp);
-  c.desc = std::string(linear ? (align ? "linear_align" : "linear") : "nearest") + std::to_string(nsp) +
-           "d in " + shape_str(c.input) + " out " + shape_str(out) + (by_scale ? " by scale" : "") +
-           (vec ? " (vec)" : "");
+  c.desc = std::string(linear ? (align ? "linear_align" : "linear") : "nearest") +
+           std::to_string(nsp) + "d in " + shape_str(c.input) + " out " + shape_str(out) +
+           (by_scale ? " by scale" : "") + (vec ? " (vec)" : "");
   c.fn = [=](const at::Tensor& x, const std::vector<at::Tensor>&) -> at::Tensor {
     auto sc = [&](int64_t i) { return by_scale ? c10::optional<double>(scales[i]) : c10::nullopt; };
     if (vec) {
       c10::optional<at::ArrayRef<double>> sf;
       c10::optional<at::IntArrayRef> os;
-      if (by_scale) sf = at::ArrayRef<double>(scales); else os = at::IntArrayRef(out);
+      if (by_scale)
+        sf = at::ArrayRef<double>(scales);
+      else
+        os = at::IntArrayRef(out);
       switch (nsp) {
-        case 1: return linear ? at::upsample_linear1d(x, os, align, sf) : at::upsample_nearest1d(x, os, sf);
-        case 2: return linear ? at::upsample_bilinear2d(x, os, align, sf) : at::upsample_nearest2d(x, os, sf);
-        default: return linear ? at::upsample_trilinear3d(x, os, align, sf) : at::upsample_nearest3d(x, os, sf);
+        case 1:
+          return linear ? at::upsample_linear1d(x, os, align, sf)
+                        : at::upsample_nearest1d(x, os, sf);
+        case 2:
+          return linear ? at::upsample_bilinear2d(x, os, align, sf)
+                        : at::upsample_nearest2d(x, os, sf);
+        default:
+          return linear ? at::upsample_trilinear3d(x, os, align, sf)
+                        : at::upsample_nearest3d(x, os, sf);
       }
     }
     switch (nsp) {
-      case 1: return linear ? at::upsample_linear1d(x, out, align, sc(0)) : at::upsample_nearest1d(x, out, sc(0));
-      case 2: return linear ? at::upsample_bilinear2d(x, out, align, sc(0), sc(1))
-                            : at::upsample_nearest2d(x, out, sc(0), sc(1));
-      default: return linear ? at::upsample_trilinear3d(x, out, align, sc(0), sc(1), sc(2))
-                             : at::upsample_nearest3d(x, out, sc(0), sc(1), sc(2));
+      case 1:
+        return linear ? at::upsample_linear1d(x, out, align, sc(0))
+                      : at::upsample_nearest1d(x, out, sc(0));
+      case 2:
+        return linear ? at::upsample_bilinear2d(x, out, align, sc(0), sc(1))
+                      : at::upsample_nearest2d(x, out, sc(0), sc(1));
+      default:
+        return linear ? at::upsample_trilinear3d(x, out, align, sc(0), sc(1), sc(2))
+                      : at::upsample_nearest3d(x, out, sc(0), sc(1), sc(2));
     }
   };
   return c;
@@ -246,7 +274,9 @@ Case pad_case(Rng& rng) {
     for (int side = 0; side < 2; ++side) {
       const int64_t n = sizes[i];
       switch (mode) {
-        case 0: pad.push_back(rng.uniform(-std::min<int64_t>((n - 1) / 2, 2), 3)); break;  // keeps >= 1 row
+        case 0:
+          pad.push_back(rng.uniform(-std::min<int64_t>((n - 1) / 2, 2), 3));
+          break;  // keeps >= 1 row
         case 1: pad.push_back(rng.uniform(0, std::min<int64_t>(n - 1, 3))); break;
         case 2: pad.push_back(rng.uniform(0, 3)); break;
         default: pad.push_back(rng.uniform(0, std::min<int64_t>(n, 3))); break;
@@ -256,12 +286,19 @@ Case pad_case(Rng& rng) {
   const double value = static_cast<double>(rng.uniform(-2, 2));
   c.input = batched(rng, sizes);
   c.window_dims = trailing_dims(c.input, nsp);
-  c.desc = std::string("pad_") + kModes[mode] + " in " + shape_str(c.input) + " pad " + shape_str(pad);
+  c.desc =
+      std::string("pad_") + kModes[mode] + " in " + shape_str(c.input) + " pad " + shape_str(pad);
   c.fn = [=](const at::Tensor& x, const std::vector<at::Tensor>&) -> at::Tensor {
     switch (mode) {
       case 0: return at::constant_pad_nd(x, pad, value);
-      case 1: return nsp == 1 ? at::reflection_pad1d(x, pad) : nsp == 2 ? at::reflection_pad2d(x, pad) : at::reflection_pad3d(x, pad);
-      case 2: return nsp == 1 ? at::replication_pad1d(x, pad) : nsp == 2 ? at::replication_pad2d(x, pad) : at::replication_pad3d(x, pad);
+      case 1:
+        return nsp == 1   ? at::reflection_pad1d(x, pad)
+               : nsp == 2 ? at::reflection_pad2d(x, pad)
+                          : at::reflection_pad3d(x, pad);
+      case 2:
+        return nsp == 1   ? at::replication_pad1d(x, pad)
+               : nsp == 2 ? at::replication_pad2d(x, pad)
+                          : at::replication_pad3d(x, pad);
       default: return at::_pad_circular(x, pad);
     }
   };
@@ -281,8 +318,10 @@ void run_case(const DeviceMesh& mesh, Generator gen, Rng& rng, const std::string
   for (int64_t m = 0; m < mesh.ndim(); ++m) {
     const int64_t choice = rng.uniform(0, 9);
     int64_t dim = -1;
-    if (choice < 7) dim = rng.pick(c.window_dims);
-    else if (choice < 8) dim = 0;
+    if (choice < 7)
+      dim = rng.pick(c.window_dims);
+    else if (choice < 8)
+      dim = 0;
     if (dim >= 0 && !used[dim]) {
       used[dim] = true;
       p.push_back(Shard(dim));
@@ -290,10 +329,10 @@ void run_case(const DeviceMesh& mesh, Generator gen, Rng& rng, const std::string
       p.push_back(Replicate());
     }
   }
-  auto tables = rng.coin(0.8) ? test::random_tables(rng, mesh, p, c.input)
-                              : std::vector<ShardTable>{};
-  std::string desc = label + " mesh " + shape_str(mesh.shape()) + ": " + c.desc +
-                     " placements " + to_string(p);
+  auto tables =
+      rng.coin(0.8) ? test::random_tables(rng, mesh, p, c.input) : std::vector<ShardTable>{};
+  std::string desc =
+      label + " mesh " + shape_str(mesh.shape()) + ": " + c.desc + " placements " + to_string(p);
   for (size_t t = 0; t < tables.size(); ++t)
     if (!tables[t].empty()) desc += " t" + std::to_string(t) + "=" + shape_str(tables[t]);
   try {
@@ -333,7 +372,7 @@ INSTANTIATE_TEST_SUITE_P(Meshes, DomainConv, kMeshes, mesh_param);
 class DomainPool : public ::testing::TestWithParam<std::vector<int64_t>> {};
 TEST_P(DomainPool, RandomPoolingMatchesOneDevice) {
   test::Sweep sweep;
-  run_cases(GetParam(), sweep, pool_case, 150);  // cases 0-149
+  run_cases(GetParam(), sweep, pool_case, 150);     // cases 0-149
   run_cases(GetParam(), sweep, adaptive_case, 30);  // cases 150-179
 }
 INSTANTIATE_TEST_SUITE_P(Meshes, DomainPool, kMeshes, mesh_param);

@@ -1,6 +1,6 @@
 // fully_shard's modes against one device: HSDP on a 2x2 mesh, dp x domain (batch over "dp",
-// height over "domain"), dp x domain x tp, mixed precision, no_sync micro-batches, state dicts, the memory a
-// rank holds after a step, and errors raised identically on every rank.
+// height over "domain"), dp x domain x tp, mixed precision, no_sync micro-batches, state dicts, the
+// memory a rank holds after a step, and errors raised identically on every rank.
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/container/parameterlist.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -62,31 +62,34 @@ TEST(FullyShard, HsdpOnTwoByTwoMeshTrainsLikeOneDevice) {
   const auto x = test::randn({10, 15}, 71, at::kDouble), y = test::randn({10, 2}, 72, at::kDouble);
   auto ref = clone_of(proto);
   const auto expected = train(*ref, Opt::AdamW, x, y, 8);
-  tessera::testing::run_ranks(4, [&](int) {
-    at::set_num_threads(1);
-    auto mesh = init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
-    auto model = clone_of(proto);
-    const auto groups = shard_mlp(*model, mesh);
-    // The batch is split over both dims (every rank is a data-parallel rank), unevenly.
-    const ShardSizes rows = ShardSizes::Given(0, {4, 3, 0, 3});
-    const Placements batch = {Shard(0), Shard(0)};
-    const auto dx = distribute_tensor(x, mesh, batch, std::nullopt, rows);
-    const auto dy = distribute_tensor(y, mesh, batch, std::nullopt, rows);
-    {
-      CommDebugMode comm;
-      auto loss = at::mse_loss(model->forward(dx), dy);
-      comm.reset();
-      loss.backward();
-      auto counts = comm.get_comm_counts();
-      EXPECT_EQ(counts["reduce_scatter"], static_cast<int64_t>(groups.size()));
-      EXPECT_EQ(counts["all_reduce"], static_cast<int64_t>(groups.size()))
-          << "one all-reduce per group over the replicate dim";
-      for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
-    }
-    const auto losses = train(*model, Opt::AdamW, dx, dy, 8);
-    expect_losses(losses, expected, "hsdp");
-    expect_parameters(*model, *ref, 2, mesh.coordinate()[1], "hsdp");
-  }, {std::chrono::seconds(120)});
+  tessera::testing::run_ranks(
+      4,
+      [&](int) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {2, 2}, {"replicate", "shard"});
+        auto model = clone_of(proto);
+        const auto groups = shard_mlp(*model, mesh);
+        // The batch is split over both dims (every rank is a data-parallel rank), unevenly.
+        const ShardSizes rows = ShardSizes::Given(0, {4, 3, 0, 3});
+        const Placements batch = {Shard(0), Shard(0)};
+        const auto dx = distribute_tensor(x, mesh, batch, std::nullopt, rows);
+        const auto dy = distribute_tensor(y, mesh, batch, std::nullopt, rows);
+        {
+          CommDebugMode comm;
+          auto loss = at::mse_loss(model->forward(dx), dy);
+          comm.reset();
+          loss.backward();
+          auto counts = comm.get_comm_counts();
+          EXPECT_EQ(counts["reduce_scatter"], static_cast<int64_t>(groups.size()));
+          EXPECT_EQ(counts["all_reduce"], static_cast<int64_t>(groups.size()))
+              << "one all-reduce per group over the replicate dim";
+          for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+        }
+        const auto losses = train(*model, Opt::AdamW, dx, dy, 8);
+        expect_losses(losses, expected, "hsdp");
+        expect_parameters(*model, *ref, 2, mesh.coordinate()[1], "hsdp");
+      },
+      {std::chrono::seconds(120)});
 }
 
 TEST(FullyShard, DataTimesDomainConvNetTrainsLikeOneDevice) {
@@ -105,26 +108,30 @@ TEST(FullyShard, DataTimesDomainConvNetTrainsLikeOneDevice) {
   torch::manual_seed(10);
   auto net = std::make_shared<NetImpl>();
   net->to(at::kDouble);
-  const auto x = test::randn({4, 2, 8, 6}, 81, at::kDouble), y = test::randn({4, 1, 8, 6}, 82, at::kDouble);
+  const auto x = test::randn({4, 2, 8, 6}, 81, at::kDouble),
+             y = test::randn({4, 1, 8, 6}, 82, at::kDouble);
   auto ref = clone_of(net);
   const auto expected = train(*ref, Opt::AdamW, x, y, 6);
-  tessera::testing::run_ranks(4, [&](int) {
-    at::set_num_threads(1);
-    auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "domain"});
-    auto model = clone_of(net);
-    fully_shard(model->c1, mesh["dp"]);
-    fully_shard(*model, mesh["dp"]);
-    const Placements layout = {Shard(0), Shard(2)};
-    const ShardSizes sizes = ShardSizes::Given({{3, 1}, {}, {5, 3}, {}});
-    const auto dx = distribute_tensor(x, mesh, layout, std::nullopt, sizes);
-    const auto dy = distribute_tensor(y, mesh, layout, std::nullopt, sizes);
-    const auto losses = train(*model, Opt::AdamW, dx, dy, 6);
-    expect_losses(losses, expected, "dp x domain");
-    expect_parameters(*model, *ref, 2, mesh.coordinate()[0], "dp x domain");
-    for (const auto& p : model->parameters())
-      EXPECT_TRUE(placements(p)[0].is_shard(0) && placements(p)[1].is_replicate())
-          << spec(p).str();
-  }, {std::chrono::seconds(120)});
+  tessera::testing::run_ranks(
+      4,
+      [&](int) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "domain"});
+        auto model = clone_of(net);
+        fully_shard(model->c1, mesh["dp"]);
+        fully_shard(*model, mesh["dp"]);
+        const Placements layout = {Shard(0), Shard(2)};
+        const ShardSizes sizes = ShardSizes::Given({{3, 1}, {}, {5, 3}, {}});
+        const auto dx = distribute_tensor(x, mesh, layout, std::nullopt, sizes);
+        const auto dy = distribute_tensor(y, mesh, layout, std::nullopt, sizes);
+        const auto losses = train(*model, Opt::AdamW, dx, dy, 6);
+        expect_losses(losses, expected, "dp x domain");
+        expect_parameters(*model, *ref, 2, mesh.coordinate()[0], "dp x domain");
+        for (const auto& p : model->parameters())
+          EXPECT_TRUE(placements(p)[0].is_shard(0) && placements(p)[1].is_replicate())
+              << spec(p).str();
+      },
+      {std::chrono::seconds(120)});
 }
 
 // All three: batch over "dp", height over "domain" (a convolution and a group norm with
@@ -140,7 +147,8 @@ TEST(FullyShard, DataDomainAndTensorParallelTrainLikeOneDevice) {
     torch::nn::Linear fc1{nullptr}, fc2{nullptr};
     NetImpl() { reset(); }
     void reset() override {
-      conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3).padding(1)));
+      conv =
+          register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3).padding(1)));
       norm = register_module("norm", torch::nn::GroupNorm(2, 4));
       fc1 = register_module("fc1", torch::nn::Linear(4, 9));
       fc2 = register_module("fc2", torch::nn::Linear(9, 3));
@@ -153,48 +161,56 @@ TEST(FullyShard, DataDomainAndTensorParallelTrainLikeOneDevice) {
   torch::manual_seed(11);
   auto net = std::make_shared<NetImpl>();
   net->to(at::kDouble);
-  const auto x = test::randn({3, 2, 7, 5}, 91, at::kDouble), y = test::randn({3, 7, 5, 3}, 92, at::kDouble);
+  const auto x = test::randn({3, 2, 7, 5}, 91, at::kDouble),
+             y = test::randn({3, 7, 5, 3}, 92, at::kDouble);
   auto ref = clone_of(net);
   const auto expected = train(*ref, Opt::AdamW, x, y, 6);
   for (const std::vector<int64_t>& shape :
-       {std::vector<int64_t>{2, 1, 2}, std::vector<int64_t>{1, 2, 2}, std::vector<int64_t>{2, 2, 2}}) {
+       {std::vector<int64_t>{2, 1, 2}, std::vector<int64_t>{1, 2, 2},
+        std::vector<int64_t>{2, 2, 2}}) {
     const std::string ctx = "dp x domain x tp " + shape_str(shape);
     const int world = static_cast<int>(shape[0] * shape[1] * shape[2]);
-    tessera::testing::run_ranks(world, [&](int) {
-      at::set_num_threads(1);
-      auto mesh = init_device_mesh("cpu", shape, {"dp", "domain", "tp"});
-      auto model = clone_of(net);
-      parallelize_module(*model, mesh["tp"],
-                         {{"fc1", ColwiseParallel().use_local_output(false)},
-                          {"fc2", RowwiseParallel().use_local_output(false)}});
-      for (auto* m : std::vector<torch::nn::Module*>{model->conv.get(), model->fc1.get(),
-                                                     model->fc2.get(), model.get()})
-        fully_shard(*m, mesh["dp"]);
-      const ShardTable batch = shape[0] == 2 ? ShardTable{2, 1} : ShardTable{3};
-      const ShardTable height = shape[1] == 2 ? ShardTable{4, 3} : ShardTable{7};
-      const ShardSizes xs = ShardSizes::Given({batch, {}, height, {}});
-      const ShardSizes ys = ShardSizes::Given({batch, height, {}, {}});
-      const auto dx = distribute_tensor(x, mesh, {Shard(0), Shard(2), Replicate()}, std::nullopt, xs);
-      const auto dy = distribute_tensor(y, mesh, {Shard(0), Shard(1), Replicate()}, std::nullopt, ys);
-      const auto losses = train(*model, Opt::AdamW, dx, dy, 6);
-      expect_losses(losses, expected, ctx);
-      const auto want = ref->named_parameters();
-      const int64_t dp = mesh.coordinate()[0], tp = mesh.coordinate()[2];
-      for (const auto& item : model->named_parameters()) {
-        const at::Tensor& p = item.value();
-        const at::Tensor e = want[item.key()].detach();
-        ASSERT_TRUE(test::full_matches(p, e, {1e-9, 1e-10})) << ctx << " " << item.key();
-        // This rank's rows: torch.chunk over "dp" of its tensor-parallel shard.
-        at::Tensor shard = e;
-        if (item.key().rfind("fc1.", 0) == 0) shard = e.chunk(shape[2], 0)[tp];
-        if (item.key() == "fc2.weight") shard = e.chunk(shape[2], 1)[tp];
-        const auto rows = shard.chunk(shape[0], 0);
-        const at::Tensor mine = dp < static_cast<int64_t>(rows.size())
-                                    ? rows[dp] : shard.narrow(0, shard.size(0), 0);
-        ASSERT_TRUE(test::matches(to_local(p.detach()), mine, {1e-9, 1e-10}))
-            << ctx << " " << item.key() << " " << spec(p).str();
-      }
-    }, {std::chrono::seconds(300)});
+    tessera::testing::run_ranks(
+        world,
+        [&](int) {
+          at::set_num_threads(1);
+          auto mesh = init_device_mesh("cpu", shape, {"dp", "domain", "tp"});
+          auto model = clone_of(net);
+          parallelize_module(*model, mesh["tp"],
+                             {{"fc1", ColwiseParallel().use_local_output(false)},
+                              {"fc2", RowwiseParallel().use_local_output(false)}});
+          for (auto* m : std::vector<torch::nn::Module*>{model->conv.get(), model->fc1.get(),
+                                                         model->fc2.get(), model.get()})
+            fully_shard(*m, mesh["dp"]);
+          const ShardTable batch = shape[0] == 2 ? ShardTable{2, 1} : ShardTable{3};
+          const ShardTable height = shape[1] == 2 ? ShardTable{4, 3} : ShardTable{7};
+          const ShardSizes xs = ShardSizes::Given({batch, {}, height, {}});
+          const ShardSizes ys = ShardSizes::Given({batch, height, {}, {}});
+          const auto dx =
+              distribute_tensor(x, mesh, {Shard(0), Shard(2), Replicate()}, std::nullopt, xs);
+          const auto dy =
+              distribute_tensor(y, mesh, {Shard(0), Shard(1), Replicate()}, std::nullopt, ys);
+          const auto losses = train(*model, Opt::AdamW, dx, dy, 6);
+          expect_losses(losses, expected, ctx);
+          const auto want = ref->named_parameters();
+          const int64_t dp = mesh.coordinate()[0], tp = mesh.coordinate()[2];
+          for (const auto& item : model->named_parameters()) {
+            const at::Tensor& p = item.value();
+            const at::Tensor e = want[item.key()].detach();
+            ASSERT_TRUE(test::full_matches(p, e, {1e-9, 1e-10})) << ctx << " " << item.key();
+            // This rank's rows: torch.chunk over "dp" of its tensor-parallel shard.
+            at::Tensor shard = e;
+            if (item.key().rfind("fc1.", 0) == 0) shard = e.chunk(shape[2], 0)[tp];
+            if (item.key() == "fc2.weight") shard = e.chunk(shape[2], 1)[tp];
+            const auto rows = shard.chunk(shape[0], 0);
+            const at::Tensor mine = dp < static_cast<int64_t>(rows.size())
+                                        ? rows[dp]
+                                        : shard.narrow(0, shard.size(0), 0);
+            ASSERT_TRUE(test::matches(to_local(p.detach()), mine, {1e-9, 1e-10}))
+                << ctx << " " << item.key() << " " << spec(p).str();
+          }
+        },
+        {std::chrono::seconds(300)});
   }
 }
 
@@ -223,31 +239,37 @@ TEST(FullyShard, MixedPrecisionFloat32ComputeWithFloat64MasterWeights) {
   }
   int64_t reduced_bytes[2] = {0, 0};
   for (int wide_reduce : {0, 1}) {
-    tessera::testing::run_ranks(3, [&](int rank) {
-      at::set_num_threads(1);
-      auto mesh = init_device_mesh("cpu", {3}, {"dp"});
-      auto model = clone_of(proto);
-      MixedPrecisionPolicy mp;
-      mp.param_dtype = at::kFloat;
-      if (wide_reduce) mp.reduce_dtype = at::kDouble;
-      const auto groups = shard_mlp(*model, mesh, FullyShardOptions().mp_policy(mp));
-      const ShardTable rows = {5, 1, 4};
-      const auto dx = local_batch(x, mesh, rows), dy = local_batch(y, mesh, rows);
-      {
-        auto loss = at::mse_loss(model->forward(dx), dy);
-        CommDebugMode comm;
-        loss.backward();
-        if (rank == 0) reduced_bytes[wide_reduce] = comm.stats(comm::CollectiveKind::ReduceScatter).bytes_sent;
-        for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
-      }
-      const auto losses = train(*model, Opt::AdamW, dx, dy, 6);
-      const std::string ctx = wide_reduce ? "mixed precision, float64 reduce" : "mixed precision";
-      expect_losses(losses, expected, ctx, 1e-4);
-      expect_parameters(*model, *ref, 3, rank, ctx, {1e-4, 1e-5});
-      for (const auto& p : model->parameters()) EXPECT_EQ(p.scalar_type(), at::kDouble);
-      for (const auto& g : groups)
-        for (const auto& u : g->unsharded_parameters()) EXPECT_EQ(u.scalar_type(), at::kFloat);
-    }, {std::chrono::seconds(120)});
+    tessera::testing::run_ranks(
+        3,
+        [&](int rank) {
+          at::set_num_threads(1);
+          auto mesh = init_device_mesh("cpu", {3}, {"dp"});
+          auto model = clone_of(proto);
+          MixedPrecisionPolicy mp;
+          mp.param_dtype = at::kFloat;
+          if (wide_reduce) mp.reduce_dtype = at::kDouble;
+          const auto groups = shard_mlp(*model, mesh, FullyShardOptions().mp_policy(mp));
+          const ShardTable rows = {5, 1, 4};
+          const auto dx = local_batch(x, mesh, rows), dy = local_batch(y, mesh, rows);
+          {
+            auto loss = at::mse_loss(model->forward(dx), dy);
+            CommDebugMode comm;
+            loss.backward();
+            if (rank == 0)
+              reduced_bytes[wide_reduce] =
+                  comm.stats(comm::CollectiveKind::ReduceScatter).bytes_sent;
+            for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+          }
+          const auto losses = train(*model, Opt::AdamW, dx, dy, 6);
+          const std::string ctx =
+              wide_reduce ? "mixed precision, float64 reduce" : "mixed precision";
+          expect_losses(losses, expected, ctx, 1e-4);
+          expect_parameters(*model, *ref, 3, rank, ctx, {1e-4, 1e-5});
+          for (const auto& p : model->parameters()) EXPECT_EQ(p.scalar_type(), at::kDouble);
+          for (const auto& g : groups)
+            for (const auto& u : g->unsharded_parameters()) EXPECT_EQ(u.scalar_type(), at::kFloat);
+        },
+        {std::chrono::seconds(120)});
   }
   EXPECT_GT(reduced_bytes[0], 0);
   EXPECT_EQ(reduced_bytes[1], 2 * reduced_bytes[0]) << "reduce_dtype float64 doubles the bytes";
@@ -255,7 +277,8 @@ TEST(FullyShard, MixedPrecisionFloat32ComputeWithFloat64MasterWeights) {
 
 TEST(FullyShard, NoSyncAccumulatesMicroBatchesLikeOneDevice) {
   const auto proto = make_mlp();
-  const auto x = test::randn({10, 15}, 101, at::kDouble), y = test::randn({10, 2}, 102, at::kDouble);
+  const auto x = test::randn({10, 15}, 101, at::kDouble),
+             y = test::randn({10, 2}, 102, at::kDouble);
   const auto x1 = x.narrow(0, 0, 6), x2 = x.narrow(0, 6, 4);
   const auto y1 = y.narrow(0, 0, 6), y2 = y.narrow(0, 6, 4);
   auto ref = clone_of(proto);
@@ -272,72 +295,79 @@ TEST(FullyShard, NoSyncAccumulatesMicroBatchesLikeOneDevice) {
       expected.push_back(l1.item<double>() + l2.item<double>());
     }
   }
-  tessera::testing::run_ranks(3, [&](int rank) {
-    at::set_num_threads(1);
-    auto mesh = init_device_mesh("cpu", {3}, {"dp"});
-    auto model = clone_of(proto);
-    const auto groups = shard_mlp(*model, mesh);
-    auto opt = make_optimizer(Opt::AdamW, model->parameters());
-    const auto dx1 = local_batch(x1, mesh, {3, 0, 3}), dy1 = local_batch(y1, mesh, {3, 0, 3});
-    const auto dx2 = local_batch(x2, mesh, {1, 2, 1}), dy2 = local_batch(y2, mesh, {1, 2, 1});
-    std::vector<double> losses;
-    for (int s = 0; s < 4; ++s) {
-      opt->zero_grad();
-      for (const auto& g : groups) g->set_requires_gradient_sync(false);
-      CommDebugMode comm;
-      auto l1 = at::mse_loss(model->forward(dx1), dy1);
-      l1.backward();
-      EXPECT_EQ(comm.get_comm_counts()["reduce_scatter"], 0) << "no_sync must not reduce";
-      for (const auto& g : groups) g->set_requires_gradient_sync(true);
-      auto l2 = at::mse_loss(model->forward(dx2), dy2);
-      l2.backward();
-      opt->step();
-      losses.push_back(l1.item<double>() + l2.item<double>());
-    }
-    expect_losses(losses, expected, "no_sync");
-    expect_parameters(*model, *ref, 3, rank, "no_sync");
-  }, {std::chrono::seconds(120)});
+  tessera::testing::run_ranks(
+      3,
+      [&](int rank) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {3}, {"dp"});
+        auto model = clone_of(proto);
+        const auto groups = shard_mlp(*model, mesh);
+        auto opt = make_optimizer(Opt::AdamW, model->parameters());
+        const auto dx1 = local_batch(x1, mesh, {3, 0, 3}), dy1 = local_batch(y1, mesh, {3, 0, 3});
+        const auto dx2 = local_batch(x2, mesh, {1, 2, 1}), dy2 = local_batch(y2, mesh, {1, 2, 1});
+        std::vector<double> losses;
+        for (int s = 0; s < 4; ++s) {
+          opt->zero_grad();
+          for (const auto& g : groups) g->set_requires_gradient_sync(false);
+          CommDebugMode comm;
+          auto l1 = at::mse_loss(model->forward(dx1), dy1);
+          l1.backward();
+          EXPECT_EQ(comm.get_comm_counts()["reduce_scatter"], 0) << "no_sync must not reduce";
+          for (const auto& g : groups) g->set_requires_gradient_sync(true);
+          auto l2 = at::mse_loss(model->forward(dx2), dy2);
+          l2.backward();
+          opt->step();
+          losses.push_back(l1.item<double>() + l2.item<double>());
+        }
+        expect_losses(losses, expected, "no_sync");
+        expect_parameters(*model, *ref, 3, rank, "no_sync");
+      },
+      {std::chrono::seconds(120)});
 }
 
 TEST(FullyShard, StateDictsShareStorageAndGatherToTheReference) {
   const auto proto = make_mlp();
-  const auto x = test::randn({10, 15}, 111, at::kDouble), y = test::randn({10, 2}, 112, at::kDouble);
+  const auto x = test::randn({10, 15}, 111, at::kDouble),
+             y = test::randn({10, 2}, 112, at::kDouble);
   auto ref = clone_of(proto);
   train(*ref, Opt::Sgd, x, y, 3);
-  tessera::testing::run_ranks(4, [&](int) {
-    at::set_num_threads(1);
-    auto mesh = init_device_mesh("cpu", {4}, {"dp"});
-    auto model = clone_of(proto);
-    const auto groups = shard_mlp(*model, mesh);
-    auto opt = make_optimizer(Opt::Sgd, model->parameters());
-    const ShardTable rows = {4, 3, 0, 3};
-    const auto dx = local_batch(x, mesh, rows), dy = local_batch(y, mesh, rows);
-    for (int s = 0; s < 3; ++s) {
-      opt->zero_grad();
-      at::mse_loss(model->forward(dx), dy).backward();
-      opt->step();
-    }
-    const auto named = model->named_parameters();
-    const auto& stepped = opt->param_groups().at(0).params();
-    ASSERT_EQ(named.size(), stepped.size());
-    for (size_t i = 0; i < named.size(); ++i) {
-      EXPECT_TRUE(is_dtensor(named[i].value())) << named[i].key();
-      EXPECT_EQ(named[i].value().unsafeGetTensorImpl(), stepped[i].unsafeGetTensorImpl())
-          << named[i].key() << ": the registered parameter is the one the optimizer steps";
-    }
-    const auto full = full_state_dict(*model);
-    const auto want = ref->named_parameters();
-    ASSERT_EQ(full.size(), want.size());
-    for (const auto& item : want) {
-      const at::Tensor* got = full.find(item.key());
-      ASSERT_TRUE(got && !is_dtensor(*got)) << item.key();
-      EXPECT_TRUE(test::matches(*got, item.value().detach(), {1e-9, 1e-10})) << item.key();
-    }
-    std::vector<std::string> names;
-    for (const auto& g : groups)
-      for (const auto& n : g->parameter_names()) names.push_back(n);
-    EXPECT_EQ(names.size(), want.size()) << "every parameter in exactly one group";
-  }, {std::chrono::seconds(60)});
+  tessera::testing::run_ranks(
+      4,
+      [&](int) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {4}, {"dp"});
+        auto model = clone_of(proto);
+        const auto groups = shard_mlp(*model, mesh);
+        auto opt = make_optimizer(Opt::Sgd, model->parameters());
+        const ShardTable rows = {4, 3, 0, 3};
+        const auto dx = local_batch(x, mesh, rows), dy = local_batch(y, mesh, rows);
+        for (int s = 0; s < 3; ++s) {
+          opt->zero_grad();
+          at::mse_loss(model->forward(dx), dy).backward();
+          opt->step();
+        }
+        const auto named = model->named_parameters();
+        const auto& stepped = opt->param_groups().at(0).params();
+        ASSERT_EQ(named.size(), stepped.size());
+        for (size_t i = 0; i < named.size(); ++i) {
+          EXPECT_TRUE(is_dtensor(named[i].value())) << named[i].key();
+          EXPECT_EQ(named[i].value().unsafeGetTensorImpl(), stepped[i].unsafeGetTensorImpl())
+              << named[i].key() << ": the registered parameter is the one the optimizer steps";
+        }
+        const auto full = full_state_dict(*model);
+        const auto want = ref->named_parameters();
+        ASSERT_EQ(full.size(), want.size());
+        for (const auto& item : want) {
+          const at::Tensor* got = full.find(item.key());
+          ASSERT_TRUE(got && !is_dtensor(*got)) << item.key();
+          EXPECT_TRUE(test::matches(*got, item.value().detach(), {1e-9, 1e-10})) << item.key();
+        }
+        std::vector<std::string> names;
+        for (const auto& g : groups)
+          for (const auto& n : g->parameter_names()) names.push_back(n);
+        EXPECT_EQ(names.size(), want.size()) << "every parameter in exactly one group";
+      },
+      {std::chrono::seconds(60)});
 }
 
 // After a step (unsharded storage freed), a rank holds about 1/P of one device's parameters,
@@ -345,7 +375,8 @@ TEST(FullyShard, StateDictsShareStorageAndGatherToTheReference) {
 TEST(FullyShard, ShardedTrainingStateIsOnePthOfOneDevice) {
   constexpr int world = 4;
   const auto proto = make_mlp();
-  const auto x = test::randn({10, 15}, 121, at::kDouble), y = test::randn({10, 2}, 122, at::kDouble);
+  const auto x = test::randn({10, 15}, 121, at::kDouble),
+             y = test::randn({10, 2}, 122, at::kDouble);
   auto ref = clone_of(proto);
   auto ref_opt = make_optimizer(Opt::AdamW, ref->parameters());
   at::mse_loss(ref->forward(x), y).backward();
@@ -354,26 +385,30 @@ TEST(FullyShard, ShardedTrainingStateIsOnePthOfOneDevice) {
   int64_t row_rounding = 0;  // one row per parameter, for each of the four tensors kept
   for (const auto& p : ref->parameters())
     row_rounding += 4 * (p.numel() / p.size(0)) * p.element_size();
-  tessera::testing::run_ranks(world, [&](int) {
-    at::set_num_threads(1);
-    auto mesh = init_device_mesh("cpu", {world}, {"dp"});
-    auto model = clone_of(proto);
-    const auto groups = shard_mlp(*model, mesh);
-    auto opt = make_optimizer(Opt::AdamW, model->parameters());
-    at::mse_loss(model->forward(local_batch(x, mesh, {4, 3, 0, 3})),
-                 local_batch(y, mesh, {4, 3, 0, 3})).backward();
-    opt->step();
-    int64_t unsharded = 0;
-    for (const auto& g : groups)
-      for (const auto& u : g->unsharded_parameters())
-        unsharded += static_cast<int64_t>(to_local(u.detach()).storage().nbytes()) +
-                     local_bytes(u.grad());
-    EXPECT_EQ(unsharded, 0) << "unsharded parameters and their gradients must be freed";
-    const int64_t mine = training_state_bytes(*model, *opt) + unsharded;
-    EXPECT_LE(mine, one_device / world * 105 / 100 + row_rounding)
-        << "one device holds " << one_device << " bytes";
-    EXPECT_GT(mine, 0);
-  }, {std::chrono::seconds(60)});
+  tessera::testing::run_ranks(
+      world,
+      [&](int) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {world}, {"dp"});
+        auto model = clone_of(proto);
+        const auto groups = shard_mlp(*model, mesh);
+        auto opt = make_optimizer(Opt::AdamW, model->parameters());
+        at::mse_loss(model->forward(local_batch(x, mesh, {4, 3, 0, 3})),
+                     local_batch(y, mesh, {4, 3, 0, 3}))
+            .backward();
+        opt->step();
+        int64_t unsharded = 0;
+        for (const auto& g : groups)
+          for (const auto& u : g->unsharded_parameters())
+            unsharded += static_cast<int64_t>(to_local(u.detach()).storage().nbytes()) +
+                         local_bytes(u.grad());
+        EXPECT_EQ(unsharded, 0) << "unsharded parameters and their gradients must be freed";
+        const int64_t mine = training_state_bytes(*model, *opt) + unsharded;
+        EXPECT_LE(mine, one_device / world * 105 / 100 + row_rounding)
+            << "one device holds " << one_device << " bytes";
+        EXPECT_GT(mine, 0);
+      },
+      {std::chrono::seconds(60)});
 }
 
 namespace {
@@ -399,7 +434,8 @@ TEST(FullyShard, AllocatorHoldsOnePthAfterTraining) {
                               torch::nn::Linear(256, 256), torch::nn::Tanh(),
                               torch::nn::Linear(256, 16));
   proto->to(at::kDouble);
-  const auto x = test::randn({10, 64}, 151, at::kDouble), y = test::randn({10, 16}, 152, at::kDouble);
+  const auto x = test::randn({10, 64}, 151, at::kDouble),
+             y = test::randn({10, 16}, 152, at::kDouble);
   auto copy = [&] { return std::dynamic_pointer_cast<torch::nn::SequentialImpl>(proto->clone()); };
   auto ref = copy();
   auto ref_opt = make_optimizer(Opt::AdamW, ref->parameters());
@@ -413,35 +449,39 @@ TEST(FullyShard, AllocatorHoldsOnePthAfterTraining) {
   static RankCountingAllocator counting(previous);
   c10::SetCPUAllocator(&counting, /*priority=*/100);
   std::vector<int64_t> held(world), model_bytes(world);
-  tessera::testing::run_ranks(world, [&](int rank) {
-    at::set_num_threads(1);
-    auto mesh = init_device_mesh("cpu", {world}, {"dp"});
-    const ShardTable rows = {4, 3, 0, 3};
-    const auto dx = local_batch(x, mesh, rows), dy = local_batch(y, mesh, rows);
-    t_rank = rank;
-    const int64_t before = g_rank_bytes[rank].live.load();
-    {
-      auto model = copy();
-      for (const auto& layer : model->children())
-        if (!layer->parameters().empty()) fully_shard(*layer, mesh);
-      fully_shard(*model, mesh);
-      auto opt = make_optimizer(Opt::AdamW, model->parameters());
-      for (int step = 0; step < 3; ++step) {
-        opt->zero_grad();
-        at::mse_loss(model->forward(dx), dy).backward();
-        opt->step();
-      }
-      model_bytes[rank] = training_state_bytes(*model, *opt);
-      // Gloo's worker threads drop their references to a finished collective's buffers a
-      // moment after wait() returns: give them up to two seconds.
-      for (int i = 0; i < 100; ++i) {
-        held[rank] = g_rank_bytes[rank].live.load() - before;
-        if (held[rank] <= model_bytes[rank] + kSlack) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-    }
-    t_rank = -1;
-  }, {std::chrono::seconds(60)});
+  tessera::testing::run_ranks(world,
+                              [&](int rank) {
+                                at::set_num_threads(1);
+                                auto mesh = init_device_mesh("cpu", {world}, {"dp"});
+                                const ShardTable rows = {4, 3, 0, 3};
+                                const auto dx = local_batch(x, mesh, rows),
+                                           dy = local_batch(y, mesh, rows);
+                                t_rank = rank;
+                                const int64_t before = g_rank_bytes[rank].live.load();
+                                {
+                                  auto model = copy();
+                                  for (const auto& layer : model->children())
+                                    if (!layer->parameters().empty()) fully_shard(*layer, mesh);
+                                  fully_shard(*model, mesh);
+                                  auto opt = make_optimizer(Opt::AdamW, model->parameters());
+                                  for (int step = 0; step < 3; ++step) {
+                                    opt->zero_grad();
+                                    at::mse_loss(model->forward(dx), dy).backward();
+                                    opt->step();
+                                  }
+                                  model_bytes[rank] = training_state_bytes(*model, *opt);
+                                  // Gloo's worker threads drop their references to a finished
+                                  // collective's buffers a moment after wait() returns: give them
+                                  // up to two seconds.
+                                  for (int i = 0; i < 100; ++i) {
+                                    held[rank] = g_rank_bytes[rank].live.load() - before;
+                                    if (held[rank] <= model_bytes[rank] + kSlack) break;
+                                    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+                                  }
+                                }
+                                t_rank = -1;
+                              },
+                              {std::chrono::seconds(60)});
   c10::SetCPUAllocator(previous, /*priority=*/100);
   for (int r = 0; r < world; ++r) {
     EXPECT_LE(held[r], one_device / world * 105 / 100 + row_rounding + kSlack)
@@ -463,45 +503,63 @@ TEST(FullyShard, ErrorsAreRaisedOnEveryRank) {
       EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
     }
   };
-  tessera::testing::run_ranks(2, [&](int) {
-    at::set_num_threads(1);
-    auto mesh = init_device_mesh("cpu", {2}, {"dp"});
-    expect_error([&] {
-      auto m = std::make_shared<torch::nn::Module>();
-      m->register_module("list", torch::nn::ParameterList(torch::ones({4}), torch::ones({2})));
-      fully_shard(*m, mesh);
-    }, "reads the registry");
-    expect_error([&] {
-      auto m = std::make_shared<SharedWeightImpl>(torch::ones({}));
-      fully_shard(*m, mesh);
-    }, "is a scalar");
-    expect_error([&] {
-      auto m = std::make_shared<torch::nn::LinearImpl>(4, 3);
-      distribute_parameter(*m, "weight", mesh, {Shard(0)});
-      fully_shard(*m, mesh);
-    }, "Replicate over its mesh dims [0]");
-    expect_error([&] {
-      auto other = init_device_mesh("cpu", {2}, {"tp"});
-      auto m = std::make_shared<torch::nn::LinearImpl>(4, 3);
-      distribute_parameter(*m, "weight", other, {Shard(0)});
-      fully_shard(*m, mesh);
-    }, "slices of one mesh");
-    expect_error([&] {
-      auto m = std::make_shared<TwoSharedImpl>(torch::ones({3, 2}));
-      fully_shard(*m->a, mesh);
-      fully_shard(*m, mesh);
-    }, "tied parameter");
-    expect_error([&] {
-      auto m = std::make_shared<torch::nn::LinearImpl>(4, 3);
-      fully_shard(*m, mesh);
-      fully_shard(*m, mesh);
-    }, "already applied");
-    expect_error([&] {
-      auto cube = init_device_mesh("cpu", {2, 1, 1});
-      auto m = std::make_shared<torch::nn::LinearImpl>(4, 3);
-      fully_shard(*m, cube);
-    }, "1-D mesh");
-  }, {std::chrono::seconds(60)});
+  tessera::testing::run_ranks(
+      2,
+      [&](int) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {2}, {"dp"});
+        expect_error(
+            [&] {
+              auto m = std::make_shared<torch::nn::Module>();
+              m->register_module("list",
+                                 torch::nn::ParameterList(torch::ones({4}), torch::ones({2})));
+              fully_shard(*m, mesh);
+            },
+            "reads the registry");
+        expect_error(
+            [&] {
+              auto m = std::make_shared<SharedWeightImpl>(torch::ones({}));
+              fully_shard(*m, mesh);
+            },
+            "is a scalar");
+        expect_error(
+            [&] {
+              auto m = std::make_shared<torch::nn::LinearImpl>(4, 3);
+              distribute_parameter(*m, "weight", mesh, {Shard(0)});
+              fully_shard(*m, mesh);
+            },
+            "Replicate over its mesh dims [0]");
+        expect_error(
+            [&] {
+              auto other = init_device_mesh("cpu", {2}, {"tp"});
+              auto m = std::make_shared<torch::nn::LinearImpl>(4, 3);
+              distribute_parameter(*m, "weight", other, {Shard(0)});
+              fully_shard(*m, mesh);
+            },
+            "slices of one mesh");
+        expect_error(
+            [&] {
+              auto m = std::make_shared<TwoSharedImpl>(torch::ones({3, 2}));
+              fully_shard(*m->a, mesh);
+              fully_shard(*m, mesh);
+            },
+            "tied parameter");
+        expect_error(
+            [&] {
+              auto m = std::make_shared<torch::nn::LinearImpl>(4, 3);
+              fully_shard(*m, mesh);
+              fully_shard(*m, mesh);
+            },
+            "already applied");
+        expect_error(
+            [&] {
+              auto cube = init_device_mesh("cpu", {2, 1, 1});
+              auto m = std::make_shared<torch::nn::LinearImpl>(4, 3);
+              fully_shard(*m, cube);
+            },
+            "1-D mesh");
+      },
+      {std::chrono::seconds(60)});
 }
 
 // A parameter two modules share is one entry of one group: gathered once, its gradient the
@@ -526,18 +584,21 @@ TEST(FullyShard, TiedParameterInOneGroupTrainsLikeOneDevice) {
   };
   TwoSharedImpl ref(init.clone());
   const auto expected = run(ref, x, y);
-  tessera::testing::run_ranks(3, [&](int rank) {
-    at::set_num_threads(1);
-    auto mesh = init_device_mesh("cpu", {3}, {"dp"});
-    auto model = std::make_shared<TwoSharedImpl>(init.clone());
-    auto handle = fully_shard(*model, mesh);
-    ASSERT_EQ(handle->parameter_names().size(), 1u);
-    ASSERT_EQ(model->a->w.unsafeGetTensorImpl(), model->b->w.unsafeGetTensorImpl());
-    const ShardTable rows = {3, 0, 4};
-    const auto losses = run(*model, local_batch(x, mesh, rows), local_batch(y, mesh, rows));
-    expect_losses(losses, expected, "tied");
-    const auto named = model->named_parameters();
-    ASSERT_EQ(named["a.w"].unsafeGetTensorImpl(), named["b.w"].unsafeGetTensorImpl());
-    expect_parameters(*model, ref, 3, rank, "tied");
-  }, {std::chrono::seconds(60)});
+  tessera::testing::run_ranks(
+      3,
+      [&](int rank) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {3}, {"dp"});
+        auto model = std::make_shared<TwoSharedImpl>(init.clone());
+        auto handle = fully_shard(*model, mesh);
+        ASSERT_EQ(handle->parameter_names().size(), 1u);
+        ASSERT_EQ(model->a->w.unsafeGetTensorImpl(), model->b->w.unsafeGetTensorImpl());
+        const ShardTable rows = {3, 0, 4};
+        const auto losses = run(*model, local_batch(x, mesh, rows), local_batch(y, mesh, rows));
+        expect_losses(losses, expected, "tied");
+        const auto named = model->named_parameters();
+        ASSERT_EQ(named["a.w"].unsafeGetTensorImpl(), named["b.w"].unsafeGetTensorImpl());
+        expect_parameters(*model, ref, 3, rank, "tied");
+      },
+      {std::chrono::seconds(60)});
 }

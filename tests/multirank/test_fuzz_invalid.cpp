@@ -66,8 +66,8 @@ struct Request {
   Shape shape;
   at::ScalarType dtype = at::kFloat;
   uint64_t data_seed = 0;
-  bool undefined = false;          // pass an undefined tensor
-  bool others_undefined = false;   // scatter: non-source ranks pass nothing
+  bool undefined = false;         // pass an undefined tensor
+  bool others_undefined = false;  // scatter: non-source ranks pass nothing
   // The true layout: of the source tensor (redistribute) or of the local shards (from_local).
   Placements layout;
   Tables layout_tables;
@@ -102,14 +102,15 @@ std::string tables_str(const Tables& t) {
 
 std::string describe(const Case& c, const DeviceMesh& mesh) {
   const auto& r = c.req;
-  std::string s = c.kind + ": " + op_str(r.op) + " on mesh" + shape_str(mesh.shape()) +
-                  " global " + shape_str(r.shape) + " " + c10::toString(r.dtype);
+  std::string s = c.kind + ": " + op_str(r.op) + " on mesh" + shape_str(mesh.shape()) + " global " +
+                  shape_str(r.shape) + " " + c10::toString(r.dtype);
   if (r.op == Op::Redistribute || r.op == Op::RedistributeSpec || r.op == Op::FromLocal ||
       r.op == Op::FromLocalChecked || r.op == Op::FromLocalInfer)
     s += " layout " + to_string(r.layout) + tables_str(r.layout_tables);
   s += " args " + to_string(r.placements) +
-       (r.sizes == Sizes::Given ? " given " + tables_str(r.tables)
-                                : r.sizes == Sizes::Infer ? " infer" : "");
+       (r.sizes == Sizes::Given   ? " given " + tables_str(r.tables)
+        : r.sizes == Sizes::Infer ? " infer"
+                                  : "");
   if (r.op == Op::Distribute || r.op == Op::Scatter) s += " src " + std::to_string(r.src);
   return s;
 }
@@ -125,8 +126,7 @@ Placement random_placement(Rng& rng, int64_t ndim, bool partial) {
   const int64_t k = rng.uniform(0, partial ? 4 : 3);
   if (k <= 1 && ndim > 0) return Shard(rng.uniform(-ndim, ndim - 1));
   if (k == 4) {
-    static const PartialOp ops[] = {PartialOp::Sum, PartialOp::Avg, PartialOp::Max,
-                                    PartialOp::Min};
+    static const PartialOp ops[] = {PartialOp::Sum, PartialOp::Avg, PartialOp::Max, PartialOp::Min};
     return Partial(ops[rng.uniform(0, 3)]);
   }
   return Replicate();
@@ -138,7 +138,8 @@ Placements random_placements(Rng& rng, const DeviceMesh& mesh, int64_t ndim, boo
   return p;
 }
 
-Tables layout_tables_for(Rng& rng, const DeviceMesh& mesh, const Placements& p, const Shape& shape) {
+Tables layout_tables_for(Rng& rng, const DeviceMesh& mesh, const Placements& p,
+                         const Shape& shape) {
   return tessera::test::random_tables(rng, mesh, normalized(p, static_cast<int64_t>(shape.size())),
                                       shape);
 }
@@ -237,9 +238,9 @@ Request valid_request(Rng& rng, const DeviceMesh& mesh, Op op) {
   return r;
 }
 
-const std::vector<Op> kAllOps = {Op::Distribute,       Op::DistributeLocal, Op::Scatter,
-                                 Op::FromLocal,        Op::FromLocalChecked, Op::FromLocalInfer,
-                                 Op::Redistribute,     Op::RedistributeSpec};
+const std::vector<Op> kAllOps = {Op::Distribute,   Op::DistributeLocal,  Op::Scatter,
+                                 Op::FromLocal,    Op::FromLocalChecked, Op::FromLocalInfer,
+                                 Op::Redistribute, Op::RedistributeSpec};
 
 // The value every rank's tensor holds (rank-dependent shape and dtype included).
 at::Tensor full_value(const Request& r) {
@@ -266,11 +267,11 @@ at::Tensor execute(const Request& r, const DeviceMesh& mesh, int64_t rank, bool 
       return distribute_tensor(r.undefined ? at::Tensor() : full, mesh, r.placements, r.src,
                                sizes_of(r));
     case Op::DistributeLocal:
-      return distribute_tensor(r.undefined ? at::Tensor() : full, mesh, r.placements,
-                               std::nullopt, sizes_of(r));
+      return distribute_tensor(r.undefined ? at::Tensor() : full, mesh, r.placements, std::nullopt,
+                               sizes_of(r));
     case Op::Scatter:
-      return scatter_tensor(rank == r.src || !r.others_undefined ? full : at::Tensor(), r.src,
-                            mesh, r.placements, sizes_of(r));
+      return scatter_tensor(rank == r.src || !r.others_undefined ? full : at::Tensor(), r.src, mesh,
+                            r.placements, sizes_of(r));
     case Op::FromLocal:
     case Op::FromLocalChecked:
     case Op::FromLocalInfer: {
@@ -289,14 +290,14 @@ at::Tensor execute(const Request& r, const DeviceMesh& mesh, int64_t rank, bool 
     }
     case Op::Redistribute:
     case Op::RedistributeSpec: {
-      auto x = tessera::test::make_dtensor_from_full(full.detach(), mesh, r.layout,
-                                                     r.layout_tables);
+      auto x =
+          tessera::test::make_dtensor_from_full(full.detach(), mesh, r.layout, r.layout_tables);
       if (grad) x = x.detach().requires_grad_();
       if (input) *input = x;
       if (r.op == Op::Redistribute) return redistribute(x, r.placements, sizes_of(r));
-      auto target = std::make_shared<DTensorSpec>(
-          r.target_mesh ? *r.target_mesh : mesh, r.placements, r.target_shape.value_or(r.shape),
-          r.target_dtype.value_or(r.dtype), r.tables);
+      auto target = std::make_shared<DTensorSpec>(r.target_mesh ? *r.target_mesh : mesh,
+                                                  r.placements, r.target_shape.value_or(r.shape),
+                                                  r.target_dtype.value_or(r.dtype), r.tables);
       return redistribute(x, target);
     }
   }
@@ -318,9 +319,9 @@ void check_case(const Case& c, const DeviceMesh& mesh, const std::string& ctx) {
   const std::string where = ctx + " [rank " + std::to_string(rank) + "]";
   if (c.needles.empty()) {
     // Gradients only through float layouts that differentiate to the full gradient.
-    const bool grad = at::isFloatingType(r.dtype) &&
-                      (r.op == Op::DistributeLocal || r.op == Op::Distribute ||
-                       r.op == Op::Redistribute || r.op == Op::RedistributeSpec);
+    const bool grad =
+        at::isFloatingType(r.dtype) && (r.op == Op::DistributeLocal || r.op == Op::Distribute ||
+                                        r.op == Op::Redistribute || r.op == Op::RedistributeSpec);
     at::Tensor input;
     at::Tensor out = execute(r, mesh, rank, grad, &input);
     const at::Tensor full = full_value(r);
@@ -361,13 +362,14 @@ void check_case(const Case& c, const DeviceMesh& mesh, const std::string& ctx) {
 Op pick(Rng& rng, const std::vector<Op>& ops) { return rng.pick(ops); }
 
 const std::vector<Op> kCreate = {Op::Distribute, Op::DistributeLocal, Op::Scatter};
-const std::vector<Op> kGivenOps = {Op::Distribute, Op::DistributeLocal, Op::Scatter,
-                                   Op::FromLocal, Op::Redistribute};
+const std::vector<Op> kGivenOps = {Op::Distribute, Op::DistributeLocal, Op::Scatter, Op::FromLocal,
+                                   Op::Redistribute};
 
 // Tables for the argument placements (the layout's for from_local).
 void give_valid_tables(Rng& rng, const DeviceMesh& mesh, Request& r) {
   r.sizes = Sizes::Given;
-  r.tables = full_tables(mesh, r.placements, r.shape, layout_tables_for(rng, mesh, r.placements, r.shape));
+  r.tables =
+      full_tables(mesh, r.placements, r.shape, layout_tables_for(rng, mesh, r.placements, r.shape));
 }
 
 // The from_local layout follows the arguments when a case changes them.
@@ -380,37 +382,38 @@ void sync_layout(Request& r) {
 
 Case same_everywhere(Rng& rng, const DeviceMesh& mesh) {
   static const std::vector<std::string> kinds = {
-      "shard_dim",       "placement_count", "table_sum",      "table_negative",
-      "table_length",    "table_unsharded", "too_many_tables", "partial",
-      "undefined",       "infer_elsewhere", "src_not_in_mesh", "spec_mesh",
-      "spec_shape",      "spec_dtype"};
+      "shard_dim",       "placement_count", "table_sum",  "table_negative", "table_length",
+      "table_unsharded", "too_many_tables", "partial",    "undefined",      "infer_elsewhere",
+      "src_not_in_mesh", "spec_mesh",       "spec_shape", "spec_dtype"};
   Case c;
   c.kind = rng.pick(kinds);
   auto& r = c.req;
   if (c.kind == "shard_dim") {
-    r = valid_request(rng, mesh, pick(rng, {Op::Distribute, Op::DistributeLocal, Op::Scatter,
-                                            Op::FromLocal, Op::FromLocalChecked,
-                                            Op::FromLocalInfer, Op::Redistribute}));
+    r = valid_request(rng, mesh,
+                      pick(rng, {Op::Distribute, Op::DistributeLocal, Op::Scatter, Op::FromLocal,
+                                 Op::FromLocalChecked, Op::FromLocalInfer, Op::Redistribute}));
     const int64_t ndim = static_cast<int64_t>(r.shape.size());
     const int64_t d = rng.coin() ? ndim + rng.uniform(0, 2) : -ndim - 1 - rng.uniform(0, 2);
     r.placements[rng.uniform(0, mesh.ndim() - 1)] = Shard(d);
     if (r.sizes == Sizes::Given) r.sizes = Sizes::Chunk;
     c.needles = {op_name(r.op), "Shard(" + std::to_string(d) + ")", "out of range"};
   } else if (c.kind == "placement_count") {
-    r = valid_request(rng, mesh, pick(rng, {Op::Distribute, Op::DistributeLocal, Op::Scatter,
-                                            Op::FromLocal, Op::FromLocalChecked,
-                                            Op::FromLocalInfer, Op::Redistribute}));
-    if (rng.coin()) r.placements.push_back(rng.coin() ? Replicate() : Shard(0));
-    else r.placements.pop_back();
+    r = valid_request(rng, mesh,
+                      pick(rng, {Op::Distribute, Op::DistributeLocal, Op::Scatter, Op::FromLocal,
+                                 Op::FromLocalChecked, Op::FromLocalInfer, Op::Redistribute}));
+    if (rng.coin())
+      r.placements.push_back(rng.coin() ? Replicate() : Shard(0));
+    else
+      r.placements.pop_back();
     if (r.sizes == Sizes::Given) r.sizes = Sizes::Chunk;
     c.needles = {op_name(r.op), std::to_string(r.placements.size()) + " entries",
                  std::to_string(mesh.ndim()) + " dims"};
   } else if (c.kind == "table_sum" || c.kind == "table_negative" || c.kind == "table_length") {
     // A sum that is off cannot be seen by from_local: its tables define the global size.
-    r = valid_request(rng, mesh, c.kind == "table_sum"
-                                     ? pick(rng, {Op::Distribute, Op::DistributeLocal,
-                                                  Op::Scatter, Op::Redistribute})
-                                     : pick(rng, kGivenOps));
+    r = valid_request(rng, mesh,
+                      c.kind == "table_sum" ? pick(rng, {Op::Distribute, Op::DistributeLocal,
+                                                         Op::Scatter, Op::Redistribute})
+                                            : pick(rng, kGivenOps));
     const int64_t t = force_shard(rng, mesh, r);
     give_valid_tables(rng, mesh, r);
     sync_layout(r);
@@ -429,8 +432,7 @@ Case same_everywhere(Rng& rng, const DeviceMesh& mesh) {
     } else {
       const int64_t len = rng.coin() || n == 1 ? n + rng.uniform(1, 2) : n - 1;
       tab = tessera::test::random_table(rng, r.shape[t], len);
-      c.needles = {op_name(r.op), std::to_string(len) + " entries",
-                   std::to_string(n) + " shards"};
+      c.needles = {op_name(r.op), std::to_string(len) + " entries", std::to_string(n) + " shards"};
     }
     if (r.op == Op::FromLocal) r.layout_tables = {};  // the local blocks: any valid layout
   } else if (c.kind == "table_unsharded") {
@@ -463,11 +465,10 @@ Case same_everywhere(Rng& rng, const DeviceMesh& mesh) {
     r.tables.back() = {1};
     c.needles = {op_name(r.op), std::to_string(r.tables.size()) + " tables"};
   } else if (c.kind == "partial") {
-    r = valid_request(rng, mesh, pick(rng, {Op::Distribute, Op::DistributeLocal, Op::Scatter,
-                                            Op::Redistribute}));
+    r = valid_request(
+        rng, mesh, pick(rng, {Op::Distribute, Op::DistributeLocal, Op::Scatter, Op::Redistribute}));
     const int64_t m = rng.uniform(0, mesh.ndim() - 1);
-    static const PartialOp ops[] = {PartialOp::Sum, PartialOp::Avg, PartialOp::Max,
-                                    PartialOp::Min};
+    static const PartialOp ops[] = {PartialOp::Sum, PartialOp::Avg, PartialOp::Max, PartialOp::Min};
     const Placement p = Partial(ops[rng.uniform(0, 3)]);
     // Keeping a source's own Partial is allowed; changing to another one is not.
     if (r.op == Op::Redistribute && r.layout[m] == p) {
@@ -478,13 +479,14 @@ Case same_everywhere(Rng& rng, const DeviceMesh& mesh) {
     r.sizes = Sizes::Chunk;
     c.needles = {op_name(r.op), "Partial"};
   } else if (c.kind == "undefined") {
-    r = valid_request(rng, mesh, pick(rng, {Op::Distribute, Op::DistributeLocal, Op::FromLocal,
-                                            Op::FromLocalChecked, Op::FromLocalInfer}));
+    r = valid_request(rng, mesh,
+                      pick(rng, {Op::Distribute, Op::DistributeLocal, Op::FromLocal,
+                                 Op::FromLocalChecked, Op::FromLocalInfer}));
     r.undefined = true;
     c.needles = {op_name(r.op), "defined"};
   } else if (c.kind == "infer_elsewhere") {
-    r = valid_request(rng, mesh, pick(rng, {Op::Distribute, Op::DistributeLocal, Op::Scatter,
-                                            Op::Redistribute}));
+    r = valid_request(
+        rng, mesh, pick(rng, {Op::Distribute, Op::DistributeLocal, Op::Scatter, Op::Redistribute}));
     r.sizes = Sizes::Infer;
     c.needles = {op_name(r.op), "Infer", "from_local"};
   } else if (c.kind == "src_not_in_mesh") {
@@ -517,18 +519,18 @@ Case same_everywhere(Rng& rng, const DeviceMesh& mesh) {
 
 Case rank_dependent(Rng& rng, const DeviceMesh& mesh) {
   static const std::vector<std::string> kinds = {
-      "rank_shape",   "rank_ndim",       "rank_dtype",     "rank_placements",
-      "rank_invalid", "rank_count",      "rank_tables",    "rank_bad_table",
-      "rank_src",     "rank_undefined",  "rank_partial",   "rank_source_layout"};
+      "rank_shape",   "rank_ndim",      "rank_dtype",   "rank_placements",
+      "rank_invalid", "rank_count",     "rank_tables",  "rank_bad_table",
+      "rank_src",     "rank_undefined", "rank_partial", "rank_source_layout"};
   Case c;
   c.kind = rng.pick(kinds);
   auto& r = c.req;
   const int64_t bad = rng.uniform(0, mesh.size() - 1);
-  const std::vector<Op> collective_creation = {Op::Distribute, Op::Scatter,
-                                               Op::FromLocalChecked, Op::FromLocalInfer};
+  const std::vector<Op> collective_creation = {Op::Distribute, Op::Scatter, Op::FromLocalChecked,
+                                               Op::FromLocalInfer};
   if (c.kind == "rank_shape" || c.kind == "rank_ndim") {
-    r = valid_request(rng, mesh, pick(rng, {Op::Distribute, Op::FromLocalChecked,
-                                            Op::FromLocalInfer}));
+    r = valid_request(rng, mesh,
+                      pick(rng, {Op::Distribute, Op::FromLocalChecked, Op::FromLocalInfer}));
     const int64_t ndim = static_cast<int64_t>(r.shape.size());
     const auto dims = sharded_dims(r.layout, ndim);
     int64_t t = 0;
@@ -539,27 +541,33 @@ Case rank_dependent(Rng& rng, const DeviceMesh& mesh) {
       const int64_t grow = rng.index(r.shape.size());
       c.per_rank = [=](int64_t rank, Request& q) {
         if (rank != bad) return;
-        if (extra) q.shape.push_back(2);
-        else q.shape[grow] += 1;
+        if (extra)
+          q.shape.push_back(2);
+        else
+          q.shape[grow] += 1;
       };
       c.needles = {"distribute_tensor", extra ? "-d" : "shape"};
     } else {
       // A replicated extent (or the number of dims) that differs: never a valid layout.
       c.per_rank = [=](int64_t rank, Request& q) {
         if (rank != bad) return;
-        if (extra) q.extra_dim = true;
-        else q.grow_dim = t;
+        if (extra)
+          q.extra_dim = true;
+        else
+          q.grow_dim = t;
       };
       c.needles = {"from_local", extra ? "number of dims" : "shapes"};
     }
   } else if (c.kind == "rank_dtype") {
-    r = valid_request(rng, mesh, pick(rng, {Op::Distribute, Op::FromLocalChecked,
-                                            Op::FromLocalInfer}));
+    r = valid_request(rng, mesh,
+                      pick(rng, {Op::Distribute, Op::FromLocalChecked, Op::FromLocalInfer}));
     r.dtype = at::kFloat;
     c.per_rank = [=](int64_t rank, Request& q) {
       if (rank != bad) return;
-      if (q.op == Op::Distribute) q.dtype = at::kDouble;
-      else q.local_dtype = at::kDouble;
+      if (q.op == Op::Distribute)
+        q.dtype = at::kDouble;
+      else
+        q.local_dtype = at::kDouble;
     };
     c.needles = {op_name(r.op), "Double", "Float"};
   } else if (c.kind == "rank_placements" || c.kind == "rank_invalid" || c.kind == "rank_count") {
@@ -594,8 +602,9 @@ Case rank_dependent(Rng& rng, const DeviceMesh& mesh) {
       if (rank == bad) q.placements = other;
     };
   } else if (c.kind == "rank_tables" || c.kind == "rank_bad_table") {
-    r = valid_request(rng, mesh, pick(rng, {Op::Distribute, Op::Scatter, Op::FromLocalChecked,
-                                            Op::Redistribute}));
+    r = valid_request(
+        rng, mesh,
+        pick(rng, {Op::Distribute, Op::Scatter, Op::FromLocalChecked, Op::Redistribute}));
     const int64_t t = force_shard(rng, mesh, r);
     give_valid_tables(rng, mesh, r);
     sync_layout(r);
@@ -626,8 +635,8 @@ Case rank_dependent(Rng& rng, const DeviceMesh& mesh) {
     };
     c.needles = {op_name(r.op), "disagree"};
   } else if (c.kind == "rank_undefined") {
-    r = valid_request(rng, mesh, pick(rng, {Op::Distribute, Op::FromLocalChecked,
-                                            Op::FromLocalInfer}));
+    r = valid_request(rng, mesh,
+                      pick(rng, {Op::Distribute, Op::FromLocalChecked, Op::FromLocalInfer}));
     c.per_rank = [=](int64_t rank, Request& q) {
       if (rank == bad) q.undefined = true;
     };
@@ -707,9 +716,7 @@ TEST_P(FuzzLayout, ValidMatchesOneDevice) {
   });
 }
 
-TEST_P(FuzzLayout, InvalidFailsOnEveryRank) {
-  sweep(GetParam(), 60, same_everywhere);
-}
+TEST_P(FuzzLayout, InvalidFailsOnEveryRank) { sweep(GetParam(), 60, same_everywhere); }
 
 TEST_P(FuzzLayout, RankDependentFailsOnEveryRank) {
   if (tessera::test::mesh_world(GetParam()) < 2) GTEST_SKIP() << "needs two ranks";

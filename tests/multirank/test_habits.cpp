@@ -22,7 +22,8 @@ const char* name(Mode m) { return m == Mode::Replicate ? "replicate" : "fully_sh
 
 std::unique_ptr<torch::optim::Optimizer> sgd_or_adam(bool adam, std::vector<at::Tensor> params) {
   if (!adam)
-    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.05).momentum(0.9));
+    return std::make_unique<torch::optim::SGD>(params,
+                                               torch::optim::SGDOptions(0.05).momentum(0.9));
   return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01));
 }
 
@@ -66,35 +67,40 @@ TEST(Habits, OptimizerBuiltBeforeReplicateOrFullyShardTrainsLikeOneDevice) {
     for (Mode mode : {Mode::Replicate, Mode::FullyShard})
       for (Order order : {Order::OptimizerFirst, Order::OptimizerAfter})
         for (Zero how : {Zero::InPlace, Zero::SetToNone}) {
-          const std::string ctx = std::string(name(mode)) + (adam ? " Adam" : " SGD") +
-                                  (order == Order::OptimizerFirst ? ", optimizer first" : ", optimizer after") +
-                                  (how == Zero::InPlace ? ", zero in place" : ", set_to_none");
-          tessera::testing::run_ranks(world, [&](int rank) {
-            at::set_num_threads(1);
-            auto mesh = init_device_mesh("cpu", {world}, {"dp"});
-            auto model = clone_of(proto);
-            std::unique_ptr<torch::optim::Optimizer> opt;
-            if (order == Order::OptimizerFirst) opt = sgd_or_adam(adam, model->parameters());
-            std::shared_ptr<ReplicatedModule> ddp;
-            if (mode == Mode::Replicate) {
-              ddp = replicate(*model, mesh);
-            } else {
-              for (auto* m : {model->l0.ptr().get(), model->l1.ptr().get(), model->l2.ptr().get()})
-                fully_shard(*m, mesh);
-              fully_shard(*model, mesh);
-            }
-            if (order == Order::OptimizerAfter) opt = sgd_or_adam(adam, model->parameters());
-            const auto losses =
-                steps(*model, *opt, how, local_batch(x, mesh, rows), local_batch(y, mesh, rows), 3);
-            expect_losses(losses, expected, ctx);
-            const auto params = model->named_parameters();  // (find points into it)
-            for (const auto& item : ref->named_parameters()) {
-              const at::Tensor* p = params.find(item.key());
-              ASSERT_TRUE(p && is_dtensor(*p)) << ctx << " " << item.key();
-              ASSERT_TRUE(test::full_matches(*p, item.value().detach(), {1e-9, 1e-10}))
-                  << ctx << " " << item.key() << " on rank " << rank;
-            }
-          }, {std::chrono::seconds(120)});
+          const std::string ctx =
+              std::string(name(mode)) + (adam ? " Adam" : " SGD") +
+              (order == Order::OptimizerFirst ? ", optimizer first" : ", optimizer after") +
+              (how == Zero::InPlace ? ", zero in place" : ", set_to_none");
+          tessera::testing::run_ranks(
+              world,
+              [&](int rank) {
+                at::set_num_threads(1);
+                auto mesh = init_device_mesh("cpu", {world}, {"dp"});
+                auto model = clone_of(proto);
+                std::unique_ptr<torch::optim::Optimizer> opt;
+                if (order == Order::OptimizerFirst) opt = sgd_or_adam(adam, model->parameters());
+                std::shared_ptr<ReplicatedModule> ddp;
+                if (mode == Mode::Replicate) {
+                  ddp = replicate(*model, mesh);
+                } else {
+                  for (auto* m :
+                       {model->l0.ptr().get(), model->l1.ptr().get(), model->l2.ptr().get()})
+                    fully_shard(*m, mesh);
+                  fully_shard(*model, mesh);
+                }
+                if (order == Order::OptimizerAfter) opt = sgd_or_adam(adam, model->parameters());
+                const auto losses = steps(*model, *opt, how, local_batch(x, mesh, rows),
+                                          local_batch(y, mesh, rows), 3);
+                expect_losses(losses, expected, ctx);
+                const auto params = model->named_parameters();  // (find points into it)
+                for (const auto& item : ref->named_parameters()) {
+                  const at::Tensor* p = params.find(item.key());
+                  ASSERT_TRUE(p && is_dtensor(*p)) << ctx << " " << item.key();
+                  ASSERT_TRUE(test::full_matches(*p, item.value().detach(), {1e-9, 1e-10}))
+                      << ctx << " " << item.key() << " on rank " << rank;
+                }
+              },
+              {std::chrono::seconds(120)});
         }
   }
 }
@@ -113,21 +119,24 @@ TEST(Habits, OptimizerBuiltBeforeDistributeModuleTrainsLikeOneDevice) {
     for (Zero how : {Zero::InPlace, Zero::SetToNone}) {
       const std::string ctx = std::string("distribute_module") + (adam ? " Adam" : " SGD") +
                               (how == Zero::InPlace ? ", zero in place" : ", set_to_none");
-      tessera::testing::run_ranks(world, [&](int rank) {
-        at::set_num_threads(1);
-        auto mesh = init_device_mesh("cpu", {world}, {"dp"});
-        auto model = clone_of(proto);
-        auto opt = sgd_or_adam(adam, model->parameters());
-        distribute_module(*model, mesh);
-        const auto losses =
-            steps(*model, *opt, how, local_batch(x, mesh, rows), local_batch(y, mesh, rows), 3);
-        expect_losses(losses, expected, ctx);
-        const auto params = model->named_parameters();
-        for (const auto& item : ref->named_parameters())
-          ASSERT_TRUE(test::full_matches(*params.find(item.key()), item.value().detach(),
-                                         {1e-9, 1e-10}))
-              << ctx << " " << item.key() << " on rank " << rank;
-      }, {std::chrono::seconds(120)});
+      tessera::testing::run_ranks(
+          world,
+          [&](int rank) {
+            at::set_num_threads(1);
+            auto mesh = init_device_mesh("cpu", {world}, {"dp"});
+            auto model = clone_of(proto);
+            auto opt = sgd_or_adam(adam, model->parameters());
+            distribute_module(*model, mesh);
+            const auto losses =
+                steps(*model, *opt, how, local_batch(x, mesh, rows), local_batch(y, mesh, rows), 3);
+            expect_losses(losses, expected, ctx);
+            const auto params = model->named_parameters();
+            for (const auto& item : ref->named_parameters())
+              ASSERT_TRUE(test::full_matches(*params.find(item.key()), item.value().detach(),
+                                             {1e-9, 1e-10}))
+                  << ctx << " " << item.key() << " on rank " << rank;
+          },
+          {std::chrono::seconds(120)});
     }
   }
 }
@@ -150,17 +159,20 @@ TEST(Habits, FullyShardOnAModuleNotHeldByASharedPtr) {
     for (const auto& item : proto->named_parameters())
       net.named_parameters().find(item.key())->copy_(item.value());
   }
-  tessera::testing::run_ranks(world, [&](int rank) {
-    at::set_num_threads(1);
-    auto mesh = init_device_mesh("cpu", {world}, {"dp"});
-    MlpImpl& net = nets[rank];
-    fully_shard(net.l0, mesh);
-    fully_shard(net, mesh);
-    const auto losses =
-        train(net, Opt::AdamW, local_batch(x, mesh, rows), local_batch(y, mesh, rows), 3);
-    expect_losses(losses, expected, "module on the stack");
-    expect_parameters(net, *ref, world, rank, "module on the stack");
-  }, {std::chrono::seconds(120)});
+  tessera::testing::run_ranks(world,
+                              [&](int rank) {
+                                at::set_num_threads(1);
+                                auto mesh = init_device_mesh("cpu", {world}, {"dp"});
+                                MlpImpl& net = nets[rank];
+                                fully_shard(net.l0, mesh);
+                                fully_shard(net, mesh);
+                                const auto losses =
+                                    train(net, Opt::AdamW, local_batch(x, mesh, rows),
+                                          local_batch(y, mesh, rows), 3);
+                                expect_losses(losses, expected, "module on the stack");
+                                expect_parameters(net, *ref, world, rank, "module on the stack");
+                              },
+                              {std::chrono::seconds(120)});
 }
 
 // `torch::nn::LinearImpl lin(...); parallelize_module(lin, mesh, ColwiseParallel())`: a
@@ -207,7 +219,8 @@ TEST(Habits, PrintingADistributedTensorNamesTheWayOut) {
         ADD_FAILURE() << "printing a distributed tensor did not raise";
       } catch (const c10::Error& e) {
         const std::string msg = e.what_without_backtrace();
-        for (const char* needle : {"distributed tensor", "tessera::to_string", "full_tensor", "collective"})
+        for (const char* needle :
+             {"distributed tensor", "tessera::to_string", "full_tensor", "collective"})
           EXPECT_NE(msg.find(needle), std::string::npos) << needle << " missing from: " << msg;
       }
       std::ostringstream got, want;
@@ -236,16 +249,19 @@ TEST(Habits, CollectiveOnSomeRanksOnlyNamesTheCall) {
     options.collective_timeout = std::chrono::milliseconds(1500);
     std::string msg;
     try {
-      tessera::testing::run_ranks(2, [&](int rank) {
-        auto mesh = init_device_mesh("cpu", {2}, {"dp"});
-        const at::Tensor dt = distribute_tensor(full, mesh, {Shard(0)});
-        if (rank == 0) {
-          c.run(dt);
-        } else {
-          // Alive but elsewhere, past the collective timeout.
-          std::this_thread::sleep_for(std::chrono::seconds(4));
-        }
-      }, options);
+      tessera::testing::run_ranks(
+          2,
+          [&](int rank) {
+            auto mesh = init_device_mesh("cpu", {2}, {"dp"});
+            const at::Tensor dt = distribute_tensor(full, mesh, {Shard(0)});
+            if (rank == 0) {
+              c.run(dt);
+            } else {
+              // Alive but elsewhere, past the collective timeout.
+              std::this_thread::sleep_for(std::chrono::seconds(4));
+            }
+          },
+          options);
     } catch (const c10::Error& e) {
       msg = e.what_without_backtrace();
     }

@@ -231,14 +231,10 @@ std::vector<double> train_stack(Model& model, torch::optim::Optimizer& opt, cons
 // Per-rank rows of a 9-row global batch: uneven, one rank empty on 3 and 4 ranks.
 ShardTable batch_rows(int world) {
   switch (world) {
-    case 1:
-      return {9};
-    case 2:
-      return {5, 4};
-    case 3:
-      return {2, 0, 7};
-    default:
-      return {3, 1, 5, 0};
+    case 1: return {9};
+    case 2: return {5, 4};
+    case 3: return {2, 0, 7};
+    default: return {3, 1, 5, 0};
   }
 }
 

@@ -72,6 +72,7 @@ TEST(Halo, MovesOnlyHaloRows) {
     const int64_t expected_recv = rank == 0 ? 2 * row : rank == 1 ? 4 * row : 2 * row;
     EXPECT_EQ(comm.total_bytes_received(), expected_recv) << "rank " << rank;
     const std::vector<comm::Window> windows = {{-2, 6}, {2, 7}, {3, 12}};
-    EXPECT_EQ(comm::halo_rows_received(rank, sizes, windows, HaloBoundary::Zeros) * row, expected_recv);
+    EXPECT_EQ(comm::halo_rows_received(rank, sizes, windows, HaloBoundary::Zeros) * row,
+              expected_recv);
   });
 }

@@ -37,16 +37,20 @@ TEST(Loss, ElementwiseLossesEveryReduction) {
       auto tabs = p[0].is_shard(0) ? uneven(mesh, 0, 7) : std::vector<ShardTable>{};
       for (int64_t red : {0, 1, 2}) {
         const std::string what = to_string(p) + " reduction " + std::to_string(red);
-        differential(mesh, {{{7, 5}, p, tabs}, {{7, 5}, p, tabs}},
-                     [red](auto& v) { return at::mse_loss(v[0], v[1], red); }, "mse " + what);
-        differential(mesh, {{{7, 5}, p, tabs}, {{7, 5}, p, tabs}},
-                     [red](auto& v) { return at::smooth_l1_loss(v[0], v[1], red, 0.5); },
-                     "smooth_l1 " + what);
-        differential(mesh, {{{7, 5}, p, tabs}, {{7, 5}, with(mesh, Replicate())}},
-                     [red](auto& v) { return at::huber_loss(v[0], v[1], red, 0.7); },
-                     "huber (target replicated) " + what);
-        differential(mesh, {{{7, 5}, p, tabs}, {{7, 5}, p, tabs}},
-                     [red](auto& v) { return at::l1_loss(v[0], v[1], red); }, "l1 " + what);
+        differential(
+            mesh, {{{7, 5}, p, tabs}, {{7, 5}, p, tabs}},
+            [red](auto& v) { return at::mse_loss(v[0], v[1], red); }, "mse " + what);
+        differential(
+            mesh, {{{7, 5}, p, tabs}, {{7, 5}, p, tabs}},
+            [red](auto& v) { return at::smooth_l1_loss(v[0], v[1], red, 0.5); },
+            "smooth_l1 " + what);
+        differential(
+            mesh, {{{7, 5}, p, tabs}, {{7, 5}, with(mesh, Replicate())}},
+            [red](auto& v) { return at::huber_loss(v[0], v[1], red, 0.7); },
+            "huber (target replicated) " + what);
+        differential(
+            mesh, {{{7, 5}, p, tabs}, {{7, 5}, p, tabs}},
+            [red](auto& v) { return at::l1_loss(v[0], v[1], red); }, "l1 " + what);
       }
     }
   });
@@ -57,11 +61,12 @@ TEST(Loss, SoftmaxShardedAndUnshardedDims) {
     for (auto p : {with(mesh, Shard(0)), with(mesh, Shard(1)), with(mesh, Partial())}) {
       for (int64_t dim : {0, 1, -1}) {
         const std::string what = to_string(p) + " dim " + std::to_string(dim);
-        differential(mesh, {{{6, 5}, p}}, [dim](auto& v) { return at::softmax(v[0], dim); },
-                     "softmax " + what);
-        differential(mesh, {{{6, 5}, p}},
-                     [dim](auto& v) { return at::log_softmax(v[0], dim) * 1.5; },
-                     "log_softmax " + what);
+        differential(
+            mesh, {{{6, 5}, p}}, [dim](auto& v) { return at::softmax(v[0], dim); },
+            "softmax " + what);
+        differential(
+            mesh, {{{6, 5}, p}}, [dim](auto& v) { return at::log_softmax(v[0], dim) * 1.5; },
+            "log_softmax " + what);
       }
     }
   });
@@ -84,19 +89,25 @@ TEST(Loss, CrossEntropyBatchShardedWithIgnoreIndexAndWeights) {
           auto ref_x = logits.clone().requires_grad_();
           auto w = weighted ? weight : at::Tensor();
           auto ref = at::cross_entropy_loss(ref_x, target, w, red);
-          auto dx = distribute_tensor(logits, mesh, {Shard(0)}, std::nullopt, ShardSizes::Given(0, rows))
-                        .detach().requires_grad_();
-          auto dt = distribute_tensor(target, mesh, {Shard(0)}, std::nullopt, ShardSizes::Given(0, rows));
-          auto dw = weighted ? distribute_tensor(weight, mesh, {Replicate()}, std::nullopt) : at::Tensor();
+          auto dx =
+              distribute_tensor(logits, mesh, {Shard(0)}, std::nullopt, ShardSizes::Given(0, rows))
+                  .detach()
+                  .requires_grad_();
+          auto dt =
+              distribute_tensor(target, mesh, {Shard(0)}, std::nullopt, ShardSizes::Given(0, rows));
+          auto dw = weighted ? distribute_tensor(weight, mesh, {Replicate()}, std::nullopt)
+                             : at::Tensor();
           auto got = at::cross_entropy_loss(dx, dt, dw, red);
-          const std::string what = "reduction " + std::to_string(red) + (weighted ? " weighted" : "");
+          const std::string what =
+              "reduction " + std::to_string(red) + (weighted ? " weighted" : "");
           ASSERT_TRUE(tessera::test::full_matches(got, ref, {1e-5, 1e-6})) << what;
           auto g = red == 0 ? tessera::test::randn({9}, 34) : at::ones({});
           ref.backward(g);
           got.backward(red == 0 ? distribute_tensor(g, mesh, placements(got), std::nullopt,
                                                     ShardSizes::Given(spec(got).shard_tables()))
                                 : distribute_tensor(g, mesh, {Replicate()}, std::nullopt));
-          ASSERT_TRUE(tessera::test::full_matches(dx.grad(), ref_x.grad(), {1e-5, 1e-6})) << what << " grad";
+          ASSERT_TRUE(tessera::test::full_matches(dx.grad(), ref_x.grad(), {1e-5, 1e-6}))
+              << what << " grad";
         }
       }
     });
@@ -112,7 +123,8 @@ TEST(Loss, NllLoss2dSpatiallySharded) {
     auto ref = at::cross_entropy_loss(ref_x, target);
     auto dx = distribute_tensor(logits, mesh, {Shard(2), Shard(3)}, std::nullopt,
                                 ShardSizes::Given({{}, {}, {5, 1}, {2, 3}}))
-                  .detach().requires_grad_();
+                  .detach()
+                  .requires_grad_();
     auto dt = distribute_tensor(target, mesh, {Shard(1), Shard(2)}, std::nullopt,
                                 ShardSizes::Given({{}, {5, 1}, {2, 3}}));
     auto got = at::cross_entropy_loss(dx, dt);
@@ -129,12 +141,16 @@ TEST(Loss, LayerNorm) {
     Placements r(mesh.ndim(), Replicate());
     for (auto p : {with(mesh, Shard(0)), with(mesh, Shard(1)), with(mesh, Shard(2)),
                    with(mesh, Shard(0), Shard(1))}) {
-      differential(mesh, {{{4, 6, 8}, p}, {{8}, r}, {{8}, r}},
-                   [](auto& v) { return at::layer_norm(v[0], {8}, v[1], v[2], 1e-5); },
-                   "layer_norm [8] " + to_string(p));
-      differential(mesh, {{{4, 6, 8}, p}},
-                   [](auto& v) { return at::layer_norm(v[0], {6, 8}) * 2; },
-                   "layer_norm [6, 8] no affine " + to_string(p));
+      differential(
+          mesh, {{{4, 6, 8}, p}, {{8}, r}, {{8}, r}},
+          [](auto& v) { return at::layer_norm(v[0], {8}, v[1], v[2], 1e-5); },
+          "layer_norm [8] " + to_string(p));
+      differential(
+          mesh, {{{4, 6, 8}, p}},
+          [](auto& v) {
+            return at::layer_norm(v[0], {6, 8}) * 2;
+          },
+          "layer_norm [6, 8] no affine " + to_string(p));
     }
   });
 }
@@ -169,7 +185,8 @@ TEST(Loss, DropoutAndRandomFillsDrawWhatOneDeviceDraws) {
       EXPECT_EQ(rn.scalar_type(), at::kDouble);
       EXPECT_TRUE(at::equal(full_tensor(rn), ref_randn)) << "randn_like, world " << world;
       auto ri = at::randint_like(distribute_tensor(x, mesh, {Shard(1)}, std::nullopt), 3, 9);
-      EXPECT_TRUE(at::equal(full_tensor(ri), ref_randint)) << "randint_like on S(1), world " << world;
+      EXPECT_TRUE(at::equal(full_tensor(ri), ref_randint))
+          << "randint_like on S(1), world " << world;
       tessera::clear_manual_seed();
     });
   }

@@ -17,8 +17,8 @@ using tessera::test::Rng;
 namespace {
 
 struct Case {
-  std::vector<int64_t> shape;  // logits; classes at dim 1 (dim 0 of a 1-D input)
-  Placements logits;           // the logits' placements
+  std::vector<int64_t> shape;           // logits; classes at dim 1 (dim 0 of a 1-D input)
+  Placements logits;                    // the logits' placements
   std::vector<ShardTable> tables = {};  // per logits dim (empty: chunk)
   // The target: plain (whole on every rank) unless given; its tables follow the logits'.
   std::optional<Placements> target = std::nullopt;
@@ -41,8 +41,10 @@ int64_t class_dim(const Case& c) { return c.shape.size() >= 2 ? 1 : 0; }
 int64_t documented_all_reduces(const Case& c) {
   int64_t cls = 0, rows = 0;
   for (const auto& p : c.logits) {
-    if (p.is_shard(class_dim(c))) ++cls;
-    else if (p.is_shard()) ++rows;
+    if (p.is_shard(class_dim(c)))
+      ++cls;
+    else if (p.is_shard())
+      ++rows;
   }
   const int64_t per = cls == static_cast<int64_t>(c.logits.size()) && cls > 1 ? 1 : cls;
   return 2 * per + (c.reduction == at::Reduction::Mean ? rows : 0);
@@ -103,8 +105,8 @@ Counts check_case(const DeviceMesh& mesh, const Case& c, const std::string& what
   const auto weight = (at::rand({C}, tessera::test::generator(c.seed + 2)) + 0.5).to(c.dtype);
 
   auto ref_x = logits.clone().requires_grad_();
-  auto ref = at::cross_entropy_loss(ref_x, target, c.weighted ? weight : at::Tensor(),
-                                    c.reduction, c.ignore_index, c.smoothing);
+  auto ref = at::cross_entropy_loss(ref_x, target, c.weighted ? weight : at::Tensor(), c.reduction,
+                                    c.ignore_index, c.smoothing);
 
   auto dx = distribute_tensor(logits, mesh, c.logits, std::nullopt, ShardSizes::Given(c.tables))
                 .detach()
@@ -123,11 +125,15 @@ Counts check_case(const DeviceMesh& mesh, const Case& c, const std::string& what
     LossParallel scope;
     CommDebugMode comm;
     if (c.functional) {
-      auto opts = F::CrossEntropyFuncOptions().ignore_index(c.ignore_index).label_smoothing(c.smoothing);
+      auto opts =
+          F::CrossEntropyFuncOptions().ignore_index(c.ignore_index).label_smoothing(c.smoothing);
       if (dw.defined()) opts.weight(dw);
-      if (c.reduction == at::Reduction::None) opts.reduction(torch::kNone);
-      else if (c.reduction == at::Reduction::Sum) opts.reduction(torch::kSum);
-      else opts.reduction(torch::kMean);
+      if (c.reduction == at::Reduction::None)
+        opts.reduction(torch::kNone);
+      else if (c.reduction == at::Reduction::Sum)
+        opts.reduction(torch::kSum);
+      else
+        opts.reduction(torch::kMean);
       got = F::cross_entropy(dx, dt, opts);
     } else {
       got = at::cross_entropy_loss(dx, dt, dw, c.reduction, c.ignore_index, c.smoothing);
@@ -143,8 +149,9 @@ Counts check_case(const DeviceMesh& mesh, const Case& c, const std::string& what
   const at::Tensor g = c.reduction == at::Reduction::None
                            ? tessera::test::randn(ref.sizes(), c.seed + 3, c.dtype)
                            : at::full({}, 0.75, logits.options());
-  const at::Tensor gd = distribute_tensor(g, mesh, spec(got).partial_as_replicate().placements(),
-                                          std::nullopt, ShardSizes::Given(spec(got).shard_tables()));
+  const at::Tensor gd =
+      distribute_tensor(g, mesh, spec(got).partial_as_replicate().placements(), std::nullopt,
+                        ShardSizes::Given(spec(got).shard_tables()));
   ref.backward(g);
   {
     CommDebugMode comm;
@@ -230,8 +237,8 @@ TEST(LossParallel, MatchesOneDeviceEveryShapeTableAndReduction) {
     tessera::testing::run_ranks(world, [&](int) {
       auto mesh = init_device_mesh("cpu", {world});
       const int64_t C = 4 * world + 1;
-      for (const auto& shape : std::vector<std::vector<int64_t>>{
-               {6, C}, {3, C, 4}, {2, C, 3, 2}, {C}}) {
+      for (const auto& shape :
+           std::vector<std::vector<int64_t>>{{6, C}, {3, C, 4}, {2, C, 3, 2}, {C}}) {
         for (int table = 0; table < 3; ++table) {
           for (int64_t red : kReductions) {
             Case c;
@@ -475,17 +482,17 @@ TEST(LossParallel, WrongShardDimRaisesOnEveryRank) {
       {{4, 6, 5}, {Shard(0)}, "(S(0))", "[4, 6, 5]"},
   };
   for (const auto& b : bad) {
-    expect_error_everywhere(
-        3,
-        [&](int) {
-          auto mesh = init_device_mesh("cpu", {3});
-          auto x = distribute_tensor(at::zeros(b.shape), mesh, b.p, std::nullopt);
-          std::vector<int64_t> rows = b.shape;
-          rows.erase(rows.begin() + 1);
-          LossParallel scope;
-          at::cross_entropy_loss(x, at::zeros(rows, at::kLong));
-        },
-        {"loss_parallel", b.placements, b.shape_text, "class dim"});
+    expect_error_everywhere(3,
+                            [&](int) {
+                              auto mesh = init_device_mesh("cpu", {3});
+                              auto x =
+                                  distribute_tensor(at::zeros(b.shape), mesh, b.p, std::nullopt);
+                              std::vector<int64_t> rows = b.shape;
+                              rows.erase(rows.begin() + 1);
+                              LossParallel scope;
+                              at::cross_entropy_loss(x, at::zeros(rows, at::kLong));
+                            },
+                            {"loss_parallel", b.placements, b.shape_text, "class dim"});
   }
   // Class probabilities, and out-of-range class indices.
   expect_error_everywhere(
@@ -565,7 +572,8 @@ TEST_P(LossParallelSweep, RandomCasesMatchOneDevice) {
       const int64_t class_mesh_dim = rng.uniform(0, mesh.ndim() - 1);
       const bool classes_everywhere = mesh.ndim() > 1 && rng.coin(0.2);
       for (int64_t m = 0; m < mesh.ndim(); ++m) {
-        if (m == class_mesh_dim || classes_everywhere) c.logits[m] = Shard(cdim);
+        if (m == class_mesh_dim || classes_everywhere)
+          c.logits[m] = Shard(cdim);
         else if (nd >= 2 && rng.coin(0.7)) {
           int64_t row_dim = rng.uniform(0, nd - 2);
           if (row_dim >= cdim) ++row_dim;

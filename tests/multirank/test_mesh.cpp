@@ -71,8 +71,7 @@ TEST(MeshInit, TwoDimRowMajor) {
     EXPECT_EQ(mesh.dim_index("tp"), 1);
     // Along dp: same tp coordinate; along tp: same dp row.
     EXPECT_EQ(mesh.group_ranks(0), (Ranks{static_cast<int>(tp), static_cast<int>(2 + tp)}));
-    EXPECT_EQ(mesh.group_ranks(1),
-              (Ranks{static_cast<int>(2 * dp), static_cast<int>(2 * dp + 1)}));
+    EXPECT_EQ(mesh.group_ranks(1), (Ranks{static_cast<int>(2 * dp), static_cast<int>(2 * dp + 1)}));
     EXPECT_EQ(comm::group_rank(mesh.group(0)), dp);
     EXPECT_EQ(comm::group_rank(mesh.group(1)), tp);
     EXPECT_EQ(comm::group_size(mesh.mesh_group()), 4);
@@ -227,8 +226,8 @@ TEST(MeshSubset, RanksOutsideHaveNoCoordinate) {
       auto full = group_value(3);
       auto dt = distribute_tensor(rank == 3 ? full : full + 1, sub, {Shard(0)}, 3);
       EXPECT_TRUE(at::equal(full_tensor(dt), full));
-      auto infer = from_local(at::ones({rank == 1 ? 2 : 5, 3}), sub, {Shard(0)},
-                              {ShardSizes::Infer()});
+      auto infer =
+          from_local(at::ones({rank == 1 ? 2 : 5, 3}), sub, {Shard(0)}, {ShardSizes::Infer()});
       EXPECT_EQ(infer.sizes().vec(), (Shape{7, 3}));
     } else {
       EXPECT_TRUE(sub.coordinate().empty());

@@ -49,7 +49,8 @@ TEST(MeshMove, RootToSliceAndBack) {
 TEST(MeshMove, PerGroupTensorsJoinAsAShardOverDp) {
   for (const auto& shape : kShapes) {
     std::vector<at::Tensor> groups;
-    for (int64_t g = 0; g < shape[0]; ++g) groups.push_back(test::randn({g + 2, 3}, 70 + g, at::kDouble));
+    for (int64_t g = 0; g < shape[0]; ++g)
+      groups.push_back(test::randn({g + 2, 3}, 70 + g, at::kDouble));
     const at::Tensor joined = at::cat(groups);
     tessera::testing::run_ranks(test::mesh_world(shape), [&](int) {
       auto mesh = init_device_mesh("cpu", shape, {"dp", "tp"});
@@ -59,7 +60,8 @@ TEST(MeshMove, PerGroupTensorsJoinAsAShardOverDp) {
       const at::Tensor on_root = redistribute(on_tp, mesh, {Shard(0), Shard(1)});
       EXPECT_TRUE(test::full_matches(on_root, joined, kTol)) << mesh.str();
       (on_root * on_root).sum().backward();
-      EXPECT_TRUE(test::matches(mine.grad(), 2 * groups[static_cast<size_t>(g)], kTol)) << mesh.str();
+      EXPECT_TRUE(test::matches(mine.grad(), 2 * groups[static_cast<size_t>(g)], kTol))
+          << mesh.str();
     });
   }
 }
@@ -69,12 +71,15 @@ TEST(MeshMove, UnrelatedMeshOrPartialRaises) {
   tessera::testing::run_ranks(4, [&](int) {
     auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
     auto other = init_device_mesh("cpu", {4}, {"all"});
-    const at::Tensor d = distribute_tensor(test::randn({4, 4}, 80), mesh, {Shard(0), Replicate()},
-                                           std::nullopt);
+    const at::Tensor d =
+        distribute_tensor(test::randn({4, 4}, 80), mesh, {Shard(0), Replicate()}, std::nullopt);
     expect_error([&] { (void)redistribute(d, other, {Shard(0)}); }, "not a slice");
     const at::Tensor on_tp = redistribute(d, mesh["tp"], {Replicate()});
-    expect_error([&] { (void)redistribute(on_tp, mesh, {Partial(), Replicate()}); },
-                       "cannot become Partial");
+    expect_error(
+        [&] {
+          (void)redistribute(on_tp, mesh, {Partial(), Replicate()});
+        },
+        "cannot become Partial");
     expect_error([&] { (void)redistribute(on_tp, mesh, {Replicate()}); }, "one placement per dim");
   });
 }

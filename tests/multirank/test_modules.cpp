@@ -18,23 +18,29 @@ namespace nn = torch::nn;
 namespace {
 
 torch::nn::Sequential make_mlp() {
-  return torch::nn::Sequential(torch::nn::Linear(6, 12), torch::nn::ReLU(), torch::nn::Linear(12, 3));
+  return torch::nn::Sequential(torch::nn::Linear(6, 12), torch::nn::ReLU(),
+                               torch::nn::Linear(12, 3));
 }
 
 torch::nn::Sequential make_cnn() {
-  return torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3).padding(1)), torch::nn::ReLU(),
-                        torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(2)),
-                        torch::nn::Conv2d(torch::nn::Conv2dOptions(4, 4, 3)), torch::nn::ReLU(),
-                        torch::nn::AdaptiveAvgPool2d(torch::nn::AdaptiveAvgPool2dOptions(1)), torch::nn::Flatten(),
-                        torch::nn::Linear(4, 3));
+  return torch::nn::Sequential(
+      torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3).padding(1)), torch::nn::ReLU(),
+      torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(2)),
+      torch::nn::Conv2d(torch::nn::Conv2dOptions(4, 4, 3)), torch::nn::ReLU(),
+      torch::nn::AdaptiveAvgPool2d(torch::nn::AdaptiveAvgPool2dOptions(1)), torch::nn::Flatten(),
+      torch::nn::Linear(4, 3));
 }
 
 // Train `model` 20 steps on (x, y); returns the losses.
-std::vector<double> train(torch::nn::Sequential model, const at::Tensor& x, const at::Tensor& y, bool adam) {
+std::vector<double> train(torch::nn::Sequential model, const at::Tensor& x, const at::Tensor& y,
+                          bool adam) {
   std::unique_ptr<torch::optim::Optimizer> opt;
-  if (adam) opt = std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(0.01));
-  else opt = std::make_unique<torch::optim::SGD>(model->parameters(),
-                                                 torch::optim::SGDOptions(0.05).momentum(0.9));
+  if (adam)
+    opt =
+        std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(0.01));
+  else
+    opt = std::make_unique<torch::optim::SGD>(model->parameters(),
+                                              torch::optim::SGDOptions(0.05).momentum(0.9));
   std::vector<double> losses;
   for (int s = 0; s < 20; ++s) {
     opt->zero_grad();
@@ -82,8 +88,10 @@ TEST(Modules, DataParallelMlpAndCnn) {
           ShardTable rows(world, 0);
           rows.back() = x.size(0) - (world > 1 ? 1 : 0);
           if (world > 1) rows[0] = 1;
-          auto dx = distribute_tensor(x, mesh, {Shard(0)}, std::nullopt, ShardSizes::Given(0, rows));
-          auto dy = distribute_tensor(y, mesh, {Shard(0)}, std::nullopt, ShardSizes::Given(0, rows));
+          auto dx =
+              distribute_tensor(x, mesh, {Shard(0)}, std::nullopt, ShardSizes::Given(0, rows));
+          auto dy =
+              distribute_tensor(y, mesh, {Shard(0)}, std::nullopt, ShardSizes::Given(0, rows));
           auto a = train(torch::nn::Sequential(ref), x, y, adam);
           auto b = train(torch::nn::Sequential(dist), dx, dy, adam);
           compare(torch::nn::Sequential(ref), torch::nn::Sequential(dist), a, b,
@@ -104,15 +112,16 @@ TEST(Modules, TensorParallelMlpOnTwoDimensionalMesh) {
     auto ref = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(mlp->clone());
     auto dist = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(mlp->clone());
     // Colwise first layer, rowwise second, replicated over dp; data sharded over dp.
-    distribute_module(*dist, mesh, [](const std::string& name, torch::nn::Module& m, const DeviceMesh& mesh) {
-      if (name == "0") {
-        distribute_parameter(m, "weight", mesh, {Replicate(), Shard(0)});
-        distribute_parameter(m, "bias", mesh, {Replicate(), Shard(0)});
-      } else if (name == "2") {
-        distribute_parameter(m, "weight", mesh, {Replicate(), Shard(1)});
-        distribute_parameter(m, "bias", mesh, {Replicate(), Replicate()});
-      }
-    });
+    distribute_module(*dist, mesh,
+                      [](const std::string& name, torch::nn::Module& m, const DeviceMesh& mesh) {
+                        if (name == "0") {
+                          distribute_parameter(m, "weight", mesh, {Replicate(), Shard(0)});
+                          distribute_parameter(m, "bias", mesh, {Replicate(), Shard(0)});
+                        } else if (name == "2") {
+                          distribute_parameter(m, "weight", mesh, {Replicate(), Shard(1)});
+                          distribute_parameter(m, "bias", mesh, {Replicate(), Replicate()});
+                        }
+                      });
     auto dx = distribute_tensor(x, mesh, {Shard(0), Replicate()}, std::nullopt);
     auto dy = distribute_tensor(y, mesh, {Shard(0), Replicate()}, std::nullopt);
     auto a = train(torch::nn::Sequential(ref), x, y, true);

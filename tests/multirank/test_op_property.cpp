@@ -35,13 +35,25 @@ const std::vector<OpCase>& op_table() {
        [](auto& v) { return v[0].sigmoid() * v[0].relu(); }},
       {"scalar_affine", [](const Shape& s) { return std::vector<Shape>{s}; },
        [](auto& v) { return v[0] * 3 - 1; }},
-      {"add_mul", [](const Shape& s) { return std::vector<Shape>{s, s}; },
+      {"add_mul",
+       [](const Shape& s) {
+         return std::vector<Shape>{s, s};
+       },
        [](auto& v) { return v[0] + v[1] * v[0]; }},
-      {"div_safe", [](const Shape& s) { return std::vector<Shape>{s, s}; },
+      {"div_safe",
+       [](const Shape& s) {
+         return std::vector<Shape>{s, s};
+       },
        [](auto& v) { return v[0] / (v[1].abs() + 1); }},
-      {"where_max", [](const Shape& s) { return std::vector<Shape>{s, s}; },
+      {"where_max",
+       [](const Shape& s) {
+         return std::vector<Shape>{s, s};
+       },
        [](auto& v) { return at::where(v[0] > v[1], v[0], at::maximum(v[0], v[1]) * 2); }},
-      {"broadcast_bias", [](const Shape& s) { return std::vector<Shape>{s, last_dim(s)}; },
+      {"broadcast_bias",
+       [](const Shape& s) {
+         return std::vector<Shape>{s, last_dim(s)};
+       },
        [](auto& v) { return v[0] - v[1]; }},
       {"sum_all", [](const Shape& s) { return std::vector<Shape>{s}; },
        [](auto& v) { return (v[0] * v[0]).sum(); }},
@@ -51,13 +63,25 @@ const std::vector<OpCase>& op_table() {
        [](auto& v) { return v[0].sum(0); }},
       {"mean_last_keep", [](const Shape& s) { return std::vector<Shape>{s}; },
        [](auto& v) { return v[0].mean(-1, true); }},
-      {"mm", [](const Shape& s) { return std::vector<Shape>{mat(s), {s[1], s[0]}}; },
+      {"mm",
+       [](const Shape& s) {
+         return std::vector<Shape>{mat(s), {s[1], s[0]}};
+       },
        [](auto& v) { return at::mm(v[0], v[1]); }},
-      {"addmm", [](const Shape& s) { return std::vector<Shape>{{s[0]}, mat(s), {s[1], s[0]}}; },
+      {"addmm",
+       [](const Shape& s) {
+         return std::vector<Shape>{{s[0]}, mat(s), {s[1], s[0]}};
+       },
        [](auto& v) { return at::addmm(v[0], v[1], v[2]); }},
-      {"linear", [](const Shape& s) { return std::vector<Shape>{s, {3, s.back()}, {3}}; },
+      {"linear",
+       [](const Shape& s) {
+         return std::vector<Shape>{s, {3, s.back()}, {3}};
+       },
        [](auto& v) { return at::linear(v[0], v[1], v[2]); }},
-      {"bmm", [](const Shape& s) { return std::vector<Shape>{{2, s[0], s[1]}, {2, s[1], 3}}; },
+      {"bmm",
+       [](const Shape& s) {
+         return std::vector<Shape>{{2, s[0], s[1]}, {2, s[1], 3}};
+       },
        [](auto& v) { return at::bmm(v[0], v[1]); }},
       {"transpose", [](const Shape& s) { return std::vector<Shape>{s}; },
        [](auto& v) { return v[0].transpose(0, 1) * 2; }},
@@ -75,9 +99,15 @@ const std::vector<OpCase>& op_table() {
        [](auto& v) { return at::log_softmax(v[0], 0); }},
       {"layer_norm", [](const Shape& s) { return std::vector<Shape>{s}; },
        [](auto& v) { return at::layer_norm(v[0], {v[0].size(-1)}); }},
-      {"mse_mean", [](const Shape& s) { return std::vector<Shape>{s, s}; },
+      {"mse_mean",
+       [](const Shape& s) {
+         return std::vector<Shape>{s, s};
+       },
        [](auto& v) { return at::mse_loss(v[0], v[1]); }},
-      {"smooth_l1_sum", [](const Shape& s) { return std::vector<Shape>{s, s}; },
+      {"smooth_l1_sum",
+       [](const Shape& s) {
+         return std::vector<Shape>{s, s};
+       },
        [](auto& v) { return at::smooth_l1_loss(v[0], v[1], 2, 0.3); }},
       {"to_double", [](const Shape& s) { return std::vector<Shape>{s}; },
        [](auto& v) { return v[0].to(at::kDouble).square(); }},
@@ -139,7 +169,6 @@ TEST_P(OpProperty, RandomOpsMatchOneDevice) {
 INSTANTIATE_TEST_SUITE_P(Meshes, OpProperty,
                          ::testing::Values(std::vector<int64_t>{1}, std::vector<int64_t>{2},
                                            std::vector<int64_t>{3}, std::vector<int64_t>{4},
-                                           std::vector<int64_t>{2, 2},
-                                           std::vector<int64_t>{2, 3},
+                                           std::vector<int64_t>{2, 2}, std::vector<int64_t>{2, 3},
                                            std::vector<int64_t>{1, 2}),
                          [](const auto& info) { return tessera::test::mesh_name(info.param); });

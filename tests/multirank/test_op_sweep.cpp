@@ -1,8 +1,9 @@
 // A sweep of everyday ops (what a transformer, a CNN and an optimizer step call) on
 // distributed tensors: each op runs forward and backward on uneven row shards over 1-3
 // ranks (an empty shard on 3), on column shards, replicated, as Partial(sum) terms and on a
-// 2x2 mesh, and is compared with the same op on the full tensors in one process. An op either matches one device or raises a
-// c10::Error on every rank; only ops on the expected-error list below may do the latter.
+// 2x2 mesh, and is compared with the same op on the full tensors in one process. An op either
+// matches one device or raises a c10::Error on every rank; only ops on the expected-error list
+// below may do the latter.
 //
 // Adding an op is one line in a table: a name, its operands and a lambda.
 #include <chrono>
@@ -155,9 +156,13 @@ std::vector<OpCase> pointwise_cases() {
       {"addcmul", {D(A), D(A), D(A)}, [](Args v) { return at::addcmul(v[0], v[1], v[2], 0.5); }},
       {"addcdiv", {D(A), D(A), Pos(A)}, [](Args v) { return at::addcdiv(v[0], v[1], v[2], 2); }},
       {"where", {M(A), D(A), D(A)}, [](Args v) { return at::where(v[0], v[1], v[2]); }},
-      {"where scalar", {D(A)}, [](Args v) { return at::where(v[0] > 0, v[0], at::zeros({}, v[0].options())); }},
+      {"where scalar",
+       {D(A)},
+       [](Args v) { return at::where(v[0] > 0, v[0], at::zeros({}, v[0].options())); }},
       {"masked_fill", {D(A), M(A)}, [](Args v) { return v[0].masked_fill(v[1], -1.5); }},
-      {"comparisons", {D(A), D(A)}, [](Args v) {
+      {"comparisons",
+       {D(A), D(A)},
+       [](Args v) {
          return ((v[0] < v[1]) | (v[0] >= 1)).logical_and(v[0] != v[1]) ^ (v[0].eq(0.5));
        }},
       {"isnan isfinite", {D(A)}, [](Args v) { return v[0].log().isnan() | v[0].isfinite(); }},
@@ -165,11 +170,16 @@ std::vector<OpCase> pointwise_cases() {
       {"logaddexp", {D(A), D(A)}, [](Args v) { return at::logaddexp(v[0], v[1]); }},
       {"erfinv", {U(A)}, [](Args v) { return v[0].erfinv(); }},
       {"prelu", {D(Img), W({3})}, [](Args v) { return at::prelu(v[0], v[1]); }},
-      {"bucketize", {D(A)}, [](Args v) {
+      {"bucketize",
+       {D(A)},
+       [](Args v) {
          return at::bucketize(v[0], at::linspace(-1, 1, 5, v[0].options().device(at::kCPU)));
        }},
-      {"searchsorted", {D(A)}, [](Args v) {
-         return at::searchsorted(at::linspace(-1, 1, 5, at::TensorOptions().dtype(at::kDouble)), v[0]);
+      {"searchsorted",
+       {D(A)},
+       [](Args v) {
+         return at::searchsorted(at::linspace(-1, 1, 5, at::TensorOptions().dtype(at::kDouble)),
+                                 v[0]);
        }},
       {"isclose", {D(A), D(A)}, [](Args v) { return at::isclose(v[0], v[0] + v[1] * 1e-9); }},
       {"to float", {D(A)}, [](Args v) { return v[0].to(at::kFloat).sigmoid(); }},
@@ -185,7 +195,11 @@ std::vector<OpCase> reduction_cases() {
       {"sum dim0", {D(A)}, [](Args v) { return v[0].sum(0); }},
       {"sum dim1 keepdim", {D(A)}, [](Args v) { return v[0].sum(1, true); }},
       {"mean", {D(A3)}, [](Args v) { return v[0].mean(); }},
-      {"mean dims", {D(A3)}, [](Args v) { return v[0].mean(at::IntArrayRef{0, 2}); }},
+      {"mean dims",
+       {D(A3)},
+       [](Args v) {
+         return v[0].mean(at::IntArrayRef{0, 2});
+       }},
       {"nansum", {D(A)}, [](Args v) { return v[0].nansum(at::IntArrayRef{1}); }},
       {"prod", {D(A)}, [](Args v) { return v[0].prod(); }},
       {"prod dim", {D(A)}, [](Args v) { return v[0].prod(0); }},
@@ -200,39 +214,56 @@ std::vector<OpCase> reduction_cases() {
       {"var", {D(A)}, [](Args v) { return v[0].var(); }},
       {"var dim", {D(A)}, [](Args v) { return v[0].var(at::IntArrayRef{0}); }},
       {"std dim", {D(A)}, [](Args v) { return v[0].std(at::IntArrayRef{1}, false, true); }},
-      {"var_mean", {D(A)}, [](Args v) {
+      {"var_mean",
+       {D(A)},
+       [](Args v) {
          auto r = at::var_mean(v[0], at::IntArrayRef{0});
          return std::get<0>(r) + std::get<1>(r);
        }},
       {"norm", {D(A)}, [](Args v) { return v[0].norm(); }},
       {"norm dim", {D(A)}, [](Args v) { return v[0].norm(1, at::IntArrayRef{1}); }},
-      {"linalg_vector_norm", {D(A)}, [](Args v) { return at::linalg_vector_norm(v[0], 3, at::IntArrayRef{0}); }},
+      {"linalg_vector_norm",
+       {D(A)},
+       [](Args v) { return at::linalg_vector_norm(v[0], 3, at::IntArrayRef{0}); }},
       {"logsumexp dim0", {D(A3)}, [](Args v) { return v[0].logsumexp(at::IntArrayRef{0}); }},
       {"logsumexp dim1", {D(A3)}, [](Args v) { return v[0].logsumexp(at::IntArrayRef{1}, true); }},
       {"logsumexp last", {D(A3)}, [](Args v) { return v[0].logsumexp(at::IntArrayRef{-1}); }},
-      {"logsumexp all", {D(A)}, [](Args v) { return v[0].logsumexp(at::IntArrayRef{0, 1}); }},
+      {"logsumexp all",
+       {D(A)},
+       [](Args v) {
+         return v[0].logsumexp(at::IntArrayRef{0, 1});
+       }},
       {"any", {M(A)}, [](Args v) { return v[0].any(); }},
       {"any dim", {M(A)}, [](Args v) { return v[0].any(0); }},
       {"all dim", {D(A)}, [](Args v) { return (v[0] > -2).all(1); }},
       {"count_nonzero", {M(A)}, [](Args v) { return at::count_nonzero(v[0], at::IntArrayRef{0}); }},
-      {"aminmax", {D(A)}, [](Args v) {
+      {"aminmax",
+       {D(A)},
+       [](Args v) {
          auto r = at::aminmax(v[0].detach(), 0);
          return std::get<0>(r) * std::get<1>(r);
        }},
-      {"std_mean", {D(A)}, [](Args v) {
+      {"std_mean",
+       {D(A)},
+       [](Args v) {
          auto r = at::std_mean(v[0], at::IntArrayRef{1});
          return std::get<0>(r) * std::get<1>(r);
        }},
-      {"frobenius norm", {D(A)}, [](Args v) {
+      {"frobenius norm",
+       {D(A)},
+       [](Args v) {
          return at::frobenius_norm(v[0], at::IntArrayRef{0, 1}, false);  // 2.x has no dim-less form
        }},
       {"linalg_norm", {D(A)}, [](Args v) { return at::linalg_norm(v[0], 2, at::IntArrayRef{1}); }},
-      {"equal", {D(A), D(A)}, [](Args v) {
-         return v[0] * (at::equal(v[0], v[1]) ? 1.0 : 2.0) * (at::equal(v[0], v[0] * 1) ? 3.0 : 4.0);
+      {"equal",
+       {D(A), D(A)},
+       [](Args v) {
+         return v[0] * (at::equal(v[0], v[1]) ? 1.0 : 2.0) *
+                (at::equal(v[0], v[0] * 1) ? 3.0 : 4.0);
        }},
-      {"allclose", {D(A), D(A)}, [](Args v) {
-         return v[0] * (at::allclose(v[0], v[0] + v[1] * 1e-9) ? 3.0 : 4.0);
-       }},
+      {"allclose",
+       {D(A), D(A)},
+       [](Args v) { return v[0] * (at::allclose(v[0], v[0] + v[1] * 1e-9) ? 3.0 : 4.0); }},
       {"median", {D(A)}, [](Args v) { return v[0].median(); }},
       {"nanmedian", {D(A)}, [](Args v) { return v[0].nanmedian(); }},
       {"median dim0", {D(A)}, [](Args v) { return std::get<0>(v[0].median(0)); }},
@@ -261,33 +292,79 @@ std::vector<OpCase> reduction_cases() {
 
 std::vector<OpCase> shape_cases() {
   return {
-      {"view", {D(A)}, [](Args v) { return v[0].view({7, 2, 3}) * 2; }},
-      {"reshape", {D(A3)}, [](Args v) { return v[0].reshape({7, 20}) * 2; }},
+      {"view",
+       {D(A)},
+       [](Args v) {
+         return v[0].view({7, 2, 3}) * 2;
+       }},
+      {"reshape",
+       {D(A3)},
+       [](Args v) {
+         return v[0].reshape({7, 20}) * 2;
+       }},
       {"flatten", {D(A3)}, [](Args v) { return v[0].flatten(1) * 2; }},
-      {"unflatten", {D(A)}, [](Args v) { return v[0].unflatten(1, at::IntArrayRef{3, 2}) * 2; }},
+      {"unflatten",
+       {D(A)},
+       [](Args v) {
+         return v[0].unflatten(1, at::IntArrayRef{3, 2}) * 2;
+       }},
       {"transpose", {D(A3)}, [](Args v) { return v[0].transpose(1, 2) * 2; }},
       {"t", {D(A)}, [](Args v) { return v[0].t() * 2; }},
-      {"permute", {D(A3)}, [](Args v) { return v[0].permute({2, 0, 1}) * 2; }},
+      {"permute",
+       {D(A3)},
+       [](Args v) {
+         return v[0].permute({2, 0, 1}) * 2;
+       }},
       {"movedim", {D(A3)}, [](Args v) { return v[0].movedim(0, -1) * 2; }},
       {"unsqueeze", {D(A)}, [](Args v) { return v[0].unsqueeze(1) * 2; }},
       {"squeeze", {D({7, 1, 6})}, [](Args v) { return v[0].squeeze(1) * 2; }},
-      {"expand", {D({7, 1})}, [](Args v) { return v[0].expand({7, 6}) * 2; }},
+      {"expand",
+       {D({7, 1})},
+       [](Args v) {
+         return v[0].expand({7, 6}) * 2;
+       }},
       {"contiguous", {D(A)}, [](Args v) { return v[0].t().contiguous() * 2; }},
       {"narrow rows", {D(A)}, [](Args v) { return v[0].narrow(0, 1, 4) * 2; }},
       {"slice step", {D(A)}, [](Args v) { return v[0].slice(1, 1, 6, 2) * 2; }},
       {"select", {D(A3)}, [](Args v) { return v[0].select(1, 2) * 2; }},
       {"chunk", {D(A)}, [](Args v) { return v[0].chunk(3, 1)[1] * 2; }},
-      {"split", {D(A)}, [](Args v) {
+      {"split",
+       {D(A)},
+       [](Args v) {
          auto p = v[0].split(2, 0);
          return p[0] * 2 + p[1];
        }},
       {"unbind", {D(A3)}, [](Args v) { return v[0].unbind(1)[3] * 2; }},
-      {"cat rows", {D(A), D(A)}, [](Args v) { return at::cat({v[0], v[1] * 2}, 0); }},
-      {"cat cols", {D(A), D({7, 2})}, [](Args v) { return at::cat({v[0], v[1]}, 1); }},
-      {"stack", {D(A), D(A)}, [](Args v) { return at::stack({v[0], v[1]}, 1); }},
-      {"repeat", {D(A)}, [](Args v) { return v[0].repeat({1, 2}); }},
-      {"repeat rows", {D(A)}, [](Args v) { return v[0].repeat({2, 1}); }},
-      {"repeat new dim", {D(A)}, [](Args v) { return v[0].repeat({2, 1, 3}); }},
+      {"cat rows",
+       {D(A), D(A)},
+       [](Args v) {
+         return at::cat({v[0], v[1] * 2}, 0);
+       }},
+      {"cat cols",
+       {D(A), D({7, 2})},
+       [](Args v) {
+         return at::cat({v[0], v[1]}, 1);
+       }},
+      {"stack",
+       {D(A), D(A)},
+       [](Args v) {
+         return at::stack({v[0], v[1]}, 1);
+       }},
+      {"repeat",
+       {D(A)},
+       [](Args v) {
+         return v[0].repeat({1, 2});
+       }},
+      {"repeat rows",
+       {D(A)},
+       [](Args v) {
+         return v[0].repeat({2, 1});
+       }},
+      {"repeat new dim",
+       {D(A)},
+       [](Args v) {
+         return v[0].repeat({2, 1, 3});
+       }},
       {"unfold cols", {D(A)}, [](Args v) { return v[0].unfold(1, 3, 2); }},
       {"unfold rows", {D(A)}, [](Args v) { return v[0].unfold(0, 2, 1); }},
       {"flip", {D(A)}, [](Args v) { return v[0].flip({0}); }},
@@ -303,37 +380,51 @@ std::vector<OpCase> shape_cases() {
       {"cross", {D({7, 3}), D({7, 3})}, [](Args v) { return at::linalg_cross(v[0], v[1]); }},
       {"take_along_dim", {D(A), L(A, 6)}, [](Args v) { return at::take_along_dim(v[0], v[1], 1); }},
       {"index_fill", {D(A), I({2}, 6)}, [](Args v) { return v[0].index_fill(1, v[1], -1.0); }},
-      {"index_copy", {D(A), I({2}, 6), D({7, 2})}, [](Args v) {
-         return v[0].index_copy(1, at::arange(2, at::kLong) * 2, v[2]);
-       }},
-      {"masked_fill tensor", {D(A), M(A)}, [](Args v) {
-         return v[0].masked_fill(v[1], at::scalar_tensor(2.5, at::kDouble));
-       }},
+      {"index_copy",
+       {D(A), I({2}, 6), D({7, 2})},
+       [](Args v) { return v[0].index_copy(1, at::arange(2, at::kLong) * 2, v[2]); }},
+      {"masked_fill tensor",
+       {D(A), M(A)},
+       [](Args v) { return v[0].masked_fill(v[1], at::scalar_tensor(2.5, at::kDouble)); }},
       {"diagonal", {D(A)}, [](Args v) { return v[0].diagonal() * 2; }},
       {"index_select", {D(A), I({4}, 6)}, [](Args v) { return v[0].index_select(1, v[1]); }},
       {"index_select rows", {D(A), I({4}, 7)}, [](Args v) { return v[0].index_select(0, v[1]); }},
       {"gather", {D(A), L(A, 6)}, [](Args v) { return v[0].gather(1, v[1]); }},
-      {"scatter_add", {D(A), L(A, 6), D(A)}, [](Args v) { return v[0].scatter_add(1, v[1], v[2]); }},
-      {"index cols", {D(A), I({4}, 6)}, [](Args v) {
+      {"scatter_add",
+       {D(A), L(A, 6), D(A)},
+       [](Args v) { return v[0].scatter_add(1, v[1], v[2]); }},
+      {"index cols",
+       {D(A), I({4}, 6)},
+       [](Args v) {
          return v[0].index({at::indexing::Slice(), v[1]});
        }},
       {"index rows", {D(A), I({4}, 7)}, [](Args v) { return v[0].index({v[1]}); }},
-      {"index 3d middle", {D(A3), I({2, 3}, 4)}, [](Args v) {
+      {"index 3d middle",
+       {D(A3), I({2, 3}, 4)},
+       [](Args v) {
          return v[0].index({at::indexing::Slice(), v[1]});
        }},
-      {"index two tensors", {D(A3), I({3}, 4), I({3}, 5)}, [](Args v) {
+      {"index two tensors",
+       {D(A3), I({3}, 4), I({3}, 5)},
+       [](Args v) {
          return v[0].index({at::indexing::Slice(), v[1], v[2]});
        }},
       {"index mask", {D(A), M(Col)}, [](Args v) { return v[0].index({v[1]}); }},
-      {"index mask cols", {D(A), M(Row)}, [](Args v) {
+      {"index mask cols",
+       {D(A), M(Row)},
+       [](Args v) {
          return v[0].index({at::indexing::Slice(), v[1]});
        }},
-      {"x[:, idx] = v", {D(A), I({3}, 6), D({7, 3})}, [](Args v) {
+      {"x[:, idx] = v",
+       {D(A), I({3}, 6), D({7, 3})},
+       [](Args v) {
          auto y = v[0] * 1;
          y.index_put_({at::indexing::Slice(), v[1]}, v[2]);
          return y;
        }},
-      {"index_put_", {D(A), I({3}, 6), D({7, 3})}, [](Args v) {
+      {"index_put_",
+       {D(A), I({3}, 6), D({7, 3})},
+       [](Args v) {
          auto y = v[0] * 1;
          c10::List<c10::optional<at::Tensor>> idx;
          idx.push_back(c10::nullopt);
@@ -341,14 +432,18 @@ std::vector<OpCase> shape_cases() {
          y.index_put_(idx, v[2]);
          return y;
        }},
-      {"index_put_ rows", {D(A), D({3, 6})}, [](Args v) {
+      {"index_put_ rows",
+       {D(A), D({3, 6})},
+       [](Args v) {
          auto y = v[0] * 1;
          c10::List<c10::optional<at::Tensor>> idx;
          idx.push_back(at::tensor({5, 0, 3}, at::kLong));
          y.index_put_(idx, v[1]);
          return y;
        }},
-      {"index_put_ mask", {D(A), M(A)}, [](Args v) {
+      {"index_put_ mask",
+       {D(A), M(A)},
+       [](Args v) {
          auto y = v[0] * 1;
          c10::List<c10::optional<at::Tensor>> idx;
          idx.push_back(v[1]);
@@ -357,12 +452,16 @@ std::vector<OpCase> shape_cases() {
        }},
       // Raises (see the expected-error list): autograd's CopySlices runs as_strided with the
       // wrapper's geometry (contiguous, offset 0), which would pick the wrong rows.
-      {"in-place on a slice view", {D(A)}, [](Args v) {
+      {"in-place on a slice view",
+       {D(A)},
+       [](Args v) {
          auto y = v[0] * 1;
          y.narrow(1, 2, 3).mul_(3);
          return y;
        }},
-      {"index_put_ accumulate", {D(A), I({3}, 6), D({7, 3})}, [](Args v) {
+      {"index_put_ accumulate",
+       {D(A), I({3}, 6), D({7, 3})},
+       [](Args v) {
          c10::List<c10::optional<at::Tensor>> idx;
          idx.push_back(c10::nullopt);
          idx.push_back(v[1]);
@@ -387,105 +486,171 @@ std::vector<OpCase> nn_cases() {
       {"mv", {D(A), W(Row)}, [](Args v) { return at::mv(v[0], v[1]); }},
       {"dot", {D(Col), D(Col)}, [](Args v) { return at::dot(v[0], v[1]); }},
       {"outer", {D(Col), W({3})}, [](Args v) { return at::outer(v[0], v[1]); }},
-      {"einsum", {D(A3), W({5, 2})}, [](Args v) { return at::einsum("bij,jk->bik", {v[0], v[1]}); }},
-      {"baddbmm", {D({7, 4, 2}), D(A3), D({7, 5, 2})}, [](Args v) {
-         return at::baddbmm(v[0], v[1], v[2], 0.5, 2);
+      {"einsum",
+       {D(A3), W({5, 2})},
+       [](Args v) {
+         return at::einsum("bij,jk->bik", {v[0], v[1]});
        }},
+      {"baddbmm",
+       {D({7, 4, 2}), D(A3), D({7, 5, 2})},
+       [](Args v) { return at::baddbmm(v[0], v[1], v[2], 0.5, 2); }},
       {"cdist", {D(A), W({4, 6})}, [](Args v) { return at::cdist(v[0], v[1]); }},
       {"cdist p1", {D(A), W({4, 6})}, [](Args v) { return at::cdist(v[0], v[1], 1); }},
       {"cdist batched", {D(A3), W({7, 3, 5})}, [](Args v) { return at::cdist(v[0], v[1]); }},
-      {"cdist large (mm path)", {D({30, 6}), W({27, 6})}, [](Args v) { return at::cdist(v[0], v[1]); }},
+      {"cdist large (mm path)",
+       {D({30, 6}), W({27, 6})},
+       [](Args v) { return at::cdist(v[0], v[1]); }},
       {"addmv", {W(Col), D(A), W(Row)}, [](Args v) { return at::addmv(v[0], v[1], v[2]); }},
-      {"tensordot", {D(A3), W({4, 5, 2})}, [](Args v) { return at::tensordot(v[0], v[1], {1, 2}, {0, 1}); }},
-      {"lstm_cell", {D({7, 4}), D({7, 3}), D({7, 3}), W({12, 4}), W({12, 3}), W({12})}, [](Args v) {
+      {"tensordot",
+       {D(A3), W({4, 5, 2})},
+       [](Args v) {
+         return at::tensordot(v[0], v[1], {1, 2}, {0, 1});
+       }},
+      {"lstm_cell",
+       {D({7, 4}), D({7, 3}), D({7, 3}), W({12, 4}), W({12, 3}), W({12})},
+       [](Args v) {
          auto r = at::lstm_cell(v[0], {v[1], v[2]}, v[3], v[4], v[5]);
          return std::get<0>(r) + std::get<1>(r);
        }},
       {"softmax", {D(A)}, [](Args v) { return at::softmax(v[0], -1); }},
-      {"softmax double from float", {D(A)}, [](Args v) {
-         return at::softmax(v[0].to(at::kFloat), 1, at::kDouble);
-       }},
+      {"softmax double from float",
+       {D(A)},
+       [](Args v) { return at::softmax(v[0].to(at::kFloat), 1, at::kDouble); }},
       {"softmax dim0", {D(A)}, [](Args v) { return at::softmax(v[0], 0); }},
       {"log_softmax", {D(A3)}, [](Args v) { return at::log_softmax(v[0], 1); }},
-      {"layer_norm", {D(A3), W({5}), W({5})}, [](Args v) {
-         return at::layer_norm(v[0], {5}, v[1], v[2]);
-       }},
-      {"rms norm", {D(A3), W({5})}, [](Args v) {
-         return v[0] * (v[0].pow(2).mean(-1, true) + 1e-6).rsqrt() * v[1];
-       }},
-      {"group_norm", {D(Img), W({3}), W({3})}, [](Args v) { return at::group_norm(v[0], 3, v[1], v[2]); }},
-      {"batch_norm", {D(Img), W({3}), W({3})}, [](Args v) {
-         return at::batch_norm(v[0], v[1], v[2], {}, {}, true, 0.1, 1e-5, false);
-       }},
-      {"instance_norm", {D(Img)}, [](Args v) {
-         return at::instance_norm(v[0], {}, {}, {}, {}, true, 0.1, 1e-5, false);
-       }},
-      {"normalize", {D(A)}, [](Args v) { return v[0] / v[0].norm(2, at::IntArrayRef{1}, true).clamp_min(1e-12); }},
-      {"cosine_similarity", {D(A), D(A)}, [](Args v) { return at::cosine_similarity(v[0], v[1], 1); }},
+      {"layer_norm",
+       {D(A3), W({5}), W({5})},
+       [](Args v) { return at::layer_norm(v[0], {5}, v[1], v[2]); }},
+      {"rms norm",
+       {D(A3), W({5})},
+       [](Args v) { return v[0] * (v[0].pow(2).mean(-1, true) + 1e-6).rsqrt() * v[1]; }},
+      {"group_norm",
+       {D(Img), W({3}), W({3})},
+       [](Args v) { return at::group_norm(v[0], 3, v[1], v[2]); }},
+      {"batch_norm",
+       {D(Img), W({3}), W({3})},
+       [](Args v) { return at::batch_norm(v[0], v[1], v[2], {}, {}, true, 0.1, 1e-5, false); }},
+      {"instance_norm",
+       {D(Img)},
+       [](Args v) { return at::instance_norm(v[0], {}, {}, {}, {}, true, 0.1, 1e-5, false); }},
+      {"normalize",
+       {D(A)},
+       [](Args v) { return v[0] / v[0].norm(2, at::IntArrayRef{1}, true).clamp_min(1e-12); }},
+      {"cosine_similarity",
+       {D(A), D(A)},
+       [](Args v) { return at::cosine_similarity(v[0], v[1], 1); }},
       {"pairwise_distance", {D(A), D(A)}, [](Args v) { return at::pairwise_distance(v[0], v[1]); }},
       {"dropout eval", {D(A)}, [](Args v) { return at::dropout(v[0], 0.5, false); }},
-      {"conv1d", {D(Seq), W({4, 3, 3}), W({4})}, [](Args v) { return at::conv1d(v[0], v[1], v[2], 1, 1); }},
-      {"conv2d", {D(Img), W({2, 3, 3, 3}), W({2})}, [](Args v) {
-         return at::conv2d(v[0], v[1], v[2], 1, 1);
-       }},
-      {"conv2d stride", {D(Img), W({2, 3, 3, 3})}, [](Args v) { return at::conv2d(v[0], v[1], {}, 2); }},
-      {"conv_transpose2d", {D(Img), W({3, 2, 2, 2})}, [](Args v) {
-         return at::conv_transpose2d(v[0], v[1], {}, 2);
-       }},
+      {"conv1d",
+       {D(Seq), W({4, 3, 3}), W({4})},
+       [](Args v) { return at::conv1d(v[0], v[1], v[2], 1, 1); }},
+      {"conv2d",
+       {D(Img), W({2, 3, 3, 3}), W({2})},
+       [](Args v) { return at::conv2d(v[0], v[1], v[2], 1, 1); }},
+      {"conv2d stride",
+       {D(Img), W({2, 3, 3, 3})},
+       [](Args v) { return at::conv2d(v[0], v[1], {}, 2); }},
+      {"conv_transpose2d",
+       {D(Img), W({3, 2, 2, 2})},
+       [](Args v) { return at::conv_transpose2d(v[0], v[1], {}, 2); }},
       {"max_pool2d", {D(Img)}, [](Args v) { return at::max_pool2d(v[0], 2); }},
       {"avg_pool2d", {D(Img)}, [](Args v) { return at::avg_pool2d(v[0], 3, 1, 1); }},
-      {"adaptive_avg_pool2d", {D(Img)}, [](Args v) { return at::adaptive_avg_pool2d(v[0], {1, 1}); }},
+      {"adaptive_avg_pool2d",
+       {D(Img)},
+       [](Args v) {
+         return at::adaptive_avg_pool2d(v[0], {1, 1});
+       }},
       {"max_pool1d", {D(Seq)}, [](Args v) { return at::max_pool1d(v[0], 2); }},
       {"avg_pool1d", {D(Seq)}, [](Args v) { return at::avg_pool1d(v[0], 2); }},
       {"adaptive_avg_pool1d", {D(Seq)}, [](Args v) { return at::adaptive_avg_pool1d(v[0], 4); }},
-      {"adaptive_max_pool2d", {D(Img)}, [](Args v) { return std::get<0>(at::adaptive_max_pool2d(v[0], {3, 3})); }},
+      {"adaptive_max_pool2d",
+       {D(Img)},
+       [](Args v) {
+         return std::get<0>(at::adaptive_max_pool2d(v[0], {3, 3}));
+       }},
       {"pixel_shuffle", {D({7, 4, 3, 3})}, [](Args v) { return at::pixel_shuffle(v[0], 2); }},
       {"pixel_unshuffle", {D(Img)}, [](Args v) { return at::pixel_unshuffle(v[0], 2); }},
-      {"unfold (im2col)", {D(Img)}, [](Args v) { return at::im2col(v[0], {2, 2}, {1, 1}, {0, 0}, {2, 2}); }},
-      {"fold (col2im)", {D({7, 12, 9})}, [](Args v) {
+      {"unfold (im2col)",
+       {D(Img)},
+       [](Args v) {
+         return at::im2col(v[0], {2, 2}, {1, 1}, {0, 0}, {2, 2});
+       }},
+      {"fold (col2im)",
+       {D({7, 12, 9})},
+       [](Args v) {
          return at::col2im(v[0], {6, 6}, {2, 2}, {1, 1}, {0, 0}, {2, 2});
        }},
-      {"weight_norm", {W({4, 3}), W({4, 1})}, [](Args v) { return at::_weight_norm(v[0], v[1], 0); }},
-      {"upsample nearest", {D(Img)}, [](Args v) { return at::upsample_nearest2d(v[0], {12, 12}); }},
-      {"upsample bilinear", {D(Img)}, [](Args v) {
+      {"weight_norm",
+       {W({4, 3}), W({4, 1})},
+       [](Args v) { return at::_weight_norm(v[0], v[1], 0); }},
+      {"upsample nearest",
+       {D(Img)},
+       [](Args v) {
+         return at::upsample_nearest2d(v[0], {12, 12});
+       }},
+      {"upsample bilinear",
+       {D(Img)},
+       [](Args v) {
          return at::upsample_bilinear2d(v[0], {9, 9}, false);
        }},
-      {"pad constant", {D(Img)}, [](Args v) { return at::constant_pad_nd(v[0], {1, 2, 0, 1}, 0.5); }},
-      {"pad reflect", {D(Img)}, [](Args v) { return at::reflection_pad2d(v[0], {1, 1, 2, 0}); }},
+      {"pad constant",
+       {D(Img)},
+       [](Args v) {
+         return at::constant_pad_nd(v[0], {1, 2, 0, 1}, 0.5);
+       }},
+      {"pad reflect",
+       {D(Img)},
+       [](Args v) {
+         return at::reflection_pad2d(v[0], {1, 1, 2, 0});
+       }},
       {"mse_loss", {D(A), D(A)}, [](Args v) { return at::mse_loss(v[0], v[1]); }},
       {"l1_loss", {D(A), D(A)}, [](Args v) { return at::l1_loss(v[0], v[1]); }},
-      {"smooth_l1_loss", {D(A), D(A)}, [](Args v) { return at::smooth_l1_loss(v[0], v[1], 1, 0.5); }},
+      {"smooth_l1_loss",
+       {D(A), D(A)},
+       [](Args v) { return at::smooth_l1_loss(v[0], v[1], 1, 0.5); }},
       {"huber_loss", {D(A), D(A)}, [](Args v) { return at::huber_loss(v[0], v[1], 1, 0.7); }},
-      {"cross_entropy", {D(A), L(Col, 6)}, [](Args v) { return at::cross_entropy_loss(v[0], v[1]); }},
-      {"cross_entropy smoothing", {D(A), L(Col, 6)}, [](Args v) {
-         return at::cross_entropy_loss(v[0], v[1], {}, 1, -100, 0.1);
-       }},
-      {"nll_loss", {D(A), L(Col, 6)}, [](Args v) { return at::nll_loss(at::log_softmax(v[0], 1), v[1]); }},
-      {"bce_with_logits", {D(A), U(A)}, [](Args v) {
+      {"cross_entropy",
+       {D(A), L(Col, 6)},
+       [](Args v) { return at::cross_entropy_loss(v[0], v[1]); }},
+      {"cross_entropy smoothing",
+       {D(A), L(Col, 6)},
+       [](Args v) { return at::cross_entropy_loss(v[0], v[1], {}, 1, -100, 0.1); }},
+      {"nll_loss",
+       {D(A), L(Col, 6)},
+       [](Args v) { return at::nll_loss(at::log_softmax(v[0], 1), v[1]); }},
+      {"bce_with_logits",
+       {D(A), U(A)},
+       [](Args v) {
          return at::binary_cross_entropy_with_logits(v[0], v[1].detach() * 0.5 + 0.5);
        }},
-      {"binary_cross_entropy", {D(A), U(A)}, [](Args v) {
-         return at::binary_cross_entropy(v[0].sigmoid(), v[1].detach() * 0.5 + 0.5);
-       }},
-      {"margin_ranking_loss", {D(Col), D(Col), C(Col)}, [](Args v) {
-         return at::margin_ranking_loss(v[0], v[1], v[2].sign(), 0.1);
-       }},
-      {"hinge_embedding_loss", {D(A), C(A)}, [](Args v) {
-         return at::hinge_embedding_loss(v[0], v[1].sign(), 0.5);
-       }},
-      {"cosine_embedding_loss", {D(A), D(A), C(Col)}, [](Args v) {
-         return at::cosine_embedding_loss(v[0], v[1], v[2].sign(), 0.1);
-       }},
-      {"triplet_margin_loss", {D(A), D(A), D(A)}, [](Args v) {
-         return at::triplet_margin_loss(v[0], v[1], v[2]);
-       }},
-      {"poisson_nll_loss", {D(A), Pos(A)}, [](Args v) {
+      {"binary_cross_entropy",
+       {D(A), U(A)},
+       [](Args v) { return at::binary_cross_entropy(v[0].sigmoid(), v[1].detach() * 0.5 + 0.5); }},
+      {"margin_ranking_loss",
+       {D(Col), D(Col), C(Col)},
+       [](Args v) { return at::margin_ranking_loss(v[0], v[1], v[2].sign(), 0.1); }},
+      {"hinge_embedding_loss",
+       {D(A), C(A)},
+       [](Args v) { return at::hinge_embedding_loss(v[0], v[1].sign(), 0.5); }},
+      {"cosine_embedding_loss",
+       {D(A), D(A), C(Col)},
+       [](Args v) { return at::cosine_embedding_loss(v[0], v[1], v[2].sign(), 0.1); }},
+      {"triplet_margin_loss",
+       {D(A), D(A), D(A)},
+       [](Args v) { return at::triplet_margin_loss(v[0], v[1], v[2]); }},
+      {"poisson_nll_loss",
+       {D(A), Pos(A)},
+       [](Args v) {
          return at::poisson_nll_loss(v[0], v[1].detach(), true, false, 1e-8, at::Reduction::Mean);
        }},
-      {"kl_div", {D(A), D(A)}, [](Args v) {
+      {"kl_div",
+       {D(A), D(A)},
+       [](Args v) {
          return at::kl_div(at::log_softmax(v[0], 1), at::softmax(v[1], 1), at::Reduction::Mean);
        }},
-      {"attention", {D(Seq), D(Seq), D(Seq)}, [](Args v) {
+      {"attention",
+       {D(Seq), D(Seq), D(Seq)},
+       [](Args v) {
          auto s = at::matmul(v[0], v[1].transpose(1, 2)) / 2.0;
          return at::matmul(at::softmax(s, -1), v[2]);
        }},
@@ -508,7 +673,9 @@ std::vector<OpCase> optimizer_cases() {
       {"add_ alpha", {D(A), D(A)}, update([](at::Tensor& p, Args v) { p.add_(v[1], -0.01); })},
       {"sub_", {D(A), D(A)}, update([](at::Tensor& p, Args v) { p.sub_(v[1]); })},
       {"div_", {D(A), Pos(A)}, update([](at::Tensor& p, Args v) { p.div_(v[1]); })},
-      {"addcmul_", {D(A), D(A)}, update([](at::Tensor& p, Args v) { p.addcmul_(v[1], v[1], 0.001); })},
+      {"addcmul_", {D(A), D(A)}, update([](at::Tensor& p, Args v) {
+         p.addcmul_(v[1], v[1], 0.001);
+       })},
       {"addcdiv_", {D(A), D(A), Pos(A)}, update([](at::Tensor& p, Args v) {
          p.addcdiv_(v[1], v[2].sqrt().add_(1e-8), -0.01);
        })},
@@ -531,7 +698,9 @@ std::vector<OpCase> optimizer_cases() {
          auto total = at::stack({p.norm(2), v[1].norm(2)}).norm(2);
          p.mul_((1.0 / (total + 1e-6)).clamp_max(1.0));
        })},
-      {"in-place with grad", {D(A)}, [](Args v) {
+      {"in-place with grad",
+       {D(A)},
+       [](Args v) {
          auto y = v[0] * 1;
          y.mul_(2).add_(1).tanh_();
          return y;
@@ -562,7 +731,8 @@ const std::map<std::string, std::string>& expected_errors() {
 // any other case): measured raising on 1.13 and 2.6, matching on 2.11 and 2.15.
 bool may_work_on_this_libtorch(const std::string& name) {
   static const std::set<std::string> kMayWorkOnNewerLibTorch = {"x[:, idx] = v"};
-  const bool newer = TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR > 6);
+  const bool newer =
+      TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR > 6);
   return newer && kMayWorkOnNewerLibTorch.count(name) > 0;
 }
 
@@ -600,8 +770,10 @@ std::vector<Variant> variants_for(int world) {
   switch (world) {
     case 1: return {{"1 rank, S(0)", {1}, rows}};
     case 2:
-      return {{"2 ranks, S(0) 5/2", {2}, rows}, {"2 ranks, S(-1)", {2}, cols},
-              {"2 ranks, R", {2}, whole}, {"2 ranks, P(sum)", {2}, terms}};
+      return {{"2 ranks, S(0) 5/2", {2}, rows},
+              {"2 ranks, S(-1)", {2}, cols},
+              {"2 ranks, R", {2}, whole},
+              {"2 ranks, P(sum)", {2}, terms}};
     case 3: return {{"3 ranks, S(0) with an empty shard", {3}, rows}};
     default: return {{"2x2 mesh, S(0) x S(1)", {2, 2}, grid}};
   }
@@ -615,7 +787,8 @@ at::Tensor make_full(const Arg& a, uint64_t seed) {
     case Kind::Unit: return at::rand(a.shape, g, dbl) * 1.8 - 0.9;
     case Kind::Counts: return at::randint(0, 4, a.shape, g, dbl);
     case Kind::Index:
-    case Kind::Labels: return at::randint(0, a.hi, a.shape, g, at::TensorOptions().dtype(at::kLong));
+    case Kind::Labels:
+      return at::randint(0, a.hi, a.shape, g, at::TensorOptions().dtype(at::kLong));
     case Kind::Mask: return at::rand(a.shape, g, dbl) > 0.5;
     default: return at::randn(a.shape, g, dbl);
   }
@@ -645,8 +818,8 @@ std::string run_case(const OpCase& c, size_t case_index, const DeviceMesh& mesh,
     if (a.kind == Kind::Plain || a.kind == Kind::Index) {
       d = f;
     } else {
-      Placements p = laid_out(a.kind) ? variant.placements(f.dim())
-                                      : Placements(mesh.ndim(), Replicate());
+      Placements p =
+          laid_out(a.kind) ? variant.placements(f.dim()) : Placements(mesh.ndim(), Replicate());
       // Partial terms only for floating data (labels, masks and weights stay whole).
       const bool terms = a.kind != Kind::Labels && a.kind != Kind::Mask;
       for (auto& x : p)
@@ -692,7 +865,8 @@ std::string run_case(const OpCase& c, size_t case_index, const DeviceMesh& mesh,
       // A plain gradient is a replicated value (docs/design.md): autograd builds some zero
       // gradients from the input's sizes alone (copysign's `other`).
       if (!close(is_dtensor(dg) ? full_tensor(dg) : dg, full[i].grad()))
-        return which + " differs from one device (" + (is_dtensor(dg) ? spec(dg).str() : "plain") + ")";
+        return which + " differs from one device (" + (is_dtensor(dg) ? spec(dg).str() : "plain") +
+               ")";
     }
   } catch (const c10::Error& e) {
     return std::string("error: ") + e.what_without_backtrace();
@@ -713,28 +887,34 @@ void sweep(const std::vector<OpCase>& cases, int world,
   const bool verbose = std::getenv("TESSERA_SWEEP_VERBOSE") != nullptr;
   tessera::testing::RunOptions options;
   options.timeout = std::chrono::minutes(10);
-  tessera::testing::run_ranks(world, [&](int rank) {
-    for (const auto& variant : variants) {
-      auto mesh = init_device_mesh("cpu", variant.mesh);
-      for (size_t k = 0; k < cases.size(); ++k) {
-        if (verbose) std::printf("rank %d [%s] %s\n", rank, variant.name.c_str(), cases[k].name.c_str());
-        std::string message = run_case(cases[k], k, mesh, variant);
-        // 0: success, 1: error, 2: mismatch.
-        const int64_t code = message.empty() ? 0 : message.rfind("error: ", 0) == 0 ? 1 : 2;
-        auto codes = comm::all_gather_ints(mesh.mesh_group(), {code});
-        for (const auto& other : codes)
-          if (other[0] != code) message = "ranks disagree (one raised, another did not): " + message;
-        if (rank != 0) continue;
-        std::lock_guard<std::mutex> lock(mu);
-        outcomes[cases[k].name].push_back({variant.name, message});
-      }
-    }
-  }, options);
+  tessera::testing::run_ranks(
+      world,
+      [&](int rank) {
+        for (const auto& variant : variants) {
+          auto mesh = init_device_mesh("cpu", variant.mesh);
+          for (size_t k = 0; k < cases.size(); ++k) {
+            if (verbose)
+              std::printf("rank %d [%s] %s\n", rank, variant.name.c_str(), cases[k].name.c_str());
+            std::string message = run_case(cases[k], k, mesh, variant);
+            // 0: success, 1: error, 2: mismatch.
+            const int64_t code = message.empty() ? 0 : message.rfind("error: ", 0) == 0 ? 1 : 2;
+            auto codes = comm::all_gather_ints(mesh.mesh_group(), {code});
+            for (const auto& other : codes)
+              if (other[0] != code)
+                message = "ranks disagree (one raised, another did not): " + message;
+            if (rank != 0) continue;
+            std::lock_guard<std::mutex> lock(mu);
+            outcomes[cases[k].name].push_back({variant.name, message});
+          }
+        }
+      },
+      options);
 }
 
 void check(const std::vector<OpCase>& cases) {
   std::set<std::string> names;
-  for (const auto& c : cases) ASSERT_TRUE(names.insert(c.name).second) << "duplicate case " << c.name;
+  for (const auto& c : cases)
+    ASSERT_TRUE(names.insert(c.name).second) << "duplicate case " << c.name;
   std::map<std::string, std::vector<Outcome>> outcomes;
   std::mutex mu;
   for (int world : {1, 2, 3, 4}) sweep(cases, world, outcomes, mu);

@@ -93,6 +93,5 @@ TEST_P(RedistributeProperty, RandomChainsMatchOneDevice) {
 INSTANTIATE_TEST_SUITE_P(Meshes, RedistributeProperty,
                          ::testing::Values(std::vector<int64_t>{1}, std::vector<int64_t>{2},
                                            std::vector<int64_t>{3}, std::vector<int64_t>{4},
-                                           std::vector<int64_t>{2, 2},
-                                           std::vector<int64_t>{2, 3}),
+                                           std::vector<int64_t>{2, 2}, std::vector<int64_t>{2, 3}),
                          [](const auto& info) { return tessera::test::mesh_name(info.param); });

@@ -51,8 +51,9 @@ struct Drawn {
   std::vector<at::Tensor> dist;  // empty on one device
 };
 
-Drawn draws(const std::function<at::Tensor(const at::Tensor&)>& make,
-            const std::function<void()>& between = [] {}) {
+Drawn draws(
+    const std::function<at::Tensor(const at::Tensor&)>& make,
+    const std::function<void()>& between = [] {}) {
   namespace F = torch::nn::functional;
   Drawn out;
   auto keep = [&](const at::Tensor& t) {
@@ -90,8 +91,7 @@ Drawn draws(const std::function<at::Tensor(const at::Tensor&)>& make,
 std::vector<Drawn> one_device(uint64_t seed, size_t times) {
   at::manual_seed(seed);
   std::vector<Drawn> out;
-  for (size_t i = 0; i < times; ++i)
-    out.push_back(draws([](const at::Tensor& t) { return t; }));
+  for (size_t i = 0; i < times; ++i) out.push_back(draws([](const at::Tensor& t) { return t; }));
   return out;
 }
 
@@ -125,7 +125,8 @@ void expect_equal(const Drawn& got, const Drawn& want, const std::string& what) 
 }
 
 // Every rank of `mesh` holds the same `local`.
-void expect_same_everywhere(const DeviceMesh& mesh, const at::Tensor& local, const std::string& what) {
+void expect_same_everywhere(const DeviceMesh& mesh, const at::Tensor& local,
+                            const std::string& what) {
   const auto all = comm::all_gather(mesh.mesh_group(), local.unsqueeze(0), 0,
                                     std::vector<int64_t>(mesh.size(), 1));
   for (int64_t r = 1; r < mesh.size(); ++r)
@@ -191,9 +192,9 @@ TEST(RandomSync, AtManualSeedRestartsTheDrawsAsOnOneDevice) {
         for (uint64_t seed : {9, 9, 11, 9}) {
           at::manual_seed(seed);
           const auto got = draws([&](const at::Tensor& t) { return distribute(t, mesh, l); });
-          expect_equal(got, seed == 9 ? want_9[0] : want_11[0],
-                       mesh.str() + " " + l.name + " after at::manual_seed(" +
-                           std::to_string(seed) + ")");
+          expect_equal(
+              got, seed == 9 ? want_9[0] : want_11[0],
+              mesh.str() + " " + l.name + " after at::manual_seed(" + std::to_string(seed) + ")");
         }
       }
     });
@@ -352,8 +353,7 @@ TEST(RandomSync, MeshWithoutWorldRankZero) {
           (void)at::dropout(d, 0.3, true);
           ADD_FAILURE() << "rank " << rank << " drew without rank 0's state";
         } catch (const c10::Error& e) {
-          EXPECT_NE(std::string(e.what()).find("sync_random_state"), std::string::npos)
-              << e.what();
+          EXPECT_NE(std::string(e.what()).find("sync_random_state"), std::string::npos) << e.what();
         }
         tessera::manual_seed(600 + 7 * rank);
         sync_random_state(mesh);
@@ -373,7 +373,8 @@ TEST(RandomSync, PlainLocalDropoutRepeatsOneMaskOnEveryShard) {
     // What processes seeded alike do with their default generators.
     auto local_mask = to_local(d).bernoulli(0.5, test::generator(3));
     auto gathered = full_tensor(from_local(local_mask, mesh, {Shard(0)}));
-    EXPECT_TRUE(at::equal(gathered.narrow(0, 0, kRows / 2), gathered.narrow(0, kRows / 2, kRows / 2)));
+    EXPECT_TRUE(
+        at::equal(gathered.narrow(0, 0, kRows / 2), gathered.narrow(0, kRows / 2, kRows / 2)));
     auto mask = full_tensor(at::empty_like(d).bernoulli_(0.5));
     EXPECT_FALSE(at::equal(mask.narrow(0, 0, kRows / 2), mask.narrow(0, kRows / 2, kRows / 2)));
   });

@@ -60,8 +60,7 @@ std::vector<ShardTable> tables_for(Layout layout, const DeviceMesh& mesh, const 
 }
 
 // Bytes the cheapest schedule must move for a single-mesh-dim transition.
-std::pair<int64_t, int64_t> min_bytes_1d(const DTensorSpec& a, const DTensorSpec& b,
-                                         int64_t item) {
+std::pair<int64_t, int64_t> min_bytes_1d(const DTensorSpec& a, const DTensorSpec& b, int64_t item) {
   const auto& mesh = a.mesh();
   const int64_t n = mesh.size(0), me = mesh.coordinate()[0];
   const auto& pa = a.placement(0);

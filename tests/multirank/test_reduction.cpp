@@ -22,8 +22,8 @@ using tessera::test::differential;
 using tessera::test::Fn;
 using tessera::test::full_matches;
 using tessera::test::make_dtensor_from_full;
-using tessera::test::Operand;
 using tessera::test::on_meshes;
+using tessera::test::Operand;
 using tessera::test::Rng;
 using tessera::test::same_values;
 
@@ -38,15 +38,17 @@ bool has_rule(const char* name) {
 
 // What the backward formulas need from other rule families, probed on two ranks.
 struct Gaps {
-  bool isnan = false;         // aten::isnan has a rule (max()/min(), nansum, inf-norms)
-  bool nonzero = false;       // aten::nonzero has a rule (prod() over every dim)
-  bool div_partial = false;   // R / P(sum) is exact (amax over a sharded dim, prod of a Partial)
-  bool scale_max = false;     // P(max) * negative R is exact (var/std/norm/prod of P(max/min))
+  bool isnan = false;        // aten::isnan has a rule (max()/min(), nansum, inf-norms)
+  bool nonzero = false;      // aten::nonzero has a rule (prod() over every dim)
+  bool div_partial = false;  // R / P(sum) is exact (amax over a sharded dim, prod of a Partial)
+  bool scale_max = false;    // P(max) * negative R is exact (var/std/norm/prod of P(max/min))
   std::string str() const {
     std::string s;
-    for (auto [ok, what] : std::initializer_list<std::pair<bool, const char*>>{
-             {isnan, "isnan rule"}, {nonzero, "nonzero rule"}, {div_partial, "R / P(sum)"},
-             {scale_max, "P(max) * R"}})
+    for (auto [ok, what] :
+         std::initializer_list<std::pair<bool, const char*>>{{isnan, "isnan rule"},
+                                                             {nonzero, "nonzero rule"},
+                                                             {div_partial, "R / P(sum)"},
+                                                             {scale_max, "P(max) * R"}})
       if (!ok) s += std::string(s.empty() ? "" : ", ") + what;
     return s;
   }
@@ -142,8 +144,8 @@ bool backward_checked(const Red& r, const Operand& o, const DeviceMesh& mesh) {
   for (int64_t m = 0; m < mesh.ndim(); ++m) {
     const auto& x = o.placements[m];
     partial = partial || x.is_partial();
-    max_min = max_min || (x.is_partial() && (x.reduce_op() == PartialOp::Max ||
-                                             x.reduce_op() == PartialOp::Min));
+    max_min = max_min || (x.is_partial() &&
+                          (x.reduce_op() == PartialOp::Max || x.reduce_op() == PartialOp::Min));
     if (!x.is_shard() || mesh.size(m) == 1) continue;
     reduced_shard = reduced_shard || reduced[x.dim()];
   }
@@ -198,15 +200,22 @@ std::vector<OperandLayout> layouts(const DeviceMesh& mesh) {
   const auto Max = Partial(PartialOp::Max), Min = Partial(PartialOp::Min);
   std::vector<OperandLayout> out;
   if (mesh.ndim() == 1) {
-    out = {{"R", {R}, {}},           {"S0 chunk", {Shard(0)}, {0, 0}},
-           {"S0 uneven", {Shard(0)}, {1, 0}}, {"S0 empty", {Shard(0)}, {2, 0}},
-           {"S1 uneven", {Shard(1)}, {0, 1}}, {"S1 empty", {Shard(1)}, {0, 2}},
-           {"P(sum)", {Partial()}, {}}, {"P(max)", {Max}, {}}, {"P(min)", {Min}, {}}};
+    out = {{"R", {R}, {}},
+           {"S0 chunk", {Shard(0)}, {0, 0}},
+           {"S0 uneven", {Shard(0)}, {1, 0}},
+           {"S0 empty", {Shard(0)}, {2, 0}},
+           {"S1 uneven", {Shard(1)}, {0, 1}},
+           {"S1 empty", {Shard(1)}, {0, 2}},
+           {"P(sum)", {Partial()}, {}},
+           {"P(max)", {Max}, {}},
+           {"P(min)", {Min}, {}}};
   } else {
     out = {{"S0,S1 uneven", {Shard(0), Shard(1)}, {1, 1}},
            {"S0,S0 empty", {Shard(0), Shard(0)}, {2, 0}},
-           {"S1,S0 chunk", {Shard(1), Shard(0)}, {0, 0}}, {"R,S1 empty", {R, Shard(1)}, {0, 2}},
-           {"S1,P(sum)", {Shard(1), Partial()}, {0, 1}}, {"P(max),S0", {Max, Shard(0)}, {1, 0}},
+           {"S1,S0 chunk", {Shard(1), Shard(0)}, {0, 0}},
+           {"R,S1 empty", {R, Shard(1)}, {0, 2}},
+           {"S1,P(sum)", {Shard(1), Partial()}, {0, 1}},
+           {"P(max),S0", {Max, Shard(0)}, {1, 0}},
            {"P(min),R", {Min, R}, {}}};
   }
   for (auto& l : out) l.name = " on " + l.name + " mesh" + shape_str(mesh.shape());
@@ -230,20 +239,44 @@ Operand operand(const DeviceMesh& mesh, const OperandLayout& l, std::vector<int6
 // Every op on every layout of [5, 4]: even, uneven and empty shards, Partial inputs.
 TEST(Reduction, EveryOpEveryLayout) {
   gaps();
-  const std::vector<Red> reds = {
-      {"sum", {0, 1}}, {"nansum"}, {"nansum", {-1}, 0, true}, {"mean", {0}},
-      {"prod()"}, {"prod", {}, 0}, {"prod", {}, -1, true},
-      {"amax", {0}}, {"amax", {1}, 0, true}, {"amax", {}}, {"amin", {0, -1}},
-      {"amin", {-1}, 0, true}, {"max()"}, {"min()"}, {"max.dim", {}, 0}, {"min.dim", {}, -1, true},
-      {"max.indices", {}, 1}, {"min.indices", {}, 0, true},
-      {"argmax", {}, 0}, {"argmin", {}, -1, true}, {"argmax", {}, 0, false, 2, 1, true},
-      {"var", {}, 0, false, 2, 1, true}, {"var", {0}}, {"var", {0, 1}, 0, true, 2, 0},
-      {"var", {-1}, 0, false, 2, 2}, {"std", {1}, 0, true}, {"std", {}, 0, false, 2, 1, true},
-      {"var_mean", {0}}, {"std_mean", {1}, 0, true},
-      {"norm()"}, {"norm()", {}, 0, false, 1}, {"norm", {0}, 0, false, 3}, {"norm", {1}, 0, true},
-      {"norm", {0}, 0, false, kInf}, {"norm(double)"},
-      {"linalg_vector_norm", {}, 0, false, 2, 1, true}, {"linalg_vector_norm", {-1}, 0, false, 1.5},
-      {"linalg_vector_norm", {0, 1}, 0, false, kInf}};
+  const std::vector<Red> reds = {{"sum", {0, 1}},
+                                 {"nansum"},
+                                 {"nansum", {-1}, 0, true},
+                                 {"mean", {0}},
+                                 {"prod()"},
+                                 {"prod", {}, 0},
+                                 {"prod", {}, -1, true},
+                                 {"amax", {0}},
+                                 {"amax", {1}, 0, true},
+                                 {"amax", {}},
+                                 {"amin", {0, -1}},
+                                 {"amin", {-1}, 0, true},
+                                 {"max()"},
+                                 {"min()"},
+                                 {"max.dim", {}, 0},
+                                 {"min.dim", {}, -1, true},
+                                 {"max.indices", {}, 1},
+                                 {"min.indices", {}, 0, true},
+                                 {"argmax", {}, 0},
+                                 {"argmin", {}, -1, true},
+                                 {"argmax", {}, 0, false, 2, 1, true},
+                                 {"var", {}, 0, false, 2, 1, true},
+                                 {"var", {0}},
+                                 {"var", {0, 1}, 0, true, 2, 0},
+                                 {"var", {-1}, 0, false, 2, 2},
+                                 {"std", {1}, 0, true},
+                                 {"std", {}, 0, false, 2, 1, true},
+                                 {"var_mean", {0}},
+                                 {"std_mean", {1}, 0, true},
+                                 {"norm()"},
+                                 {"norm()", {}, 0, false, 1},
+                                 {"norm", {0}, 0, false, 3},
+                                 {"norm", {1}, 0, true},
+                                 {"norm", {0}, 0, false, kInf},
+                                 {"norm(double)"},
+                                 {"linalg_vector_norm", {}, 0, false, 2, 1, true},
+                                 {"linalg_vector_norm", {-1}, 0, false, 1.5},
+                                 {"linalg_vector_norm", {0, 1}, 0, false, kInf}};
   on_meshes([&](const DeviceMesh& mesh) {
     for (const auto& l : layouts(mesh))
       for (const auto& r : reds) check(mesh, operand(mesh, l, {5, 4}), r, r.str() + l.name);
@@ -254,13 +287,13 @@ TEST(Reduction, EveryOpEveryLayout) {
 TEST(Reduction, ThreeDimsAndDimLists) {
   gaps();
   const std::vector<Red> reds = {
-      {"amax", {2, 0}}, {"amin", {1}, 0, true}, {"var", {0, 2}, 0, true}, {"std", {-1, -2}},
-      {"norm", {0, 2}}, {"prod", {}, 1}, {"max.dim", {}, 2}, {"argmin", {}, 1, true},
-      {"mean", {0, 2}, 0, true}, {"nansum", {1, 2}}, {"sum", {2, 1}, 0, true},
-      {"linalg_vector_norm", {2, 0}, 0, true, 3}};
+      {"amax", {2, 0}},   {"amin", {1}, 0, true},   {"var", {0, 2}, 0, true},
+      {"std", {-1, -2}},  {"norm", {0, 2}},         {"prod", {}, 1},
+      {"max.dim", {}, 2}, {"argmin", {}, 1, true},  {"mean", {0, 2}, 0, true},
+      {"nansum", {1, 2}}, {"sum", {2, 1}, 0, true}, {"linalg_vector_norm", {2, 0}, 0, true, 3}};
   on_meshes([&](const DeviceMesh& mesh) {
     std::vector<OperandLayout> ls = {{"S2 uneven", Placements(mesh.ndim(), Replicate()), {0, 0, 1}},
-                              {"S1 empty", Placements(mesh.ndim(), Replicate()), {0, 2, 0}}};
+                                     {"S1 empty", Placements(mesh.ndim(), Replicate()), {0, 2, 0}}};
     ls[0].p[0] = Shard(2);
     ls[1].p[mesh.ndim() - 1] = Shard(1);
     if (mesh.ndim() == 2) ls.push_back({"S0,S2", {Shard(0), Shard(2)}, {1, 0, 2}});
@@ -318,9 +351,12 @@ TEST(Reduction, LayoutsAndCommunication) {
 TEST(Reduction, ValueSelectingBackwardOfSortTopk) {
   on_meshes([](const DeviceMesh& mesh) {
     const Operand x{{4, 6}, Placements(mesh.ndim(), Replicate())};
-    differential(mesh, {x}, [](auto& v) { return std::get<0>(v[0].topk(2, 1)); }, "topk");
-    differential(mesh, {x}, [](auto& v) { return std::get<0>(v[0].sort(0)); }, "sort");
-    differential(mesh, {x}, [](auto& v) { return std::get<0>(v[0].kthvalue(2, 1)); }, "kthvalue");
+    differential(
+        mesh, {x}, [](auto& v) { return std::get<0>(v[0].topk(2, 1)); }, "topk");
+    differential(
+        mesh, {x}, [](auto& v) { return std::get<0>(v[0].sort(0)); }, "sort");
+    differential(
+        mesh, {x}, [](auto& v) { return std::get<0>(v[0].kthvalue(2, 1)); }, "kthvalue");
   });
 }
 
@@ -345,9 +381,10 @@ TEST(Reduction, OutVariants) {
 // Integer dtypes (the identity of an empty shard is the dtype's extreme), 0-dim tensors and
 // globally empty tensors.
 TEST(Reduction, IntegersScalarsAndEmptyTensors) {
-  const std::vector<Red> ints = {{"sum", {0}}, {"amax", {0}}, {"amin"}, {"max()"}, {"min()"},
-                                 {"prod", {}, 1}, {"max.dim", {}, 0}, {"min.indices", {}, 0, true},
-                                 {"argmax", {}, -1}};
+  const std::vector<Red> ints = {
+      {"sum", {0}},      {"amax", {0}},   {"amin"},           {"max()"},
+      {"min()"},         {"prod", {}, 1}, {"max.dim", {}, 0}, {"min.indices", {}, 0, true},
+      {"argmax", {}, -1}};
   on_meshes([&](const DeviceMesh& mesh) {
     Placements p(mesh.ndim(), Replicate());
     p[0] = Shard(0);
@@ -372,8 +409,13 @@ TEST(Reduction, IntegersScalarsAndEmptyTensors) {
     q[mesh.ndim() - 1] = Shard(1);
     auto e = at::zeros({0, 4});
     auto x = make_dtensor_from_full(e, mesh, q);
-    for (const auto& r : std::vector<Red>{{"sum", {0}}, {"mean", {1}}, {"amax", {1}}, {"var", {1}},
-                                          {"norm", {1}}, {"prod", {}, 0}, {"max.dim", {}, 1}})
+    for (const auto& r : std::vector<Red>{{"sum", {0}},
+                                          {"mean", {1}},
+                                          {"amax", {1}},
+                                          {"var", {1}},
+                                          {"norm", {1}},
+                                          {"prod", {}, 0},
+                                          {"max.dim", {}, 1}})
       EXPECT_TRUE(full_matches(make_fn(r)({x}), make_fn(r)({e}))) << r.str();
   });
 }
@@ -382,9 +424,11 @@ namespace {
 
 // One random case: op, shape (1-3 dims of 1-6), placements, uneven tables, dims and keepdim.
 void random_case(const DeviceMesh& mesh, Rng& rng, const std::string& label) {
-  static const char* kOps[] = {"sum", "mean", "nansum", "amax", "amin", "max()", "min()", "prod",
-                               "prod()", "max.dim", "min.dim", "max.indices", "argmax", "argmin",
-                               "var", "std", "var_mean", "std_mean", "norm", "linalg_vector_norm"};
+  static const char* kOps[] = {"sum",      "mean",     "nansum",  "amax",
+                               "amin",     "max()",    "min()",   "prod",
+                               "prod()",   "max.dim",  "min.dim", "max.indices",
+                               "argmax",   "argmin",   "var",     "std",
+                               "var_mean", "std_mean", "norm",    "linalg_vector_norm"};
   auto pick = [&](int64_t n) { return rng.uniform(0, n - 1); };
   Red r{kOps[pick(sizeof(kOps) / sizeof(kOps[0]))]};
   const int64_t nd = 1 + pick(3);
@@ -396,10 +440,14 @@ void random_case(const DeviceMesh& mesh, Rng& rng, const std::string& label) {
   Placements p;
   for (int64_t m = 0; m < mesh.ndim(); ++m) {
     const int64_t k = pick(6);
-    if (k < 3) p.push_back(Shard(pick(nd)));
-    else if (k == 3) p.push_back(Replicate());
-    else if (k == 4) p.push_back(Partial(avg && pick(2) ? PartialOp::Avg : PartialOp::Sum));
-    else p.push_back(Partial(pick(2) ? PartialOp::Max : PartialOp::Min));
+    if (k < 3)
+      p.push_back(Shard(pick(nd)));
+    else if (k == 3)
+      p.push_back(Replicate());
+    else if (k == 4)
+      p.push_back(Partial(avg && pick(2) ? PartialOp::Avg : PartialOp::Sum));
+    else
+      p.push_back(Partial(pick(2) ? PartialOp::Max : PartialOp::Min));
   }
   auto tables = tessera::test::random_tables(rng, mesh, p, shape);
   for (int64_t t = 0; t < nd; ++t)

@@ -25,6 +25,7 @@ namespace {
 // for every overload of that base ("aten::normal": normal.Tensor_float, normal.out, ...).
 
 // Ruled names that exist only in other LibTorch versions than the running one.
+// clang-format off
 const std::set<std::string> kOtherVersionsOnly = {
     // 2.x only: the batch norm forms norm.cpp rules there.
     "aten::_batch_norm_no_update", "aten::_batch_norm_with_update",
@@ -43,9 +44,11 @@ const std::set<std::string> kOtherVersionsOnly = {
     "aten::rand_like.generator", "aten::randn_like.generator", "aten::randint_like.generator",
     "aten::randint_like.low_generator_dtype",
 };
+// clang-format on
 
 // Ops whose out= overloads (a written kwarg-only tensor: out, values, grad_input) have no
 // rule yet; the fallback refuses them on non-replicated inputs.
+// clang-format off
 const std::set<std::string> kOutFormsWithoutRule = {
     // TODO(conv.cpp): out= forms.
     "aten::convolution", "aten::convolution_backward",
@@ -135,24 +138,35 @@ const std::set<std::string> kOutFormsWithoutRule = {
     "aten::_unsafe_view", "aten::new_empty", "aten::new_empty_strided", "aten::new_full",
     "aten::new_ones", "aten::new_zeros",
 };
+// clang-format on
 
 // Other overloads of ruled ops without a rule.
 const std::set<std::string> kUnruledOverloads = {
     // TODO(index.cpp): scatter with a reduce argument.
-    "aten::scatter.reduce", "aten::scatter.value_reduce", "aten::scatter_.reduce",
+    "aten::scatter.reduce",
+    "aten::scatter.value_reduce",
+    "aten::scatter_.reduce",
     "aten::scatter_.value_reduce",
     // TODO(like.cpp): fill with a 0-dim tensor value.
-    "aten::fill.Tensor", "aten::fill_.Tensor",
+    "aten::fill.Tensor",
+    "aten::fill_.Tensor",
     // TODO(random.cpp): bernoulli_ with a tensor of probabilities.
     "aten::bernoulli_.Tensor",
     // TODO(view.cpp): view as another dtype; squeeze of several dims (2.x).
-    "aten::view.dtype", "aten::squeeze.dims",
+    "aten::view.dtype",
+    "aten::squeeze.dims",
     // TODO(matrix.cpp): products with an output dtype (newer LibTorch: the 2.15 wheel).
-    "aten::mm.dtype", "aten::mm.dtype_out", "aten::bmm.dtype", "aten::bmm.dtype_out",
-    "aten::addmm.dtype", "aten::addmm.dtype_out", "aten::baddbmm.dtype",
+    "aten::mm.dtype",
+    "aten::mm.dtype_out",
+    "aten::bmm.dtype",
+    "aten::bmm.dtype_out",
+    "aten::addmm.dtype",
+    "aten::addmm.dtype_out",
+    "aten::baddbmm.dtype",
     "aten::baddbmm.dtype_out",
     // TODO(random.cpp): randint_like with a tensor bound (newer LibTorch).
-    "aten::randint_like.Tensor", "aten::randint_like.Tensor_generator",
+    "aten::randint_like.Tensor",
+    "aten::randint_like.Tensor_generator",
 };
 
 // Seeded ops a distributed tensor reaches without a rule: the fallback refuses them (no
@@ -160,28 +174,59 @@ const std::set<std::string> kUnruledOverloads = {
 const std::set<std::string> kSeededWithoutRule = {
     // TODO(random.cpp): functional and out= forms of the fills, the samplers, and the
     // factories' out= forms (a distributed `out`).
-    "aten::bernoulli", "aten::bernoulli_.Tensor", "aten::binomial", "aten::cauchy",
-    "aten::exponential", "aten::geometric", "aten::log_normal", "aten::multinomial",
-    "aten::normal", "aten::normal_functional", "aten::poisson", "aten::random", "aten::uniform",
-    "aten::_sample_dirichlet", "aten::_standard_gamma", "aten::rand", "aten::randn",
-    "aten::randint", "aten::randperm", "aten::rand_like.out", "aten::randn_like.out",
-    "aten::randint_like.out", "aten::randint_like.low_dtype_out",
+    "aten::bernoulli",
+    "aten::bernoulli_.Tensor",
+    "aten::binomial",
+    "aten::cauchy",
+    "aten::exponential",
+    "aten::geometric",
+    "aten::log_normal",
+    "aten::multinomial",
+    "aten::normal",
+    "aten::normal_functional",
+    "aten::poisson",
+    "aten::random",
+    "aten::uniform",
+    "aten::_sample_dirichlet",
+    "aten::_standard_gamma",
+    "aten::rand",
+    "aten::randn",
+    "aten::randint",
+    "aten::randperm",
+    "aten::rand_like.out",
+    "aten::randn_like.out",
+    "aten::randint_like.out",
+    "aten::randint_like.low_dtype_out",
     // (newer LibTorch: the out= forms of the .generator / .Tensor overloads)
-    "aten::rand_like.generator_out", "aten::randn_like.generator_out",
-    "aten::randint_like.generator_out", "aten::randint_like.Tensor_out",
-    "aten::randint_like.Tensor_generator_out", "aten::randint_like.low_generator_dtype_out",
-    "aten::randint_like.Tensor", "aten::randint_like.Tensor_generator",
+    "aten::rand_like.generator_out",
+    "aten::randn_like.generator_out",
+    "aten::randint_like.generator_out",
+    "aten::randint_like.Tensor_out",
+    "aten::randint_like.Tensor_generator_out",
+    "aten::randint_like.low_generator_dtype_out",
+    "aten::randint_like.Tensor",
+    "aten::randint_like.Tensor_generator",
     // TODO(random.cpp): dropout kernels (at::dropout itself decomposes into bernoulli_) and
     // rrelu's noise.
-    "aten::native_dropout", "aten::_fused_dropout", "aten::rrelu_with_noise",
-    "aten::rrelu_with_noise_", "aten::rrelu_with_noise_functional",
+    "aten::native_dropout",
+    "aten::_fused_dropout",
+    "aten::rrelu_with_noise",
+    "aten::rrelu_with_noise_",
+    "aten::rrelu_with_noise_functional",
     // TODO(new family): attention and RNN kernels with dropout, backend-specific (2.x).
-    "aten::_cudnn_init_dropout_state", "aten::_cudnn_rnn", "aten::miopen_rnn", "aten::_lstm_mps",
-    "aten::_fused_sdp_choice", "aten::_efficient_attention_forward",
-    "aten::_flash_attention_forward", "aten::_fill_mem_eff_dropout_mask_",
-    "aten::_nested_tensor_softmax_with_shape", "aten::_scaled_dot_product_attention_math_for_mps",
+    "aten::_cudnn_init_dropout_state",
+    "aten::_cudnn_rnn",
+    "aten::miopen_rnn",
+    "aten::_lstm_mps",
+    "aten::_fused_sdp_choice",
+    "aten::_efficient_attention_forward",
+    "aten::_flash_attention_forward",
+    "aten::_fill_mem_eff_dropout_mask_",
+    "aten::_nested_tensor_softmax_with_shape",
+    "aten::_scaled_dot_product_attention_math_for_mps",
     "aten::_scaled_dot_product_cudnn_attention",
-    "aten::_cudnn_attention_forward", "aten::_cudnn_attention_backward",
+    "aten::_cudnn_attention_forward",
+    "aten::_cudnn_attention_backward",
     "aten::_cudnn_attention_forward_no_dropout_inplace",
     "aten::_flash_attention_forward_no_dropout_inplace",
     "aten::_scaled_dot_product_cudnn_attention_backward",
@@ -224,8 +269,8 @@ void note_unused(const char* list, const std::set<std::string>& entries,
   for (const auto& e : entries)
     if (!used.count(e)) unused.push_back(e);
   if (!unused.empty())
-    std::cout << "entries of " << list << " unused by this LibTorch (other version, or stale):"
-              << join(unused) << "\n";
+    std::cout << "entries of " << list
+              << " unused by this LibTorch (other version, or stale):" << join(unused) << "\n";
 }
 
 bool is_tensor_type(const c10::TypePtr& t) {
@@ -247,9 +292,8 @@ bool is_out_form(const c10::OperatorHandle& op) {
 bool reachable(const c10::OperatorHandle& op) {
   bool tensor_arg = false;
   for (const auto& a : op.schema().arguments()) tensor_arg = tensor_arg || is_tensor_type(a.type());
-  return tensor_arg &&
-         (!op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
-          op.hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1));
+  return tensor_arg && (!op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) ||
+                        op.hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1));
 }
 
 }  // namespace
@@ -258,14 +302,15 @@ TEST(RegistrationPolicy, EveryRuledNameExists) {
   std::vector<std::string> offenders;
   std::set<std::string> used;
   for (const auto& name : ops::registered_rule_names()) {
-    if (kOtherVersionsOnly.count(name)) used.insert(name);  // here or not
-    else if (!c10::Dispatcher::singleton().findOp(parse(name))) offenders.push_back(name);
+    if (kOtherVersionsOnly.count(name))
+      used.insert(name);  // here or not
+    else if (!c10::Dispatcher::singleton().findOp(parse(name)))
+      offenders.push_back(name);
   }
   note_unused("kOtherVersionsOnly", kOtherVersionsOnly, used);
   EXPECT_TRUE(offenders.empty()) << offenders.size() << " ruled names LibTorch " << TORCH_VERSION
                                  << "'s dispatcher does not have (a name one version lacks goes "
-                                 << "in kOtherVersionsOnly):"
-                                 << join(offenders);
+                                 << "in kOtherVersionsOnly):" << join(offenders);
 }
 
 // Rules are registered per overload name; an overload left out (eq.Scalar_out, say) makes
@@ -284,9 +329,12 @@ TEST(RegistrationPolicy, EveryOverloadOfARuledOpHasARule) {
     if (!reachable(*op)) continue;  // its rule would never run
     const std::string out_entry = is_out_form(*op) ? entry_for(kOutFormsWithoutRule, q) : "";
     const std::string other_entry = entry_for(kUnruledOverloads, q);
-    if (!out_entry.empty()) used_out.insert(out_entry);
-    else if (!other_entry.empty()) used_other.insert(other_entry);
-    else offenders.push_back(q);
+    if (!out_entry.empty())
+      used_out.insert(out_entry);
+    else if (!other_entry.empty())
+      used_other.insert(other_entry);
+    else
+      offenders.push_back(q);
   }
   std::sort(offenders.begin(), offenders.end());
   note_unused("kOutFormsWithoutRule", kOutFormsWithoutRule, used_out);
@@ -356,8 +404,10 @@ TEST(RegistrationPolicy, SeededOpsDrawWhatOneDeviceDraws) {
     const std::string q = qualified(name);
     if (!ops::find_rule(*op)) {
       const std::string entry = entry_for(kSeededWithoutRule, q);
-      if (!entry.empty()) used.insert(entry);
-      else without_rule.push_back(q);
+      if (!entry.empty())
+        used.insert(entry);
+      else
+        without_rule.push_back(q);
       continue;
     }
     auto ref_args = seeded_args(
@@ -379,8 +429,8 @@ TEST(RegistrationPolicy, SeededOpsDrawWhatOneDeviceDraws) {
           return distribute_tensor(t, mesh, {Shard(0)}, std::nullopt, ShardSizes::Given(0, rows));
         };
         tessera::manual_seed(1234);
-        auto args = seeded_args(op->schema(),
-                                [&](bool out) { return dist(out ? at::empty_like(x) : x); }, shape);
+        auto args = seeded_args(
+            op->schema(), [&](bool out) { return dist(out ? at::empty_like(x) : x); }, shape);
         const auto got = call(*op, *args);
         tessera::clear_manual_seed();
         ASSERT_EQ(got.size(), expected.size()) << q;
@@ -397,8 +447,7 @@ TEST(RegistrationPolicy, SeededOpsDrawWhatOneDeviceDraws) {
   note_unused("kSeededWithoutRule", kSeededWithoutRule, used);
   EXPECT_GT(checked, 0);
   EXPECT_TRUE(unbuildable.empty()) << "no arguments for these seeded ops of LibTorch "
-                                   << TORCH_VERSION << "; extend seeded_args:"
-                                   << join(unbuildable);
+                                   << TORCH_VERSION << "; extend seeded_args:" << join(unbuildable);
   EXPECT_TRUE(without_rule.empty()) << without_rule.size() << " seeded ops of LibTorch "
                                     << TORCH_VERSION << " reach the fallback "
                                     << "without a rule:" << join(without_rule);
@@ -556,8 +605,12 @@ namespace {
 
 // Every placement kind on every mesh dim, Shard(0) with uneven tables.
 Placement any_placement(tessera::test::Rng& rng) {
-  static const Placement kinds[] = {Shard(0), Shard(1), Replicate(), Partial(PartialOp::Sum),
-                                    Partial(PartialOp::Avg), Partial(PartialOp::Max),
+  static const Placement kinds[] = {Shard(0),
+                                    Shard(1),
+                                    Replicate(),
+                                    Partial(PartialOp::Sum),
+                                    Partial(PartialOp::Avg),
+                                    Partial(PartialOp::Max),
                                     Partial(PartialOp::Min)};
   return kinds[rng.index(7)];
 }
@@ -607,8 +660,8 @@ void random_partial_cases(tessera::test::Sweep& sweep, const std::vector<int64_t
     block.run([&](tessera::test::Rng& rng, int64_t c) {
       const auto& pc = pointwise_cases()[rng.index(pointwise_cases().size())];
       std::vector<at::Tensor> full, dist;
-      std::string what = std::string(pc.name) + " case " + std::to_string(c) + " mesh " +
-                         shape_str(mesh_shape);
+      std::string what =
+          std::string(pc.name) + " case " + std::to_string(c) + " mesh " + shape_str(mesh_shape);
       for (int i = 0; i < pc.operands; ++i) {
         // Operands may broadcast: [5, 4] or [4].
         const bool row = i > 0 && rng.index(4) == 0;

@@ -70,7 +70,8 @@ TEST(ReplicatePlainBatches, TrainsAsTorchDDP) {
             at::NoGradGuard no_grad;
             for (size_t i = 0; i < buffers.size(); ++i) buffers[i].copy_(before[i]);
             at::AutoGradMode grad_on(true);
-            auto loss = at::mse_loss(ref->forward(data(rows[r], 5, s, r, 0)), data(rows[r], 3, s, r, 1));
+            auto loss =
+                at::mse_loss(ref->forward(data(rows[r], 5, s, r, 0)), data(rows[r], 3, s, r, 1));
             (loss / n).backward();
             expected_loss[s][r] = loss.item<double>();
             if (r == 0)
@@ -94,8 +95,10 @@ TEST(ReplicatePlainBatches, TrainsAsTorchDDP) {
           loss.backward();
           o->step();
           // Each rank's loss is its own batch's, as under DDP.
-          const double mine = is_dtensor(loss) ? to_local(loss).item<double>() : loss.item<double>();
-          ASSERT_NEAR(mine, expected_loss[s][rank], 1e-10) << what << " step " << s << " rank " << rank;
+          const double mine =
+              is_dtensor(loss) ? to_local(loss).item<double>() : loss.item<double>();
+          ASSERT_NEAR(mine, expected_loss[s][rank], 1e-10)
+              << what << " step " << s << " rank " << rank;
         }
         for (const auto& p : ref->named_parameters()) {
           at::Tensor got = *model->named_parameters().find(p.key());

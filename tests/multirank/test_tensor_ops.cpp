@@ -89,20 +89,22 @@ void on_layouts(const DeviceMesh& mesh, const std::vector<int64_t>& shape, const
 
 TEST(TensorOps, SliceNarrowSelect) {
   on_meshes([](const DeviceMesh& mesh) {
-    on_layouts(mesh, {7, 6}, Cases{
-        {"slice(0, 1, 6)", [](auto& v) { return v[0].slice(0, 1, 6) * 2; }},
-        {"slice(0, 0, 7, 2)", [](auto& v) { return v[0].slice(0, 0, 7, 2); }},
-        {"slice(0, 5, 100, 3)", [](auto& v) { return v[0].slice(0, 5, 100, 3); }},
-        {"slice(1, -4, -1)", [](auto& v) { return v[0].slice(1, -4, -1).exp(); }},
-        {"full slice", [](auto& v) { return v[0].slice(0) + v[0].slice(1, 0, 6, 1); }},
-        {"empty slice", [](auto& v) { return v[0].slice(0, 3, 3); }},
-        {"narrow(0, 2, 3)", [](auto& v) { return v[0].narrow(0, 2, 3); }},
-        {"narrow(1, -2, 2)", [](auto& v) { return v[0].narrow(1, -2, 2); }},
-        {"select(0, 3)", [](auto& v) { return v[0].select(0, 3); }},
-        {"select(0, -1)", [](auto& v) { return v[0].select(0, -1).tanh(); }},
-        {"select(1, 0)", [](auto& v) { return v[0].select(1, 0) * v[0].select(1, 5); }},
-        {"chained", [](auto& v) { return v[0].slice(0, 1).slice(0, 0, 5, 2).select(1, 0); }},
-    });
+    on_layouts(
+        mesh, {7, 6},
+        Cases{
+            {"slice(0, 1, 6)", [](auto& v) { return v[0].slice(0, 1, 6) * 2; }},
+            {"slice(0, 0, 7, 2)", [](auto& v) { return v[0].slice(0, 0, 7, 2); }},
+            {"slice(0, 5, 100, 3)", [](auto& v) { return v[0].slice(0, 5, 100, 3); }},
+            {"slice(1, -4, -1)", [](auto& v) { return v[0].slice(1, -4, -1).exp(); }},
+            {"full slice", [](auto& v) { return v[0].slice(0) + v[0].slice(1, 0, 6, 1); }},
+            {"empty slice", [](auto& v) { return v[0].slice(0, 3, 3); }},
+            {"narrow(0, 2, 3)", [](auto& v) { return v[0].narrow(0, 2, 3); }},
+            {"narrow(1, -2, 2)", [](auto& v) { return v[0].narrow(1, -2, 2); }},
+            {"select(0, 3)", [](auto& v) { return v[0].select(0, 3); }},
+            {"select(0, -1)", [](auto& v) { return v[0].select(0, -1).tanh(); }},
+            {"select(1, 0)", [](auto& v) { return v[0].select(1, 0) * v[0].select(1, 5); }},
+            {"chained", [](auto& v) { return v[0].slice(0, 1).slice(0, 0, 5, 2).select(1, 0); }},
+        });
   });
 }
 
@@ -111,57 +113,92 @@ TEST(TensorOps, SliceNarrowSelect) {
 // transpose(1, 2).contiguous().view(...), matmul on 4-D operands).
 TEST(TensorOps, ViewOfStridedShards) {
   on_meshes([](const DeviceMesh& mesh) {
-    on_layouts(mesh, {4, 6, 3}, Cases{
-        {"transpose(1, 2).contiguous().view(4, 18)",
-         [](auto& v) { return v[0].transpose(1, 2).contiguous().view({4, 18}); }},
-        {"permute(2, 0, 1).contiguous().view(-1)",
-         [](auto& v) { return v[0].permute({2, 0, 1}).contiguous().view({-1}) * 3; }},
-        {"transpose(0, 1).reshape(6, 12)",
-         [](auto& v) { return v[0].transpose(0, 1).reshape({6, 12}); }},
-        {"4-D matmul", [](auto& v) {
-           auto a = v[0].view({2, 2, 6, 3});
-           return at::matmul(a, a.transpose(2, 3)).transpose(1, 2).contiguous().view({2, 6, 12});
-         }},
-    });
+    on_layouts(mesh, {4, 6, 3},
+               Cases{
+                   {"transpose(1, 2).contiguous().view(4, 18)",
+                    [](auto& v) {
+                      return v[0].transpose(1, 2).contiguous().view({4, 18});
+                    }},
+                   {"permute(2, 0, 1).contiguous().view(-1)",
+                    [](auto& v) {
+                      return v[0].permute({2, 0, 1}).contiguous().view({-1}) * 3;
+                    }},
+                   {"transpose(0, 1).reshape(6, 12)",
+                    [](auto& v) {
+                      return v[0].transpose(0, 1).reshape({6, 12});
+                    }},
+                   {"4-D matmul",
+                    [](auto& v) {
+                      auto a = v[0].view({2, 2, 6, 3});
+                      return at::matmul(a, a.transpose(2, 3))
+                          .transpose(1, 2)
+                          .contiguous()
+                          .view({2, 6, 12});
+                    }},
+               });
   });
 }
 
 // List results are summed back into one result.
 TEST(TensorOps, SplitChunkUnbind) {
   on_meshes([](const DeviceMesh& mesh) {
-    on_layouts(mesh, {7, 6}, Cases{
-        {"split(3, 0)", [](auto& v) { return weighted_cat(v[0].split(3, 0), 0); }},
-        {"split(2, 1) reversed", [](auto& v) {
-           auto p = v[0].split(2, 1);
-           return at::cat({p[2] * 3, p[0], p[1] * 2}, 1);
-         }},
-        {"split_with_sizes",
-         [](auto& v) { return weighted_cat(v[0].split_with_sizes({2, 0, 5}, 0), 0); }},
-        {"unsafe_split", [](auto& v) { return weighted_cat(at::unsafe_split(v[0], 4, 1), 1); }},
-        {"chunk(3, 1)", [](auto& v) { return weighted_cat(v[0].chunk(3, 1), 1); }},
-        {"chunk(4, 0) sum", [](auto& v) {
-           auto p = v[0].chunk(4, 0);
-           return p[0] + p[1] * 2 + p[2].exp();
-         }},
-        {"unbind(0)", [](auto& v) {
-           auto p = v[0].unbind(0);
-           return p[0] + p[3] * 2 + p[6] * p[1];
-         }},
-        {"unbind(1)", [](auto& v) { return at::stack(v[0].unbind(1), 0) * 2; }},
-    });
+    on_layouts(
+        mesh, {7, 6},
+        Cases{
+            {"split(3, 0)", [](auto& v) { return weighted_cat(v[0].split(3, 0), 0); }},
+            {"split(2, 1) reversed",
+             [](auto& v) {
+               auto p = v[0].split(2, 1);
+               return at::cat({p[2] * 3, p[0], p[1] * 2}, 1);
+             }},
+            {"split_with_sizes",
+             [](auto& v) {
+               return weighted_cat(v[0].split_with_sizes({2, 0, 5}, 0), 0);
+             }},
+            {"unsafe_split", [](auto& v) { return weighted_cat(at::unsafe_split(v[0], 4, 1), 1); }},
+            {"chunk(3, 1)", [](auto& v) { return weighted_cat(v[0].chunk(3, 1), 1); }},
+            {"chunk(4, 0) sum",
+             [](auto& v) {
+               auto p = v[0].chunk(4, 0);
+               return p[0] + p[1] * 2 + p[2].exp();
+             }},
+            {"unbind(0)",
+             [](auto& v) {
+               auto p = v[0].unbind(0);
+               return p[0] + p[3] * 2 + p[6] * p[1];
+             }},
+            {"unbind(1)", [](auto& v) { return at::stack(v[0].unbind(1), 0) * 2; }},
+        });
   });
 }
 
 // Two or three inputs of mixed layouts (and a plain tensor), joined along each dim.
 TEST(TensorOps, CatStackMixedLayouts) {
   const std::vector<std::tuple<std::string, size_t, tessera::test::Fn>> cases = {
-      {"cat 0", 2, [](auto& v) { return at::cat({v[0], v[1]}, 0); }},
-      {"cat 1", 3, [](auto& v) { return at::cat({v[0], v[1] * 2, v[2]}, 1); }},
+      {"cat 0", 2,
+       [](auto& v) {
+         return at::cat({v[0], v[1]}, 0);
+       }},
+      {"cat 1", 3,
+       [](auto& v) {
+         return at::cat({v[0], v[1] * 2, v[2]}, 1);
+       }},
       {"cat with a plain tensor", 2,
-       [](auto& v) { return at::cat({v[0], at::ones({2, 4}), v[1].slice(0, 1, 3)}, 0); }},
-      {"stack 0", 3, [](auto& v) { return at::stack({v[0], v[1], v[2]}, 0); }},
-      {"stack -1", 2, [](auto& v) { return at::stack({v[0], v[1] * 3}, -1); }},
-      {"stack 1", 2, [](auto& v) { return at::stack({v[0], v[1]}, 1).sum(1); }},
+       [](auto& v) {
+         return at::cat({v[0], at::ones({2, 4}), v[1].slice(0, 1, 3)}, 0);
+       }},
+      {"stack 0", 3,
+       [](auto& v) {
+         return at::stack({v[0], v[1], v[2]}, 0);
+       }},
+      {"stack -1", 2,
+       [](auto& v) {
+         return at::stack({v[0], v[1] * 3}, -1);
+       }},
+      {"stack 1", 2,
+       [](auto& v) {
+         return at::stack({v[0], v[1]}, 1).sum(1);
+       }},
   };
   on_meshes([&](const DeviceMesh& mesh) {
     auto xs = layouts(mesh, {5, 4});
@@ -181,25 +218,31 @@ TEST(TensorOps, IndexSelectIndexAdd) {
     const auto rows = randint(7, {9}, 11), cols = randint(5, {3}, 12);
     for (const auto& x : layouts(mesh, {7, 5})) {
       const auto what = name(x);
-      differential(mesh, {x}, [&](auto& v) { return v[0].index_select(0, rows); },
-                   "index_select(0) on " + what);
-      differential(mesh, {x}, [&](auto& v) { return v[0].index_select(1, cols) * 2; },
-                   "index_select(1) on " + what);
+      differential(
+          mesh, {x}, [&](auto& v) { return v[0].index_select(0, rows); },
+          "index_select(0) on " + what);
+      differential(
+          mesh, {x}, [&](auto& v) { return v[0].index_select(1, cols) * 2; },
+          "index_select(1) on " + what);
       for (const auto& s : layouts(mesh, {9, 5})) {
-        differential(mesh, {x, s}, [&](auto& v) { return v[0].index_add(0, rows, v[1], 0.5); },
-                     "index_add(0) " + what + " <- " + name(s));
+        differential(
+            mesh, {x, s}, [&](auto& v) { return v[0].index_add(0, rows, v[1], 0.5); },
+            "index_add(0) " + what + " <- " + name(s));
       }
-      differential(mesh, {x, {{7, 3}, x.placements}}, [&](auto& v) {
-        return v[0].index_add(1, cols, v[1]);
-      }, "index_add(1) " + what);
+      differential(
+          mesh, {x, {{7, 3}, x.placements}}, [&](auto& v) { return v[0].index_add(1, cols, v[1]); },
+          "index_add(1) " + what);
     }
     // A distributed index keeps its sharding in the result.
     Placements s0(mesh.ndim(), Replicate());
     s0[0] = Shard(0);
-    differential(mesh, {{{7, 5}, Placements(mesh.ndim(), Replicate())}}, [&](auto& v) {
-      if (!is_dtensor(v[0])) return v[0].index_select(0, rows);
-      return v[0].index_select(0, distribute_tensor(rows, mesh, s0, std::nullopt));
-    }, "index_select with a sharded index");
+    differential(
+        mesh, {{{7, 5}, Placements(mesh.ndim(), Replicate())}},
+        [&](auto& v) {
+          if (!is_dtensor(v[0])) return v[0].index_select(0, rows);
+          return v[0].index_select(0, distribute_tensor(rows, mesh, s0, std::nullopt));
+        },
+        "index_select with a sharded index");
   });
 }
 
@@ -209,19 +252,24 @@ TEST(TensorOps, GatherScatter) {
     const auto d0 = distinct({5, 6}, 0, 3, 23), d1 = distinct({5, 6}, 1, 4, 24);
     for (const auto& x : layouts(mesh, {5, 6})) {
       const auto what = name(x);
-      differential(mesh, {x}, [&](auto& v) { return v[0].gather(0, g0); }, "gather(0) " + what);
-      differential(mesh, {x}, [&](auto& v) { return v[0].gather(1, g1); }, "gather(1) " + what);
-      differential(mesh, {x}, [&](auto& v) { return v[0].scatter(1, d1, 2.5); },
-                   "scatter value " + what);
+      differential(
+          mesh, {x}, [&](auto& v) { return v[0].gather(0, g0); }, "gather(0) " + what);
+      differential(
+          mesh, {x}, [&](auto& v) { return v[0].gather(1, g1); }, "gather(1) " + what);
+      differential(
+          mesh, {x}, [&](auto& v) { return v[0].scatter(1, d1, 2.5); }, "scatter value " + what);
       // Sources of the index's shape, replicated or laid out like self.
       for (const auto& p : {Placements(mesh.ndim(), Replicate()), x.placements}) {
         const auto both = what + " <- " + to_string(p);
-        differential(mesh, {x, {{3, 6}, p}}, [&](auto& v) { return v[0].scatter(0, d0, v[1]); },
-                     "scatter(0) " + both);
-        differential(mesh, {x, {{5, 4}, p}}, [&](auto& v) { return v[0].scatter(1, d1, v[1]); },
-                     "scatter(1) " + both);
-        differential(mesh, {x, {{3, 6}, p}}, [&](auto& v) { return v[0].scatter_add(0, g0, v[1]); },
-                     "scatter_add(0) " + both);
+        differential(
+            mesh, {x, {{3, 6}, p}}, [&](auto& v) { return v[0].scatter(0, d0, v[1]); },
+            "scatter(0) " + both);
+        differential(
+            mesh, {x, {{5, 4}, p}}, [&](auto& v) { return v[0].scatter(1, d1, v[1]); },
+            "scatter(1) " + both);
+        differential(
+            mesh, {x, {{3, 6}, p}}, [&](auto& v) { return v[0].scatter_add(0, g0, v[1]); },
+            "scatter_add(0) " + both);
       }
     }
     // Index sharded with the operands: gather keeps it, scatter_add makes partial sums.
@@ -231,12 +279,14 @@ TEST(TensorOps, GatherScatter) {
       auto idx = [&](const at::Tensor& ref, const at::Tensor& i) {
         return is_dtensor(ref) ? distribute_tensor(i, mesh, p, std::nullopt) : i;
       };
-      differential(mesh, {{{5, 6}, Placements(mesh.ndim(), Replicate())}, {{5, 4}, p}},
-                   [&](auto& v) { return v[0].gather(1, idx(v[0], g1)) * v[1]; },
-                   "gather with sharded index S(" + std::to_string(t) + ")");
-      differential(mesh, {{{5, 6}, Placements(mesh.ndim(), Replicate())}, {{3, 6}, p}},
-                   [&](auto& v) { return v[0].scatter_add(0, idx(v[0], g0), v[1]); },
-                   "scatter_add with sharded index S(" + std::to_string(t) + ")");
+      differential(
+          mesh, {{{5, 6}, Placements(mesh.ndim(), Replicate())}, {{5, 4}, p}},
+          [&](auto& v) { return v[0].gather(1, idx(v[0], g1)) * v[1]; },
+          "gather with sharded index S(" + std::to_string(t) + ")");
+      differential(
+          mesh, {{{5, 6}, Placements(mesh.ndim(), Replicate())}, {{3, 6}, p}},
+          [&](auto& v) { return v[0].scatter_add(0, idx(v[0], g0), v[1]); },
+          "scatter_add with sharded index S(" + std::to_string(t) + ")");
     }
   });
 }
@@ -246,22 +296,30 @@ TEST(TensorOps, Embedding) {
     const auto ids = randint(11, {3, 4}, 31);
     for (const auto& w : layouts(mesh, {11, 6})) {
       const auto what = name(w);
-      differential(mesh, {w}, [&](auto& v) { return at::embedding(v[0], ids); },
-                   "embedding " + what);
-      differential(mesh, {w}, [&](auto& v) {
-        return at::embedding(v[0], ids, /*padding_idx=*/ids[0][1].item<int64_t>(),
-                             /*scale_grad_by_freq=*/true) * 3;
-      }, "embedding padding/scale_grad_by_freq " + what);
-      differential(mesh, {w}, [&](auto& v) { return at::embedding(v[0], ids[1][2]); },
-                   "embedding of one index " + what);
+      differential(
+          mesh, {w}, [&](auto& v) { return at::embedding(v[0], ids); }, "embedding " + what);
+      differential(
+          mesh, {w},
+          [&](auto& v) {
+            return at::embedding(v[0], ids, /*padding_idx=*/ids[0][1].item<int64_t>(),
+                                 /*scale_grad_by_freq=*/true) *
+                   3;
+          },
+          "embedding padding/scale_grad_by_freq " + what);
+      differential(
+          mesh, {w}, [&](auto& v) { return at::embedding(v[0], ids[1][2]); },
+          "embedding of one index " + what);
     }
     // Data parallel: sharded indices, replicated table.
     Placements p(mesh.ndim(), Replicate());
     p[0] = Shard(0);
-    differential(mesh, {{{11, 6}, Placements(mesh.ndim(), Replicate())}}, [&](auto& v) {
-      if (!is_dtensor(v[0])) return at::embedding(v[0], ids);
-      return at::embedding(v[0], distribute_tensor(ids, mesh, p, std::nullopt));
-    }, "embedding with sharded indices");
+    differential(
+        mesh, {{{11, 6}, Placements(mesh.ndim(), Replicate())}},
+        [&](auto& v) {
+          if (!is_dtensor(v[0])) return at::embedding(v[0], ids);
+          return at::embedding(v[0], distribute_tensor(ids, mesh, p, std::nullopt));
+        },
+        "embedding with sharded indices");
   });
 }
 
@@ -269,11 +327,15 @@ TEST(TensorOps, IndexReplicated) {
   on_meshes([](const DeviceMesh& mesh) {
     const auto rows = randint(6, {4}, 41), cols = randint(5, {4}, 42);
     Operand x{{6, 5}, Placements(mesh.ndim(), Replicate())};
-    differential(mesh, {x}, [&](auto& v) { return v[0].index({rows}); }, "x[rows]");
+    differential(
+        mesh, {x}, [&](auto& v) { return v[0].index({rows}); }, "x[rows]");
     // Another self shape: the fallback's decision key leaves out Tensor?[] elements.
-    differential(mesh, {{{6, 5, 1}, x.placements}}, [&](auto& v) {
-      return v[0].index({rows, cols}) * 2;
-    }, "x[rows, cols]");
+    differential(
+        mesh, {{{6, 5, 1}, x.placements}},
+        [&](auto& v) {
+          return v[0].index({rows, cols}) * 2;
+        },
+        "x[rows, cols]");
   });
 }
 
@@ -283,8 +345,8 @@ TEST(TensorOps, LocalFormsDoNotCommunicate) {
   tessera::testing::run_ranks(3, [](int) {
     auto mesh = init_device_mesh("cpu", {3});
     auto full = tessera::test::randn({8, 6}, 5);
-    auto x = distribute_tensor(full, mesh, {Shard(0)}, std::nullopt,
-                               ShardSizes::Given(0, {3, 0, 5}));
+    auto x =
+        distribute_tensor(full, mesh, {Shard(0)}, std::nullopt, ShardSizes::Given(0, {3, 0, 5}));
     auto x1 = redistribute(x, {Shard(1)});
     const auto ids = randint(8, {2, 5}, 6);
     CommDebugMode comm;
@@ -369,17 +431,21 @@ RandomOp view_op(int64_t kind, const Draw& x, Operand first) {
   const int64_t d = x.d, a = x.a, b = x.b, step = x.step, size = x.size, nd = x.nd;
   switch (kind) {
     case 0:
-      return {"slice" + str({d, a, b, step}), {first},
-              [=](auto& v) { return v[0].slice(d, a, b, step) * 2; }};
+      return {"slice" + str({d, a, b, step}), {first}, [=](auto& v) {
+                return v[0].slice(d, a, b, step) * 2;
+              }};
     case 1:
-      return {"select" + str({d, a % size}), {first},
-              [=](auto& v) { return v[0].select(d, a % size) + 1; }};
+      return {"select" + str({d, a % size}), {first}, [=](auto& v) {
+                return v[0].select(d, a % size) + 1;
+              }};
     case 2:
-      return {"split" + str({step, d}) + " + cat", {first},
-              [=](auto& v) { return weighted_cat(v[0].split(step, d), d); }};
+      return {"split" + str({step, d}) + " + cat", {first}, [=](auto& v) {
+                return weighted_cat(v[0].split(step, d), d);
+              }};
     default:
-      return {"unbind" + str({d}) + " + stack", {first},
-              [=](auto& v) { return at::stack(v[0].unbind(d), nd - 1) * 2; }};
+      return {"unbind" + str({d}) + " + stack", {first}, [=](auto& v) {
+                return at::stack(v[0].unbind(d), nd - 1) * 2;
+              }};
   }
 }
 
@@ -390,11 +456,13 @@ RandomOp joining_op(int64_t kind, const Draw& x, Operand first, Rng& rng, const 
   auto other = x.other;
   switch (kind) {
     case 4:
-      return {"cat" + str({d}), {first, random_operand(rng, mesh, other)},
-              [=](auto& v) { return at::cat({v[1], v[0] * 2}, d); }};
+      return {"cat" + str({d}), {first, random_operand(rng, mesh, other)}, [=](auto& v) {
+                return at::cat({v[1], v[0] * 2}, d);
+              }};
     case 5: {
       auto ids = randint(size, {rng.uniform(0, 5)}, x.ids_seed);
-      return {"index_select" + str({d}), {first}, [=](auto& v) { return v[0].index_select(d, ids); }};
+      return {
+          "index_select" + str({d}), {first}, [=](auto& v) { return v[0].index_select(d, ids); }};
     }
     case 6: {
       other[d] = std::max<int64_t>(other[d], 1);
@@ -403,19 +471,22 @@ RandomOp joining_op(int64_t kind, const Draw& x, Operand first, Rng& rng, const 
     }
     case 7: {
       auto ids = randint(size, {other[d]}, x.ids_seed);
-      return {"index_add" + str({d}), {first, random_operand(rng, mesh, other)},
-              [=](auto& v) { return v[0].index_add(d, ids, v[1]); }};
+      return {"index_add" + str({d}), {first, random_operand(rng, mesh, other)}, [=](auto& v) {
+                return v[0].index_add(d, ids, v[1]);
+              }};
     }
     case 8: {
       auto ids = randint(size, other, x.ids_seed);
-      return {"scatter_add" + str({d}), {first, random_operand(rng, mesh, other)},
-              [=](auto& v) { return v[0].scatter_add(d, ids, v[1]); }};
+      return {"scatter_add" + str({d}), {first, random_operand(rng, mesh, other)}, [=](auto& v) {
+                return v[0].scatter_add(d, ids, v[1]);
+              }};
     }
     default: {
       const int64_t rows = rng.uniform(1, 3), cols = rng.uniform(0, 4);
       auto ids = randint(size, {rows, cols}, x.ids_seed);
-      return {"embedding", {random_operand(rng, mesh, {size, x.shape[x.nd - 1]})},
-              [=](auto& v) { return at::embedding(v[0], ids); }};
+      return {"embedding", {random_operand(rng, mesh, {size, x.shape[x.nd - 1]})}, [=](auto& v) {
+                return at::embedding(v[0], ids);
+              }};
     }
   }
 }

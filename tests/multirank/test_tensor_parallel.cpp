@@ -140,7 +140,8 @@ TEST(TensorParallel, RowwiseLinear) {
           CommDebugMode fwd;
           at::Tensor y = m(xi);
           ASSERT_FALSE(is_dtensor(y));
-          const at::Tensor want = shard_out ? piece(y_ref.detach(), 0, rank, world) : y_ref.detach();
+          const at::Tensor want =
+              shard_out ? piece(y_ref.detach(), 0, rank, world) : y_ref.detach();
           ASSERT_TRUE(matches(y, want, kTol));
           const int64_t fwd_calls = fwd.get_total_counts();
           const auto fwd_counts = fwd.get_comm_counts();
@@ -180,8 +181,10 @@ TEST(TensorParallel, Embeddings) {
       tessera::testing::run_ranks(world, [&](int rank) {
         auto mesh = init_device_mesh("cpu", {world});
         auto m = clone_of(ref);
-        if (rowwise) parallelize_module(m, mesh, RowwiseParallel());
-        else parallelize_module(m, mesh, ColwiseParallel());
+        if (rowwise)
+          parallelize_module(m, mesh, RowwiseParallel());
+        else
+          parallelize_module(m, mesh, ColwiseParallel());
         int64_t fwd_calls = 0, bwd_calls = 0;
         at::Tensor y;
         {
@@ -190,7 +193,8 @@ TEST(TensorParallel, Embeddings) {
           fwd_calls = fwd.get_total_counts();
         }
         ASSERT_FALSE(is_dtensor(y));
-        ASSERT_TRUE(matches(y, rowwise ? y_ref.detach() : piece(y_ref.detach(), 2, rank, world), kTol));
+        ASSERT_TRUE(
+            matches(y, rowwise ? y_ref.detach() : piece(y_ref.detach(), 2, rank, world), kTol));
         {
           CommDebugMode bwd;
           y.pow(2).sum().backward();
@@ -275,11 +279,12 @@ TEST(TensorParallel, SequenceParallelLayerNorm) {
 TEST(TensorParallel, MlpPlanTrainsLikeOneDevice) {
   for (int world : {2, 3, 4}) {
     torch::manual_seed(5);
-    torch::nn::Sequential ref(torch::nn::Linear(10, 16), torch::nn::ReLU(), torch::nn::Linear(16, 10));
+    torch::nn::Sequential ref(torch::nn::Linear(10, 16), torch::nn::ReLU(),
+                              torch::nn::Linear(16, 10));
     const at::Tensor x = test::randn({8, 10}, 6), t = test::randn({8, 10}, 7);
     std::vector<double> losses_ref;
-    auto train = [&](torch::nn::Sequential model, std::vector<double>& losses, const DeviceMesh* mesh,
-                     std::vector<std::map<std::string, int64_t>>* comms) {
+    auto train = [&](torch::nn::Sequential model, std::vector<double>& losses,
+                     const DeviceMesh* mesh, std::vector<std::map<std::string, int64_t>>* comms) {
       torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.25));
       for (int step = 0; step < 3; ++step) {
         opt.zero_grad();
@@ -302,7 +307,8 @@ TEST(TensorParallel, MlpPlanTrainsLikeOneDevice) {
       train(m, losses, &mesh, &comms);
       for (size_t s = 0; s < losses.size(); ++s) EXPECT_NEAR(losses[s], losses_ref[s], 1e-5);
       for (const auto& item : model_ref->named_parameters())
-        ASSERT_TRUE(full_matches(*m->named_parameters().find(item.key()), item.value().detach(), kTol))
+        ASSERT_TRUE(
+            full_matches(*m->named_parameters().find(item.key()), item.value().detach(), kTol))
             << item.key();
       // One all-reduce forward; none backward, the input needing no gradient (PyTorch: 1).
       if (16 % world == 0) EXPECT_EQ(comms[1], (std::map<std::string, int64_t>{{"all_reduce", 1}}));
@@ -333,7 +339,8 @@ TEST(TensorParallel, PrepareModuleInputOnComposite) {
       auto mesh = init_device_mesh("cpu", {world});
       auto m = clone_of(ref);
       parallelize_module(m, mesh,
-                         {{"", PrepareModuleInput().input_layouts({Shard(0), std::nullopt})
+                         {{"", PrepareModuleInput()
+                                   .input_layouts({Shard(0), std::nullopt})
                                    .desired_input_layouts({Replicate(), std::nullopt})},
                           {"linear", ColwiseParallel()}});
       at::Tensor out = m(piece(x, 0, rank, world), piece(y, 1, rank, world));
@@ -377,43 +384,64 @@ TEST(TensorParallel, BadPlansAreErrors) {
       }
     });
   };
-  auto mlp = [] { return torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::ReLU(), torch::nn::Linear(4, 4)); };
-  expect_error([&](const DeviceMesh& mesh) {
-    auto m = mlp();
-    parallelize_module(m, mesh, {{"0", ColwiseParallel()}, {"net3", RowwiseParallel()}});
-  }, "'net3' matches no submodule");
-  expect_error([&](const DeviceMesh& mesh) {
-    auto m = mlp();
-    parallelize_module(m, mesh, {{"1", ColwiseParallel()}});
-  }, "ColwiseParallel applies to Linear and Embedding");
-  expect_error([&](const DeviceMesh& mesh) {
-    auto m = mlp();
-    parallelize_module(m, mesh, {{"0", ColwiseParallel()}, {"0", RowwiseParallel()}});
-  }, "one parameter style");
-  expect_error([&](const DeviceMesh& mesh) {
-    auto m = mlp();
-    parallelize_module(m, mesh, {{"", PrepareModuleOutput().output_layouts({Shard(0)})
-                                               .desired_output_layouts({Replicate()})},
-                                     {"0", ColwiseParallel()}});
-  }, "PrepareModuleOutput on '<root>'");
-  expect_error([&](const DeviceMesh& mesh) {
-    auto m = mlp();
-    parallelize_module(m, mesh, {{"", PrepareModuleInput().input_layouts({Shard(0)})
-                                               .desired_input_layouts({Replicate()})}});
-  }, "cannot see its input");
-  expect_error([&](const DeviceMesh& mesh) {
-    auto m = mlp();
-    parallelize_module(m, mesh, {{"1", SequenceParallel()}});
-  }, "has no parameters");
-  expect_error([&](const DeviceMesh& mesh) {
-    auto m = mlp();
-    parallelize_module(m, mesh, {{"0", PrepareModuleInput().input_layouts({Shard(0)})}});
-  }, "desired_input_layouts must be");
+  auto mlp = [] {
+    return torch::nn::Sequential(torch::nn::Linear(4, 4), torch::nn::ReLU(),
+                                 torch::nn::Linear(4, 4));
+  };
+  expect_error(
+      [&](const DeviceMesh& mesh) {
+        auto m = mlp();
+        parallelize_module(m, mesh, {{"0", ColwiseParallel()}, {"net3", RowwiseParallel()}});
+      },
+      "'net3' matches no submodule");
+  expect_error(
+      [&](const DeviceMesh& mesh) {
+        auto m = mlp();
+        parallelize_module(m, mesh, {{"1", ColwiseParallel()}});
+      },
+      "ColwiseParallel applies to Linear and Embedding");
+  expect_error(
+      [&](const DeviceMesh& mesh) {
+        auto m = mlp();
+        parallelize_module(m, mesh, {{"0", ColwiseParallel()}, {"0", RowwiseParallel()}});
+      },
+      "one parameter style");
+  expect_error(
+      [&](const DeviceMesh& mesh) {
+        auto m = mlp();
+        parallelize_module(m, mesh,
+                           {{"", PrepareModuleOutput()
+                                     .output_layouts({Shard(0)})
+                                     .desired_output_layouts({Replicate()})},
+                            {"0", ColwiseParallel()}});
+      },
+      "PrepareModuleOutput on '<root>'");
+  expect_error(
+      [&](const DeviceMesh& mesh) {
+        auto m = mlp();
+        parallelize_module(m, mesh,
+                           {{"", PrepareModuleInput()
+                                     .input_layouts({Shard(0)})
+                                     .desired_input_layouts({Replicate()})}});
+      },
+      "cannot see its input");
+  expect_error(
+      [&](const DeviceMesh& mesh) {
+        auto m = mlp();
+        parallelize_module(m, mesh, {{"1", SequenceParallel()}});
+      },
+      "has no parameters");
+  expect_error(
+      [&](const DeviceMesh& mesh) {
+        auto m = mlp();
+        parallelize_module(m, mesh, {{"0", PrepareModuleInput().input_layouts({Shard(0)})}});
+      },
+      "desired_input_layouts must be");
   tessera::testing::run_ranks(4, [&](int) {
     auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
     try {
       auto m = mlp();
-    parallelize_module(m, mesh, {{"0", ColwiseParallel()}});
+      parallelize_module(m, mesh, {{"0", ColwiseParallel()}});
       ADD_FAILURE() << "a 2-D mesh was accepted";
     } catch (const c10::Error& e) {
       EXPECT_NE(std::string(e.what()).find("1-D mesh"), std::string::npos) << e.what();
@@ -430,9 +458,10 @@ TEST(TensorParallel, DropoutEqualsOneDeviceWhateverEachRanksSeed) {
     torch::nn::Linear up_ref(8, 12), down_ref(12, 8);
     const at::Tensor x = test::randn({5, 8}, 22);
     auto run = [&](torch::nn::Linear up, torch::nn::Linear down, const at::Tensor& in) {
-      at::Tensor h = torch::nn::functional::dropout(up(in).relu(),
-                                                    torch::nn::functional::DropoutFuncOptions().p(0.4));
-      return torch::nn::functional::dropout(down(h), torch::nn::functional::DropoutFuncOptions().p(0.3));
+      at::Tensor h = torch::nn::functional::dropout(
+          up(in).relu(), torch::nn::functional::DropoutFuncOptions().p(0.4));
+      return torch::nn::functional::dropout(down(h),
+                                            torch::nn::functional::DropoutFuncOptions().p(0.3));
     };
     torch::manual_seed(1000);  // one device, seeded like rank 0 below (no rank threads yet)
     at::Tensor xr = x.clone().requires_grad_();
@@ -477,8 +506,9 @@ TEST(TensorParallel, SliceOfThreeDimensionalMesh) {
   tessera::testing::run_ranks(4, [&](int) {
     auto mesh = init_device_mesh("cpu", {2, 2, 1}, {"dp", "tp", "cp"});
     auto m = clone_of(ref);
-    parallelize_module(m, mesh["tp"], {{"0", ColwiseParallel().use_local_output(false)},
-                                       {"2", RowwiseParallel().use_local_output(false)}});
+    parallelize_module(m, mesh["tp"],
+                       {{"0", ColwiseParallel().use_local_output(false)},
+                        {"2", RowwiseParallel().use_local_output(false)}});
     const Placements batch = {Shard(0), Replicate(), Replicate()};
     const auto xd = distribute_tensor(x, mesh, batch, std::nullopt, ShardSizes::Given(0, {3, 2}));
     const auto td = distribute_tensor(t, mesh, batch, std::nullopt, ShardSizes::Given(0, {3, 2}));

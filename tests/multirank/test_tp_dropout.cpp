@@ -40,7 +40,8 @@ Result step(torch::nn::Sequential& m, const at::Tensor& x) {
   Result r;
   r.out = m->forward(x);
   (r.out * r.out).sum().backward();
-  for (const auto& p : m->parameters()) r.grads.push_back(is_dtensor(p) ? full_tensor(p.grad()) : p.grad());
+  for (const auto& p : m->parameters())
+    r.grads.push_back(is_dtensor(p) ? full_tensor(p.grad()) : p.grad());
   if (is_dtensor(r.out)) r.out = full_tensor(r.out);
   return r;
 }
@@ -64,7 +65,8 @@ TEST(TpDropout, DropoutOnLocalShardsRaisesOnEveryRank) {
         ADD_FAILURE() << "dropout on local shards did not raise, world " << world;
       } catch (const c10::Error& e) {
         const std::string msg = e.what_without_backtrace();
-        for (const char* needle : {"aten::dropout", "'0'", "ColwiseParallel", "use_local_output(false)"})
+        for (const char* needle :
+             {"aten::dropout", "'0'", "ColwiseParallel", "use_local_output(false)"})
           EXPECT_NE(msg.find(needle), std::string::npos) << needle << " missing from: " << msg;
       }
       // Eval mode draws nothing: the same plan runs and equals one device.
@@ -88,8 +90,8 @@ TEST(TpDropout, DistributedOutputDrawsOneDevicesMask) {
     tessera::testing::run_ranks(world, [&](int rank) {
       auto mesh = init_device_mesh("cpu", {world}, {"tp"});
       auto m = copy_of(init);
-      parallelize_module(m, mesh, {{"0", ColwiseParallel().use_local_output(false)},
-                                   {"3", RowwiseParallel()}});
+      parallelize_module(
+          m, mesh, {{"0", ColwiseParallel().use_local_output(false)}, {"3", RowwiseParallel()}});
       m->train();
       tessera::manual_seed(77 + rank);  // rank 0's seed is the one all ranks draw with
       const Result got = step(m, x);

@@ -63,7 +63,8 @@ Task make_task(int64_t batch, int64_t seq, int64_t vocab, uint64_t seed) {
   auto g = tessera::test::generator(seed);
   const auto start = at::randint(0, vocab, {batch, 1}, g, at::kLong);
   const auto stride = at::randint(1, 5, {batch, 1}, g, at::kLong);
-  const auto walk = at::remainder(start + stride * at::arange(seq + 1, at::kLong).view({1, -1}), vocab);
+  const auto walk =
+      at::remainder(start + stride * at::arange(seq + 1, at::kLong).view({1, -1}), vocab);
   return {walk.narrow(1, 0, seq).contiguous(), walk.narrow(1, 1, seq).contiguous()};
 }
 
@@ -93,7 +94,7 @@ double value(const at::Tensor& t) {
 struct Trained {
   std::vector<double> losses;
   Counts forward, backward, optimizer;  // collectives of step 2 (steady state)
-  int64_t bytes = 0;                     // sent by this rank in step 2
+  int64_t bytes = 0;                    // sent by this rank in step 2
 };
 
 // kSteps AdamW steps of cross entropy over every position.
@@ -109,7 +110,8 @@ Trained train(Transformer model, const at::Tensor& tokens, const at::Tensor& tar
       std::optional<CommDebugMode> cdm;
       if (count) cdm.emplace();
       auto logits = model->forward(tokens);
-      loss = torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}), targets.reshape({-1}));
+      loss =
+          torch::nn::functional::cross_entropy(logits.reshape({-1, vocab}), targets.reshape({-1}));
       if (count) out.forward = cdm->get_comm_counts(), out.bytes += cdm->total_bytes_sent();
     }
     {
@@ -160,7 +162,8 @@ Reference reference_run(const LlamaConfig& c, const Task& task, uint64_t seed) {
 }
 
 // Losses and every parameter (gathered: collective) against the one-device run.
-void expect_same(const Reference& ref, const Trained& got, Transformer model, const std::string& what) {
+void expect_same(const Reference& ref, const Trained& got, Transformer model,
+                 const std::string& what) {
   ASSERT_EQ(got.losses.size(), ref.trained.losses.size());
   for (size_t s = 0; s < got.losses.size(); ++s)
     ASSERT_NEAR(got.losses[s], ref.trained.losses[s], 1e-9 * (1 + std::abs(ref.trained.losses[s])))
@@ -173,7 +176,8 @@ void expect_same(const Reference& ref, const Trained& got, Transformer model, co
       ASSERT_TRUE(tessera::test::full_matches(p, e, {1e-8, 1e-10}))
           << what << " parameter " << item.key() << " " << spec(p).str();
     } else {
-      ASSERT_TRUE(tessera::test::matches(p.detach(), e, {1e-8, 1e-10})) << what << " parameter " << item.key();
+      ASSERT_TRUE(tessera::test::matches(p.detach(), e, {1e-8, 1e-10}))
+          << what << " parameter " << item.key();
     }
   }
 }
@@ -225,28 +229,30 @@ void tensor_parallel_case(bool sequence_parallel) {
   const Task task = make_task(/*batch=*/3, /*seq=*/7, c.vocab_size, 5);
   const Reference ref = reference_run(c, task, 17);
   for (int tp : {2, 3, 4}) {
-    const std::string what = std::string(sequence_parallel ? "tp+sp" : "tp") + " on " +
-                             std::to_string(tp) + " ranks";
+    const std::string what =
+        std::string(sequence_parallel ? "tp+sp" : "tp") + " on " + std::to_string(tp) + " ranks";
     std::vector<Trained> per_rank(tp);
-    tessera::testing::run_ranks(
-        tp,
-        [&](int rank) {
-          auto mesh = init_device_mesh("cpu", {tp}, {"tp"});
-          auto model = copy_of(ref.initial);
-          llama::PlanOptions o;
-          o.sequence_parallel = sequence_parallel;
-          o.head_dim = c.head_dim();
-          parallelize_module(model, mesh["tp"], llama::tensor_parallel_plan(o));
-          per_rank[rank] = train(model, task.tokens, task.targets);
-          expect_same(ref, per_rank[rank], model, what);
-        },
-        {std::chrono::seconds(600)});
+    tessera::testing::run_ranks(tp,
+                                [&](int rank) {
+                                  auto mesh = init_device_mesh("cpu", {tp}, {"tp"});
+                                  auto model = copy_of(ref.initial);
+                                  llama::PlanOptions o;
+                                  o.sequence_parallel = sequence_parallel;
+                                  o.head_dim = c.head_dim();
+                                  parallelize_module(model, mesh["tp"],
+                                                     llama::tensor_parallel_plan(o));
+                                  per_rank[rank] = train(model, task.tokens, task.targets);
+                                  expect_same(ref, per_rank[rank], model, what);
+                                },
+                                {std::chrono::seconds(600)});
     record(what, per_rank[0]);
     const auto e = analytic(c.n_layers, sequence_parallel);
     for (int r = 0; r < tp; ++r) {
       EXPECT_EQ(collectives(per_rank[r].forward), e.forward) << what << " rank " << r << " forward";
-      EXPECT_EQ(collectives(per_rank[r].backward), e.backward) << what << " rank " << r << " backward";
-      EXPECT_EQ(collectives(per_rank[r].optimizer), e.optimizer) << what << " rank " << r << " optimizer";
+      EXPECT_EQ(collectives(per_rank[r].backward), e.backward)
+          << what << " rank " << r << " backward";
+      EXPECT_EQ(collectives(per_rank[r].optimizer), e.optimizer)
+          << what << " rank " << r << " optimizer";
     }
   }
 }
@@ -280,7 +286,8 @@ TEST(TpLlama, DataAndTensorParallelTwoByTwo) {
   const Task task = make_task(/*batch=*/3, /*seq=*/7, c.vocab_size, 6);
   const Reference ref = reference_run(c, task, 23);
   for (bool sequence_parallel : {false, true}) {
-    const std::string what = std::string("dp x ") + (sequence_parallel ? "tp+sp" : "tp") + " on 2x2";
+    const std::string what =
+        std::string("dp x ") + (sequence_parallel ? "tp+sp" : "tp") + " on 2x2";
     std::vector<Trained> per_rank(4), bucketed(4), fsdp(4);
     tessera::testing::run_ranks(
         4,
@@ -315,7 +322,8 @@ TEST(TpLlama, DataAndTensorParallelTwoByTwo) {
           // One reduce-scatter per group on top of the tensor-parallel ones, and no
           // data-parallel all-reduce of a gradient is left for the optimizer.
           EXPECT_EQ(fsdp[rank].backward["reduce_scatter"],
-                    per_rank[rank].backward["reduce_scatter"] + groups) << what;
+                    per_rank[rank].backward["reduce_scatter"] + groups)
+              << what;
           EXPECT_EQ(fsdp[rank].optimizer["all_reduce"], 0) << what;
           const auto buckets = static_cast<int64_t>(ddp->bucket_parameter_names().size());
           EXPECT_LE(buckets, 2) << what;

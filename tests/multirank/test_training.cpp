@@ -99,9 +99,12 @@ TEST(Training, DataParallelUnevenBatch) {
   for (int world : {1, 2, 3}) {
     tessera::testing::run_ranks(world, [&](int) {
       auto mesh = init_device_mesh("cpu", {world});
-      ShardTable rows = world == 1 ? ShardTable{10} : world == 2 ? ShardTable{7, 3} : ShardTable{6, 0, 4};
+      ShardTable rows = world == 1   ? ShardTable{10}
+                        : world == 2 ? ShardTable{7, 3}
+                                     : ShardTable{6, 0, 4};
       Placements r = {Replicate()};
-      expect_same_training(mesh, r, r, r, r, {Shard(0)}, {rows}, "dp world " + std::to_string(world));
+      expect_same_training(mesh, r, r, r, r, {Shard(0)}, {rows},
+                           "dp world " + std::to_string(world));
     });
   }
 }
@@ -110,8 +113,8 @@ TEST(Training, TensorParallelColwiseRowwise) {
   tessera::testing::run_ranks(2, [&](int) {
     auto mesh = init_device_mesh("cpu", {2});
     // Megatron MLP: w1 by output features, w2 by input features; data replicated.
-    expect_same_training(mesh, {Shard(0)}, {Shard(0)}, {Shard(1)}, {Replicate()}, {Replicate()},
-                         {}, "tp colwise/rowwise");
+    expect_same_training(mesh, {Shard(0)}, {Shard(0)}, {Shard(1)}, {Replicate()}, {Replicate()}, {},
+                         "tp colwise/rowwise");
   });
 }
 

@@ -55,9 +55,9 @@ std::string ranks_str(const DTensorSpec& spec, const std::vector<int64_t>& index
     return ::testing::AssertionFailure() << where << "shapes differ: actual " << actual.sizes()
                                          << ", expected " << expected.sizes();
   if (actual.scalar_type() != expected.scalar_type())
-    return ::testing::AssertionFailure() << where << "dtypes differ: actual "
-                                         << actual.scalar_type() << ", expected "
-                                         << expected.scalar_type();
+    return ::testing::AssertionFailure()
+           << where << "dtypes differ: actual " << actual.scalar_type() << ", expected "
+           << expected.scalar_type();
   const bool is_exact = exact(actual.scalar_type());
   const at::Tensor ok = is_exact ? at::eq(actual, expected)
                                  : at::isclose(actual, expected, tol.rtol, tol.atol, tol.equal_nan);
@@ -83,8 +83,9 @@ std::string ranks_str(const DTensorSpec& spec, const std::vector<int64_t>& index
       << " at " << shape_str(global(worst)) << " (tolerance " << num(tol.atol) << " + "
       << num(tol.rtol) << " * |expected|)";
   }
-  if (layout) r << "; " << shape_str(global(first)) << " is held by " << ranks_str(*layout, global(first))
-                << " under " << layout->str();
+  if (layout)
+    r << "; " << shape_str(global(first)) << " is held by " << ranks_str(*layout, global(first))
+      << " under " << layout->str();
   return r;
 }
 

@@ -22,8 +22,7 @@ struct Tolerance {
 // Plain tensors: shapes, dtypes and values must agree. `layout` (the spec the actual values
 // were distributed with, if any) only adds the owning ranks to the report.
 ::testing::AssertionResult matches(const at::Tensor& actual, const at::Tensor& expected,
-                                   const Tolerance& tol = {},
-                                   const DTensorSpec* layout = nullptr);
+                                   const Tolerance& tol = {}, const DTensorSpec* layout = nullptr);
 
 // The global value of `dt` (distributed; collective: every rank calls) against `expected`.
 ::testing::AssertionResult full_matches(const at::Tensor& dt, const at::Tensor& expected,

@@ -29,8 +29,8 @@ inline std::string mesh_name(const std::vector<int64_t>& shape) {
 }
 
 inline int mesh_world(const std::vector<int64_t>& shape) {
-  return static_cast<int>(std::accumulate(shape.begin(), shape.end(), int64_t{1},
-                                          std::multiplies<>()));
+  return static_cast<int>(
+      std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>()));
 }
 
 // body(mesh) on every rank of a mesh of this shape.

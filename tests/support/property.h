@@ -32,7 +32,9 @@ class Rng {
   bool coin(double p = 0.5) { return real() < p; }
 
   template <class T>
-  const T& pick(const std::vector<T>& v) { return v[index(v.size())]; }
+  const T& pick(const std::vector<T>& v) {
+    return v[index(v.size())];
+  }
   template <class T>
   void shuffle(std::vector<T>& v) {  // Fisher-Yates
     for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[index(i)]);
@@ -46,7 +48,7 @@ class Rng {
 uint64_t mix(uint64_t a, uint64_t b);
 
 constexpr uint64_t kDefaultSeed = 20240611;
-uint64_t property_seed();                 // TESSERA_SEED, else kDefaultSeed
+uint64_t property_seed();                // TESSERA_SEED, else kDefaultSeed
 std::optional<int64_t> property_case();  // TESSERA_CASE, if set
 
 // The cases of the current gtest test. Construct it on the test's own thread (it reads the

@@ -14,7 +14,9 @@ struct SmallUNetImpl : torch::nn::Cloneable<SmallUNetImpl> {
   torch::nn::Conv2d enc1{nullptr}, enc2{nullptr}, dec{nullptr}, head{nullptr};
   torch::nn::ConvTranspose2d up2{nullptr};
   torch::nn::GroupNorm norm1{nullptr}, norm2{nullptr};
-  explicit SmallUNetImpl(torch::nn::detail::conv_padding_mode_t m = torch::kZeros) : mode(m) { reset(); }
+  explicit SmallUNetImpl(torch::nn::detail::conv_padding_mode_t m = torch::kZeros) : mode(m) {
+    reset();
+  }
   void reset() override {
     using namespace torch::nn;
     enc1 = register_module("enc1", Conv2d(Conv2dOptions(1, 4, 3).padding(1).padding_mode(mode)));
@@ -30,7 +32,8 @@ struct SmallUNetImpl : torch::nn::Cloneable<SmallUNetImpl> {
     at::Tensor skip = at::relu(norm1(enc1(x)));
     at::Tensor low = at::relu(norm2(enc2(at::max_pool2d(skip, {2, 2}))));
     at::Tensor up = F::interpolate(
-        low, F::InterpolateFuncOptions().scale_factor(std::vector<double>{2, 2}).mode(torch::kNearest));
+        low,
+        F::InterpolateFuncOptions().scale_factor(std::vector<double>{2, 2}).mode(torch::kNearest));
     at::Tensor both = at::cat({up + up2(low).sum(1, true), skip}, 1);
     return head(at::relu(dec(both)));
   }

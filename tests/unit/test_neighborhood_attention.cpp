@@ -145,11 +145,13 @@ TEST(NeighborhoodAttentionWindow, BruteForce) {
               std::set<int64_t> keys;
               for (auto r : win[i]) keys.insert(wrap(r, L));
               ASSERT_EQ(keys.size(), win[i].size()) << str(a) << " query " << i;
-              ASSERT_TRUE(std::find(win[i].begin(), win[i].end(), i) != win[i].end() || a.stride > 1)
+              ASSERT_TRUE(std::find(win[i].begin(), win[i].end(), i) != win[i].end() ||
+                          a.stride > 1)
                   << str(a) << " query " << i;
             }
             for (int64_t lo = 0; lo < L; ++lo) {
-              int64_t mn = std::numeric_limits<int64_t>::max(), mx = std::numeric_limits<int64_t>::min();
+              int64_t mn = std::numeric_limits<int64_t>::max(),
+                      mx = std::numeric_limits<int64_t>::min();
               for (int64_t hi = lo + 1; hi <= L; ++hi) {
                 mn = std::min(mn, *std::min_element(win[hi - 1].begin(), win[hi - 1].end()));
                 mx = std::max(mx, *std::max_element(win[hi - 1].begin(), win[hi - 1].end()));
@@ -275,7 +277,8 @@ std::pair<at::Tensor, at::Tensor> dense(const Problem& p, const Inputs& in, doub
   auto r = rel.accessor<int64_t, 2>();
   std::vector<int64_t> pos(nd), key(nd);
   for (int64_t n = 0; n < N; ++n) {
-    for (int64_t a = nd - 1, x = n; a >= 0; --a) pos[a] = x % p.axes[a].length, x /= p.axes[a].length;
+    for (int64_t a = nd - 1, x = n; a >= 0; --a)
+      pos[a] = x % p.axes[a].length, x /= p.axes[a].length;
     // per axis: key position -> unwrapped row in the window, or none
     std::vector<std::vector<int64_t>> row_of(nd);
     for (int64_t a = 0; a < nd; ++a) {
@@ -284,7 +287,8 @@ std::pair<at::Tensor, at::Tensor> dense(const Problem& p, const Inputs& in, doub
       for (int64_t y : ref_window(ax, pos[a])) row_of[a][wrap(y, ax.length)] = y;
     }
     for (int64_t j = 0; j < N; ++j) {
-      for (int64_t a = nd - 1, x = j; a >= 0; --a) key[a] = x % p.axes[a].length, x /= p.axes[a].length;
+      for (int64_t a = nd - 1, x = j; a >= 0; --a)
+        key[a] = x % p.axes[a].length, x /= p.axes[a].length;
       bool ok = true;
       int64_t flat = 0;
       for (int64_t a = 0; a < nd; ++a) {
@@ -293,7 +297,8 @@ std::pair<at::Tensor, at::Tensor> dense(const Problem& p, const Inputs& in, doub
           ok = false;
           break;
         }
-        flat = flat * (2 * p.axes[a].kernel - 1) + (y - pos[a]) / p.axes[a].dilation + p.axes[a].kernel - 1;
+        flat = flat * (2 * p.axes[a].kernel - 1) + (y - pos[a]) / p.axes[a].dilation +
+               p.axes[a].kernel - 1;
       }
       m[n][j] = ok;
       r[n][j] = ok ? flat : 0;
@@ -396,7 +401,8 @@ Problem random_problem(Rng& rng, int64_t nd, int64_t max_len) {
   for (int64_t a = 0; a < nd; ++a) p.axes.push_back(random_axis(rng, max_len));
   bool causal = false;
   for (const auto& a : p.axes) causal = causal || a.causal;
-  static const std::vector<std::pair<int64_t, int64_t>> heads = {{2, 2}, {4, 2}, {2, 1}, {1, 1}, {3, 1}};
+  static const std::vector<std::pair<int64_t, int64_t>> heads = {
+      {2, 2}, {4, 2}, {2, 1}, {1, 1}, {3, 1}};
   std::tie(p.H, p.Hkv) = rng.pick(heads);
   p.B = rng.uniform(1, 2);
   p.D = rng.uniform(1, 4);
@@ -408,17 +414,20 @@ Problem random_problem(Rng& rng, int64_t nd, int64_t max_len) {
 
 TEST(NeighborhoodAttention, Dense1d) {
   test::Sweep sweep;
-  sweep.cases(120).run([&](Rng& rng, int64_t c) { check_against_dense(random_problem(rng, 1, 14), 100 + c); });
+  sweep.cases(120).run(
+      [&](Rng& rng, int64_t c) { check_against_dense(random_problem(rng, 1, 14), 100 + c); });
 }
 
 TEST(NeighborhoodAttention, Dense2d) {
   test::Sweep sweep;
-  sweep.cases(40).run([&](Rng& rng, int64_t c) { check_against_dense(random_problem(rng, 2, 7), 200 + c); });
+  sweep.cases(40).run(
+      [&](Rng& rng, int64_t c) { check_against_dense(random_problem(rng, 2, 7), 200 + c); });
 }
 
 TEST(NeighborhoodAttention, Dense3d) {
   test::Sweep sweep;
-  sweep.cases(12).run([&](Rng& rng, int64_t c) { check_against_dense(random_problem(rng, 3, 5), 300 + c); });
+  sweep.cases(12).run(
+      [&](Rng& rng, int64_t c) { check_against_dense(random_problem(rng, 3, 5), 300 + c); });
 }
 
 TEST(NeighborhoodAttention, NamedCases) {
@@ -470,10 +479,13 @@ TEST(NeighborhoodAttention, FullWindowIsAttention) {
     const Inputs in = make_inputs(p, 7);
     const int64_t N = causal ? 9 : 30;
     const double scale = 0.6;
-    auto bhnd = [&](const at::Tensor& x) { return x.reshape({1, N, 2, x.size(-1)}).permute({0, 2, 1, 3}); };
+    auto bhnd = [&](const at::Tensor& x) {
+      return x.reshape({1, N, 2, x.size(-1)}).permute({0, 2, 1, 3});
+    };
     at::Tensor s = at::matmul(bhnd(in.q), bhnd(in.k).transpose(-1, -2)) * scale;
     if (causal)
-      s = s.masked_fill(at::ones({N, N}, at::kBool).triu(1), -std::numeric_limits<double>::infinity());
+      s = s.masked_fill(at::ones({N, N}, at::kBool).triu(1),
+                        -std::numeric_limits<double>::infinity());
     const at::Tensor want = at::matmul(at::softmax(s, -1), bhnd(in.v)).permute({0, 2, 1, 3});
     const at::Tensor got = run_op(p, in, scale).first;
     EXPECT_LT(max_diff(got.reshape(want.sizes()), want), 1e-12) << (causal ? "causal" : "2-D");
@@ -527,8 +539,8 @@ TEST(NeighborhoodAttention, BackwardOpShapes) {
   p.axes = {axis(6, 3)};
   const Inputs in = make_inputs(p, 11);
   const auto fwd = run_op(p, in, 0.5);
-  auto op = c10::Dispatcher::singleton()
-                .findSchemaOrThrow("tessera::neighborhood_attention_backward", "");
+  auto op = c10::Dispatcher::singleton().findSchemaOrThrow(
+      "tessera::neighborhood_attention_backward", "");
   torch::jit::Stack stack;
   c10::List<bool> f;
   f.push_back(false);
@@ -561,11 +573,16 @@ TEST(NeighborhoodAttention, Errors) {
   expect_error(
       [&] {
         F::na1d(q, k, v, {3},
-                F::NeighborhoodAttentionFuncOptions().is_causal({true}).rpb(at::zeros({2, 5}, at::kDouble)));
+                F::NeighborhoodAttentionFuncOptions().is_causal({true}).rpb(
+                    at::zeros({2, 5}, at::kDouble)));
       },
       "cannot be used with a causal axis");
-  expect_error([&] { F::na1d(q, k, v, {3}, F::NeighborhoodAttentionFuncOptions().rpb(at::zeros({2, 4}, at::kDouble))); },
-               "rpb must be [H, 2*k1-1, ...] = [2, 5]");
+  expect_error(
+      [&] {
+        F::na1d(q, k, v, {3},
+                F::NeighborhoodAttentionFuncOptions().rpb(at::zeros({2, 4}, at::kDouble)));
+      },
+      "rpb must be [H, 2*k1-1, ...] = [2, 5]");
   expect_error(
       [&] {
         F::na1d(q, k, v, {3},
@@ -580,7 +597,8 @@ TEST(NeighborhoodAttention, Errors) {
   expect_error(
       [&] {
         F::na1d(q, k, v, {3},
-                F::NeighborhoodAttentionFuncOptions().additional_keys(at::zeros({1, 2, 2, 3}, at::kDouble)));
+                F::NeighborhoodAttentionFuncOptions().additional_keys(
+                    at::zeros({1, 2, 2, 3}, at::kDouble)));
       },
       "given together");
   expect_error([&] { F::na1d(q, k, v, {3, 3}); }, "one per spatial axis");

@@ -52,8 +52,8 @@ TEST(Placement, EqualityComparesTheDefiningFields) {
   tessera::test::Sweep sweep;
   sweep.cases(500).run([](Rng& rng, int64_t) {
     const Drawn a = draw(rng), b = draw(rng);
-    const bool same = a.kind == b.kind && (a.kind != 0 || a.dim == b.dim) &&
-                      (a.kind != 2 || a.op == b.op);
+    const bool same =
+        a.kind == b.kind && (a.kind != 0 || a.dim == b.dim) && (a.kind != 2 || a.op == b.op);
     EXPECT_EQ(a.p == b.p, same) << spelled(a) << " vs " << spelled(b);
     EXPECT_EQ(a.p != b.p, !same) << spelled(a) << " vs " << spelled(b);
   });
@@ -71,7 +71,8 @@ TEST(Placement, NormalizedWrapsNegativeDims) {
       return;
     }
     if (ndim > 0 && d.dim >= -ndim && d.dim < ndim) {
-      EXPECT_EQ(d.p.normalized(ndim), Shard((d.dim + ndim) % ndim)) << spelled(d) << " ndim " << ndim;
+      EXPECT_EQ(d.p.normalized(ndim), Shard((d.dim + ndim) % ndim))
+          << spelled(d) << " ndim " << ndim;
     } else {
       EXPECT_THROW(d.p.normalized(ndim), c10::Error) << spelled(d) << " ndim " << ndim;
     }

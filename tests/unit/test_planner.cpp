@@ -24,8 +24,8 @@ SpecPtr random_spec(Rng& rng, const DeviceMesh& mesh, const std::vector<int64_t>
   Placements p;
   for (int64_t m = 0; m < mesh.ndim(); ++m)
     p.push_back(random_placement(rng, static_cast<int64_t>(sizes.size()), partial));
-  auto tables = rng.coin(0.6) ? tessera::test::random_tables(rng, mesh, p, sizes)
-                              : std::vector<ShardTable>{};
+  auto tables =
+      rng.coin(0.6) ? tessera::test::random_tables(rng, mesh, p, sizes) : std::vector<ShardTable>{};
   return std::make_shared<DTensorSpec>(mesh, p, sizes, dtype, tables);
 }
 
@@ -54,7 +54,8 @@ double step_bytes(const RedistributeStep& st) {
   double shards = 1;
   for (int64_t m = 0; m < s.mesh().ndim(); ++m)
     if (s.placement(m).is_shard()) shards *= static_cast<double>(s.mesh().size(m));
-  const double elem = static_cast<double>(at::empty({}, at::TensorOptions().dtype(s.dtype())).element_size());
+  const double elem =
+      static_cast<double>(at::empty({}, at::TensorOptions().dtype(s.dtype())).element_size());
   const double b = static_cast<double>(s.numel()) * elem / shards;
   const double n = static_cast<double>(s.mesh().size(st.mesh_dim));
   switch (st.kind) {
@@ -91,12 +92,18 @@ TEST(Planner, OneMeshDimTakesTheDirectPrimitive) {
     const auto plan = plan_redistribute(from, to);
     const Placement &a = from->placement(0), &b = to->placement(0);
     std::vector<StepKind> expected;
-    if (*from == *to) expected = {};
-    else if (a.is_partial() && b.is_shard()) expected = {StepKind::ReduceScatter};
-    else if (a.is_partial()) expected = {StepKind::AllReduce};
-    else if (a.is_shard() && b.is_shard()) expected = {StepKind::AllToAll};
-    else if (a.is_shard()) expected = {StepKind::AllGather};
-    else if (b.is_shard()) expected = {StepKind::LocalSlice};
+    if (*from == *to)
+      expected = {};
+    else if (a.is_partial() && b.is_shard())
+      expected = {StepKind::ReduceScatter};
+    else if (a.is_partial())
+      expected = {StepKind::AllReduce};
+    else if (a.is_shard() && b.is_shard())
+      expected = {StepKind::AllToAll};
+    else if (a.is_shard())
+      expected = {StepKind::AllGather};
+    else if (b.is_shard())
+      expected = {StepKind::LocalSlice};
     if (b.is_partial() && a != b) expected.push_back(StepKind::ToPartial);
     std::vector<StepKind> got;
     for (const auto& st : plan->steps) got.push_back(st.kind);
@@ -125,7 +132,8 @@ TEST(Planner, PlansAreChainsOfPrimitives) {
     std::map<int64_t, int> moves;
     double bytes = 0;
     for (const auto& st : plan->steps) {
-      ASSERT_TRUE(*st.before == *cur) << "the chain breaks before " << to_string(st.kind) << ": " << what;
+      ASSERT_TRUE(*st.before == *cur)
+          << "the chain breaks before " << to_string(st.kind) << ": " << what;
       for (int64_t m = 0; m < mesh.ndim(); ++m) {
         if (m == st.mesh_dim) continue;
         EXPECT_EQ(st.before->placement(m), st.after->placement(m))
@@ -134,8 +142,8 @@ TEST(Planner, PlansAreChainsOfPrimitives) {
       }
       EXPECT_TRUE(step_matches(st.kind, st.before->placement(st.mesh_dim),
                                st.after->placement(st.mesh_dim)))
-          << to_string(st.kind) << " from " << st.before->str() << " to " << st.after->str()
-          << ": " << what;
+          << to_string(st.kind) << " from " << st.before->str() << " to " << st.after->str() << ": "
+          << what;
       ++moves[st.mesh_dim];
       bytes += step_bytes(st);
       cur = st.after.get();

@@ -24,9 +24,7 @@ SpecLayout random_layout(Rng& rng) {
   const int64_t nd = static_cast<int64_t>(l.sizes.size());
   for (size_t m = 0; m < l.mesh_shape.size(); ++m) {
     const int64_t k = rng.uniform(0, 5);
-    l.placements.push_back(k < 3 ? Shard(rng.uniform(0, nd - 1))
-                           : k < 5 ? Replicate()
-                                   : Partial());
+    l.placements.push_back(k < 3 ? Shard(rng.uniform(0, nd - 1)) : k < 5 ? Replicate() : Partial());
   }
   return l;
 }
@@ -137,8 +135,8 @@ TEST(Spec, LocalBlocksFollowTheNesting) {
           ci[m] = i;
           expected.push_back(extent(l, table_of(l, t), t, ci, m).second);
         }
-        EXPECT_EQ(s.shard_sizes(m, c), expected) << str(l) << " mesh dim " << m << " at "
-                                                 << shape_str(c);
+        EXPECT_EQ(s.shard_sizes(m, c), expected)
+            << str(l) << " mesh dim " << m << " at " << shape_str(c);
       }
     }
   });

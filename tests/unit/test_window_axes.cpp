@@ -1,18 +1,20 @@
-// The window axis maps of the domain-parallel rules (src/ops/window/window_internal.h, a private header)
-// against ATen on one device: which input rows an output range depends on (autograd of the
+// The window axis maps of the domain-parallel rules (src/ops/window/window_internal.h, a private
+// header) against ATen on one device: which input rows an output range depends on (autograd of the
 // real op), the interpolation source rows and weights (the op on an index ramp), and the
 // per-member output/input tables against brute-force assignment.
 #include "../../src/ops/window/window_internal.h"
 #include "helpers.h"
 
 using namespace tessera;
-using tessera::ops::spatial::Axis;
 using tessera::comm::Window;
+using tessera::ops::spatial::Axis;
 using tessera::test::Rng;
 
 namespace {
 
-std::string str(const Window& w) { return "[" + std::to_string(w.lo) + ", " + std::to_string(w.hi) + ")"; }
+std::string str(const Window& w) {
+  return "[" + std::to_string(w.lo) + ", " + std::to_string(w.hi) + ")";
+}
 
 // Input rows whose gradient exceeds `threshold` when outputs [lo, hi) of f(x) are summed:
 // the rows that range depends on.
@@ -71,15 +73,16 @@ Interp random_interp(Rng& rng) {
     const int64_t in = rng.uniform(1, 12);
     const bool linear = rng.coin(), align = rng.coin(), by_scale = rng.coin();
     const double scale = by_scale ? rng.pick(kScales) : 0.0;
-    const int64_t out = by_scale ? static_cast<int64_t>(std::floor(in * scale))
-                                 : rng.uniform(1, 2 * in + 2);
+    const int64_t out =
+        by_scale ? static_cast<int64_t>(std::floor(in * scale)) : rng.uniform(1, 2 * in + 2);
     if (out < 1) continue;
     const c10::optional<double> sc = by_scale ? c10::optional<double>(scale) : c10::nullopt;
     Interp r;
     r.axis = linear ? Axis::linear(in, out, align, scale) : Axis::nearest(in, out, scale);
     const std::vector<int64_t> size = {out};
     r.op = [=](const at::Tensor& x) {
-      return linear ? at::upsample_linear1d(x, size, align, sc) : at::upsample_nearest1d(x, size, sc);
+      return linear ? at::upsample_linear1d(x, size, align, sc)
+                    : at::upsample_nearest1d(x, size, sc);
     };
     return r;
   }
@@ -114,11 +117,13 @@ TEST(WindowAxes, StencilReadsAreTheWindowsHull) {
     const Window w = a.reads(lo, hi);
     EXPECT_EQ(w.lo, first) << a.str() << " outputs [" << lo << ", " << hi << ")";
     EXPECT_EQ(w.hi, last + 1) << a.str() << " outputs [" << lo << ", " << hi << ")";
-    EXPECT_EQ(depends_on(conv(a), a.in, lo, hi), rows) << a.str() << " outputs [" << lo << ", " << hi << ")";
+    EXPECT_EQ(depends_on(conv(a), a.in, lo, hi), rows)
+        << a.str() << " outputs [" << lo << ", " << hi << ")";
     // The owner of output o holds the centre of its window.
     for (int64_t o = lo; o < hi; ++o) {
       const Window one = a.reads(o, o + 1);
-      EXPECT_TRUE(a.source_row(o) >= one.lo && a.source_row(o) < one.hi) << a.str() << " output " << o;
+      EXPECT_TRUE(a.source_row(o) >= one.lo && a.source_row(o) < one.hi)
+          << a.str() << " output " << o;
     }
   });
 }
@@ -162,7 +167,8 @@ TEST(WindowAxes, InterpolationTapsAreAtens) {
     ASSERT_EQ(y.numel(), a.out) << a.str();
     for (int64_t o = 0; o < a.out; ++o) {
       const auto t = a.taps(o);
-      EXPECT_NEAR(t.i0 * t.w0 + t.i1 * t.w1, y[o].item<double>(), 1e-9) << a.str() << " output " << o;
+      EXPECT_NEAR(t.i0 * t.w0 + t.i1 * t.w1, y[o].item<double>(), 1e-9)
+          << a.str() << " output " << o;
       EXPECT_NEAR(t.w0 + t.w1, 1.0, 1e-12) << a.str() << " output " << o;
     }
     auto [lo, hi] = random_range(rng, a.out);
@@ -174,7 +180,8 @@ TEST(WindowAxes, InterpolationTapsAreAtens) {
     }
     // ATen's kernel fuses scale * (o + 0.5) - 0.5 into one multiply-add, so where a source
     // coordinate is an exact row it may give the row before a weight of ~1e-16: ignore those.
-    EXPECT_TRUE(inside(depends_on(it.op, a.in, lo, hi, 1e-12), w)) << a.str() << " reads " << str(w);
+    EXPECT_TRUE(inside(depends_on(it.op, a.in, lo, hi, 1e-12), w))
+        << a.str() << " reads " << str(w);
   });
 }
 
@@ -188,8 +195,9 @@ namespace {
 void check_member_tables(Rng& rng, int64_t first_kind, int64_t last_kind, bool stencils_invert) {
   int64_t op = 0;
   const int64_t kind = rng.uniform(first_kind, last_kind);
-  const Axis a = kind == 0 ? random_stencil(rng) : kind == 1 ? random_transposed(rng, &op)
-                                                             : random_interp(rng).axis;
+  const Axis a = kind == 0   ? random_stencil(rng)
+                 : kind == 1 ? random_transposed(rng, &op)
+                             : random_interp(rng).axis;
   const int64_t members = rng.uniform(1, 5);
   const auto in_sizes = tessera::test::random_table(rng, a.in, members);
   const std::string what = a.str() + " input table " + shape_str(in_sizes);
@@ -206,8 +214,10 @@ void check_member_tables(Rng& rng, int64_t first_kind, int64_t last_kind, bool s
 
   const auto back = tessera::ops::spatial::input_sizes_for(a, out_sizes);
   if (kind == 2 || stencils_invert || !back.empty()) {
-    ASSERT_EQ(back.size(), in_sizes.size()) << what << ": no input table for " << shape_str(out_sizes);
-    EXPECT_EQ(tessera::ops::spatial::output_sizes(a, back), out_sizes) << what << " back " << shape_str(back);
+    ASSERT_EQ(back.size(), in_sizes.size())
+        << what << ": no input table for " << shape_str(out_sizes);
+    EXPECT_EQ(tessera::ops::spatial::output_sizes(a, back), out_sizes)
+        << what << " back " << shape_str(back);
   }
 
   const auto windows = tessera::ops::spatial::read_windows(a, out_sizes);

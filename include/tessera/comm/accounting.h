@@ -6,7 +6,14 @@
 namespace tessera::comm {
 
 enum class CollectiveKind : uint8_t {
-  AllGather, AllReduce, ReduceScatter, AllToAll, Broadcast, Scatter, SendRecv, Metadata,
+  AllGather,
+  AllReduce,
+  ReduceScatter,
+  AllToAll,
+  Broadcast,
+  Scatter,
+  SendRecv,
+  Metadata,
 };
 constexpr int kNumCollectiveKinds = 8;
 const char* to_string(CollectiveKind k);

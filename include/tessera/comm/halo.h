@@ -77,8 +77,8 @@ at::Tensor halo_exchange(const Group& pg, const at::Tensor& x, int64_t dim,
                          const std::vector<int64_t>& sizes, int64_t before, int64_t after,
                          HaloBoundary boundary);
 at::Tensor halo_exchange_backward(const Group& pg, const at::Tensor& grad_extended, int64_t dim,
-                                  const std::vector<int64_t>& sizes, int64_t before,
-                                  int64_t after, HaloBoundary boundary);
+                                  const std::vector<int64_t>& sizes, int64_t before, int64_t after,
+                                  HaloBoundary boundary);
 
 // Exactly the bytes the exchange above moves to (or from) this member: the rows of its
 // window owned by other members, times the bytes of one row.

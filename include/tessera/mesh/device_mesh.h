@@ -38,7 +38,7 @@ class DeviceMesh {
   // on the GPU and stages them through host memory for Gloo (NOTE: [Devices on the wire]).
   const std::string& backend() const;
   int64_t ndim() const;
-  int64_t size() const;              // number of ranks in the mesh
+  int64_t size() const;  // number of ranks in the mesh
   int64_t size(int64_t mesh_dim) const;
   const std::vector<int64_t>& shape() const;
   const std::vector<int>& ranks() const;  // global ranks, row-major

@@ -62,8 +62,8 @@ at::Tensor neighborhood_attention(const at::Tensor& q, const at::Tensor& k, cons
 // Also returns the log-sum-exp of each query's logits, [B, *S, H] (float32; float64 for
 // double inputs). Its gradient is ignored.
 std::tuple<at::Tensor, at::Tensor> neighborhood_attention_with_lse(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    std::vector<int64_t> kernel_size, const NeighborhoodAttentionFuncOptions& options = {});
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::vector<int64_t> kernel_size,
+    const NeighborhoodAttentionFuncOptions& options = {});
 
 // Rank-checked forms: q must be [B, X, H, D], [B, X, Y, H, D], [B, X, Y, Z, H, D].
 at::Tensor na1d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -99,7 +99,8 @@ struct NeighborhoodAttentionOptions {
 };
 
 template <int64_t SpatialRank>
-class NeighborhoodAttentionImpl : public torch::nn::Cloneable<NeighborhoodAttentionImpl<SpatialRank>> {
+class NeighborhoodAttentionImpl
+    : public torch::nn::Cloneable<NeighborhoodAttentionImpl<SpatialRank>> {
  public:
   static_assert(SpatialRank >= 1 && SpatialRank <= 3, "1 to 3 spatial axes");
   explicit NeighborhoodAttentionImpl(NeighborhoodAttentionOptions options);

@@ -102,8 +102,7 @@ using DistributedKernel = std::function<void(KernelCall&, const DeviceMesh&)>;
 struct OpPlan {
   OpPlan() = default;
   // A plan for `call`: one empty input slot per argument (null: leave the input as it is).
-  explicit OpPlan(const OpCall& call)
-      : inputs(call.args.size()), schema_(&call.schema()) {}
+  explicit OpPlan(const OpCall& call) : inputs(call.args.size()), schema_(&call.schema()) {}
 
   // Builders: the layout argument `name` must have, and the next result's layout.
   OpPlan& input(const char* name, SpecPtr spec);
@@ -114,7 +113,7 @@ struct OpPlan {
   // The local op gets `value` for argument `name` (a view's sizes become the shard's).
   OpPlan& local_arg(const char* name, c10::IValue value);
 
-  std::vector<SpecPtr> inputs;   // per argument: the spec it must be redistributed to, or null
+  std::vector<SpecPtr> inputs;  // per argument: the spec it must be redistributed to, or null
   std::vector<std::vector<SpecPtr>> list_inputs;  // per Tensor[] argument, per element
   // Per return: the spec of the result. Rules give the inputs' dtype; where the local result
   // has another (comparisons, casts), the fallback substitutes it.
@@ -163,7 +162,7 @@ void register_autograd_kernel_for_every_tensor(const char* qualified_name,
 
 // A candidate: the layouts the inputs would need and the outputs it produces.
 struct Strategy {
-  std::vector<SpecPtr> inputs;   // per argument (null: not a distributed argument)
+  std::vector<SpecPtr> inputs;  // per argument (null: not a distributed argument)
   std::vector<SpecPtr> outputs;
 };
 // The strategy whose input redistributions cost the fewest modelled bytes (ties: the fewest

@@ -97,7 +97,7 @@ struct Axis {
 // member's input and output rows, and this rank's place among them. An uncut dim is a
 // group of one, so every dim takes the same path.
 struct DimCut {
-  int64_t dim = 0;       // tensor dim
+  int64_t dim = 0;        // tensor dim
   int64_t mesh_dim = -1;  // -1: not cut
   Axis axis;
   std::vector<int64_t> in_sizes, out_sizes;  // per member

@@ -91,9 +91,10 @@ class FSDPModule {
 // root's other dims, so they meet activations sharded over those dims (e.g. "domain") in one
 // op. Tensor-parallel parameters (parallelize_module on another dim of the same root, before
 // fully_shard) keep their tensor-parallel layout when gathered; the data-parallel rows nest
-// inside the tensor-parallel shard (see docs/fsdp.md, "FSDP over tensor parallel"). Afterwards module.parameters() are the sharded parameters (give those to the
-// optimizer); forward() reads unsharded ones, gathered on first use. Every rank must call it
-// with the same module structure and the same initial values (nothing is broadcast).
+// inside the tensor-parallel shard (see docs/fsdp.md, "FSDP over tensor parallel"). Afterwards
+// module.parameters() are the sharded parameters (give those to the optimizer); forward() reads
+// unsharded ones, gathered on first use. Every rank must call it with the same module structure and
+// the same initial values (nothing is broadcast).
 std::shared_ptr<FSDPModule> fully_shard(torch::nn::Module& module, const DeviceMesh& mesh,
                                         FullyShardOptions options = {});
 template <class Impl>

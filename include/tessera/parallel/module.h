@@ -22,15 +22,17 @@
 namespace tessera {
 
 // Returns the member handle of `module` that holds parameter/buffer `name`, or nullptr.
-using MemberAccessor = std::function<at::Tensor*(torch::nn::Module& module, const std::string& name)>;
+using MemberAccessor =
+    std::function<at::Tensor*(torch::nn::Module& module, const std::string& name)>;
 // Accessor for every module whose dynamic type is ModuleImpl.
 void register_member_accessor(MemberAccessor accessor);
 template <class ModuleImpl, class F>
 void register_member_accessor(F member_of) {
-  register_member_accessor([member_of](torch::nn::Module& m, const std::string& name) -> at::Tensor* {
-    auto* impl = dynamic_cast<ModuleImpl*>(&m);
-    return impl ? member_of(*impl, name) : nullptr;
-  });
+  register_member_accessor(
+      [member_of](torch::nn::Module& m, const std::string& name) -> at::Tensor* {
+        auto* impl = dynamic_cast<ModuleImpl*>(&m);
+        return impl ? member_of(*impl, name) : nullptr;
+      });
 }
 
 // The module types with a built-in member accessor, each once: every built-in LibTorch module
@@ -72,6 +74,7 @@ void distribute_parameter(torch::nn::Module& module, const std::string& name,
 // The module itself ("") then its submodules, with their paths: what
 // named_modules(include_self=true) gives, also for a module no shared_ptr holds (a model on
 // the stack, `Net net;`), which LibTorch's named_modules refuses.
-std::vector<std::pair<std::string, torch::nn::Module*>> modules_with_self(torch::nn::Module& module);
+std::vector<std::pair<std::string, torch::nn::Module*>> modules_with_self(
+    torch::nn::Module& module);
 
 }  // namespace tessera

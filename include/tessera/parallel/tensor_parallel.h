@@ -84,14 +84,29 @@ class ParallelStyle {
 // weight on the embedding dim (Shard(1)). Input: Replicate; output: Shard(-1).
 class ColwiseParallel : public ParallelStyle {
  public:
-  ColwiseParallel& input_layouts(Placement p) { input_ = p; return *this; }
-  ColwiseParallel& output_layouts(Placement p) { output_ = p; return *this; }
-  ColwiseParallel& use_local_output(bool b) { local_ = b; return *this; }
+  ColwiseParallel& input_layouts(Placement p) {
+    input_ = p;
+    return *this;
+  }
+  ColwiseParallel& output_layouts(Placement p) {
+    output_ = p;
+    return *this;
+  }
+  ColwiseParallel& use_local_output(bool b) {
+    local_ = b;
+    return *this;
+  }
   // Shards of whole units of this many features, as even as possible (6 heads of 64 on 4
   // ranks: 128/128/64/64 features).
-  ColwiseParallel& shard_unit(int64_t features) { unit_ = features; return *this; }
+  ColwiseParallel& shard_unit(int64_t features) {
+    unit_ = features;
+    return *this;
+  }
   // Explicit feature counts per tp rank.
-  ColwiseParallel& shard_sizes(ShardTable sizes) { sizes_ = std::move(sizes); return *this; }
+  ColwiseParallel& shard_sizes(ShardTable sizes) {
+    sizes_ = std::move(sizes);
+    return *this;
+  }
 
   void apply(torch::nn::Module& module, const DeviceMesh& mesh) const override;
   std::string name() const override { return "ColwiseParallel"; }
@@ -109,11 +124,26 @@ class ColwiseParallel : public ParallelStyle {
 // indices give zero rows on a rank, and the sum over ranks is the lookup.
 class RowwiseParallel : public ParallelStyle {
  public:
-  RowwiseParallel& input_layouts(Placement p) { input_ = p; return *this; }
-  RowwiseParallel& output_layouts(Placement p) { output_ = p; return *this; }
-  RowwiseParallel& use_local_output(bool b) { local_ = b; return *this; }
-  RowwiseParallel& shard_unit(int64_t features) { unit_ = features; return *this; }
-  RowwiseParallel& shard_sizes(ShardTable sizes) { sizes_ = std::move(sizes); return *this; }
+  RowwiseParallel& input_layouts(Placement p) {
+    input_ = p;
+    return *this;
+  }
+  RowwiseParallel& output_layouts(Placement p) {
+    output_ = p;
+    return *this;
+  }
+  RowwiseParallel& use_local_output(bool b) {
+    local_ = b;
+    return *this;
+  }
+  RowwiseParallel& shard_unit(int64_t features) {
+    unit_ = features;
+    return *this;
+  }
+  RowwiseParallel& shard_sizes(ShardTable sizes) {
+    sizes_ = std::move(sizes);
+    return *this;
+  }
 
   void apply(torch::nn::Module& module, const DeviceMesh& mesh) const override;
   std::string name() const override { return "RowwiseParallel"; }
@@ -130,7 +160,10 @@ class RowwiseParallel : public ParallelStyle {
 class SequenceParallel : public ParallelStyle {
  public:
   explicit SequenceParallel(int64_t sequence_dim = 1) : seq_(sequence_dim) {}
-  SequenceParallel& use_local_output(bool b) { local_ = b; return *this; }
+  SequenceParallel& use_local_output(bool b) {
+    local_ = b;
+    return *this;
+  }
 
   void apply(torch::nn::Module& module, const DeviceMesh& mesh) const override;
   std::string name() const override { return "SequenceParallel"; }
@@ -144,8 +177,14 @@ class SequenceParallel : public ParallelStyle {
 // desired_input_layouts. One entry per positional input; nullopt entries pass through.
 class PrepareModuleInput : public ParallelStyle {
  public:
-  PrepareModuleInput& input_layouts(IoLayouts l) { input_ = std::move(l); return *this; }
-  PrepareModuleInput& desired_input_layouts(IoLayouts l) { desired_ = std::move(l); return *this; }
+  PrepareModuleInput& input_layouts(IoLayouts l) {
+    input_ = std::move(l);
+    return *this;
+  }
+  PrepareModuleInput& desired_input_layouts(IoLayouts l) {
+    desired_ = std::move(l);
+    return *this;
+  }
   PrepareModuleInput& input_kwarg_layouts(std::vector<std::pair<std::string, IoLayout>> l) {
     kw_input_ = std::move(l);
     return *this;
@@ -154,7 +193,10 @@ class PrepareModuleInput : public ParallelStyle {
     kw_desired_ = std::move(l);
     return *this;
   }
-  PrepareModuleInput& use_local_output(bool b) { local_ = b; return *this; }
+  PrepareModuleInput& use_local_output(bool b) {
+    local_ = b;
+    return *this;
+  }
 
   void apply(torch::nn::Module& module, const DeviceMesh& mesh) const override;
   std::string name() const override { return "PrepareModuleInput"; }
@@ -169,9 +211,18 @@ class PrepareModuleInput : public ParallelStyle {
 // Converts a module's outputs (declared output_layouts -> desired_output_layouts).
 class PrepareModuleOutput : public ParallelStyle {
  public:
-  PrepareModuleOutput& output_layouts(IoLayouts l) { output_ = std::move(l); return *this; }
-  PrepareModuleOutput& desired_output_layouts(IoLayouts l) { desired_ = std::move(l); return *this; }
-  PrepareModuleOutput& use_local_output(bool b) { local_ = b; return *this; }
+  PrepareModuleOutput& output_layouts(IoLayouts l) {
+    output_ = std::move(l);
+    return *this;
+  }
+  PrepareModuleOutput& desired_output_layouts(IoLayouts l) {
+    desired_ = std::move(l);
+    return *this;
+  }
+  PrepareModuleOutput& use_local_output(bool b) {
+    local_ = b;
+    return *this;
+  }
 
   void apply(torch::nn::Module& module, const DeviceMesh& mesh) const override;
   std::string name() const override { return "PrepareModuleOutput"; }
@@ -185,18 +236,30 @@ class PrepareModuleOutput : public ParallelStyle {
 // Both, on one module.
 class PrepareModuleInputOutput : public ParallelStyle {
  public:
-  PrepareModuleInputOutput& input_layouts(IoLayouts l) { in_.input_layouts(std::move(l)); return *this; }
+  PrepareModuleInputOutput& input_layouts(IoLayouts l) {
+    in_.input_layouts(std::move(l));
+    return *this;
+  }
   PrepareModuleInputOutput& desired_input_layouts(IoLayouts l) {
     in_.desired_input_layouts(std::move(l));
     return *this;
   }
-  PrepareModuleInputOutput& use_local_input(bool b) { in_.use_local_output(b); return *this; }
-  PrepareModuleInputOutput& output_layouts(IoLayouts l) { out_.output_layouts(std::move(l)); return *this; }
+  PrepareModuleInputOutput& use_local_input(bool b) {
+    in_.use_local_output(b);
+    return *this;
+  }
+  PrepareModuleInputOutput& output_layouts(IoLayouts l) {
+    out_.output_layouts(std::move(l));
+    return *this;
+  }
   PrepareModuleInputOutput& desired_output_layouts(IoLayouts l) {
     out_.desired_output_layouts(std::move(l));
     return *this;
   }
-  PrepareModuleInputOutput& use_local_output(bool b) { out_.use_local_output(b); return *this; }
+  PrepareModuleInputOutput& use_local_output(bool b) {
+    out_.use_local_output(b);
+    return *this;
+  }
 
   void apply(torch::nn::Module& module, const DeviceMesh& mesh) const override;
   std::string name() const override { return "PrepareModuleInputOutput"; }
@@ -252,8 +315,8 @@ const std::string& current_path();
 // For styles of your own. Lays out parameter `name` of `module` with `placement` on the tp
 // mesh dim (replicated over the root mesh's other dims), sourced from style.src_data_rank.
 void distribute_parameter(const ParallelStyle& style, torch::nn::Module& module,
-                          const std::string& name, const DeviceMesh& tp_mesh,
-                          Placement placement, const std::optional<ShardTable>& sizes = std::nullopt);
+                          const std::string& name, const DeviceMesh& tp_mesh, Placement placement,
+                          const std::optional<ShardTable>& sizes = std::nullopt);
 
 // Whether Tessera can see the module's calls: its forward is an op Tessera anchors
 // (Linear -> linear, Embedding -> embedding, LayerNorm -> layer_norm) or it holds parameters.

@@ -17,14 +17,16 @@ class Placement {
 
   static Placement shard(int64_t dim) { return Placement(Kind::Shard, dim, PartialOp::Sum); }
   static Placement replicate() { return Placement(Kind::Replicate, 0, PartialOp::Sum); }
-  static Placement partial(PartialOp op = PartialOp::Sum) { return Placement(Kind::Partial, 0, op); }
+  static Placement partial(PartialOp op = PartialOp::Sum) {
+    return Placement(Kind::Partial, 0, op);
+  }
 
   Kind kind() const { return kind_; }
   bool is_shard() const { return kind_ == Kind::Shard; }
   bool is_shard(int64_t dim) const { return kind_ == Kind::Shard && dim_ == dim; }
   bool is_replicate() const { return kind_ == Kind::Replicate; }
   bool is_partial() const { return kind_ == Kind::Partial; }
-  int64_t dim() const { return dim_; }  // meaningful for Shard only
+  int64_t dim() const { return dim_; }         // meaningful for Shard only
   PartialOp reduce_op() const { return op_; }  // meaningful for Partial only
 
   // Shard(-1) on a 3-d tensor becomes Shard(2); throws if the dim is out of range.

@@ -63,8 +63,8 @@ struct FromLocalOptions {
   // raised on every rank. Infer always checks.
   bool run_check = false;
 };
-at::Tensor from_local(const at::Tensor& local, const DeviceMesh& mesh,
-                      const Placements& placements, const FromLocalOptions& options = {});
+at::Tensor from_local(const at::Tensor& local, const DeviceMesh& mesh, const Placements& placements,
+                      const FromLocalOptions& options = {});
 
 // The local shard (shares storage). Backward wraps the local gradient with grad_placements
 // (default: the tensor's placements with Partial turned into Replicate).

@@ -24,10 +24,10 @@ class CommDebugMode : public comm::CommObserver {
   CommDebugMode(const CommDebugMode&) = delete;
   CommDebugMode& operator=(const CommDebugMode&) = delete;
 
-  int64_t get_total_counts() const;                         // calls, metadata excluded
-  std::map<std::string, int64_t> get_comm_counts() const;   // calls per kind ("all_gather")
+  int64_t get_total_counts() const;                        // calls, metadata excluded
+  std::map<std::string, int64_t> get_comm_counts() const;  // calls per kind ("all_gather")
   CollectiveStats stats(comm::CollectiveKind kind) const;
-  int64_t total_bytes_sent() const;                         // metadata excluded
+  int64_t total_bytes_sent() const;  // metadata excluded
   int64_t total_bytes_received() const;
   void reset();
 

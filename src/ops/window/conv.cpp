@@ -47,7 +47,8 @@ ConvArgs conv_args(const OpCall& call, const std::vector<int64_t>& w, size_t nsp
   return a;
 }
 
-std::vector<Axis> conv_axes(const OpCall& call, const std::vector<int64_t>& in_sizes, const ConvArgs& a) {
+std::vector<Axis> conv_axes(const OpCall& call, const std::vector<int64_t>& in_sizes,
+                            const ConvArgs& a) {
   std::vector<Axis> axes;
   for (size_t i = 0; i < a.kernel.size(); ++i) {
     const int64_t in = in_sizes[2 + i], k = a.kernel[i], s = a.stride[i], p = a.padding[i],
@@ -130,8 +131,8 @@ CutDims separate_cut_dims(const std::vector<DimCut>& cuts, const ConvArgs& a) {
 // gradient rows within `pad` of the cut add their contributions to the rim rows and to the
 // weight gradient. Bytes on the wire are the same halo rows as the general path.
 struct Rim {
-  size_t k = 0;         // spatial index of the cut dim
-  int64_t pad = 0;      // rows of the rim = the op's padding along the cut dim
+  size_t k = 0;     // spatial index of the cut dim
+  int64_t pad = 0;  // rows of the rim = the op's padding along the cut dim
 };
 bool rim_path(const std::vector<DimCut>& cuts, const ConvArgs& a, Rim& rim) {
   if (a.transposed) return false;
@@ -154,8 +155,10 @@ std::vector<Window> rim_outputs(const DimCut& c, int64_t pad, bool top, bool own
     const int64_t a = c.in_offset(m), b = a + c.in_sizes[m];
     Window r{0, 0};
     if (b > a && (top ? a > 0 : b < total)) {
-      if (own) r = top ? Window{a, std::min(a + pad, b)} : Window{std::max(b - pad, a), b};
-      else r = top ? Window{std::max<int64_t>(a - pad, 0), a} : Window{b, std::min(b + pad, total)};
+      if (own)
+        r = top ? Window{a, std::min(a + pad, b)} : Window{std::max(b - pad, a), b};
+      else
+        r = top ? Window{std::max<int64_t>(a - pad, 0), a} : Window{b, std::min(b + pad, total)};
     }
     w.push_back(r);
   }
@@ -164,7 +167,8 @@ std::vector<Window> rim_outputs(const DimCut& c, int64_t pad, bool top, bool own
 
 std::vector<Window> rows_read(const std::vector<Window>& outputs, int64_t pad) {
   std::vector<Window> w;
-  for (const auto& o : outputs) w.push_back(o.size() ? Window{o.lo - pad, o.hi + pad} : Window{0, 0});
+  for (const auto& o : outputs)
+    w.push_back(o.size() ? Window{o.lo - pad, o.hi + pad} : Window{0, 0});
   return w;
 }
 
@@ -218,9 +222,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rim_backward(
   at::Tensor gi, gw, gb;
   if (mine.size() > 0) {
     const std::vector<int64_t> bias_sizes = {a.out_channels};
-    std::tie(gi, gw, gb) = at::convolution_backward(
-        g, x, w, bias_sizes, a.stride, a.padding, a.dilation, false, a.output_padding, a.groups,
-        {want_input, want_weight, want_bias});
+    std::tie(gi, gw, gb) =
+        at::convolution_backward(g, x, w, bias_sizes, a.stride, a.padding, a.dilation, false,
+                                 a.output_padding, a.groups, {want_input, want_weight, want_bias});
   } else {
     if (want_input) gi = at::zeros_like(x);
     if (want_weight) gw = at::zeros_like(w);
@@ -236,10 +240,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rim_backward(
     const Window read{o.lo - rim.pad, o.hi + rim.pad};
     at::Tensor x_rim = spatial::place(x, c.dim, mine, read);
     auto r = at::convolution_backward(g_rim, x_rim, w, c10::nullopt, a.stride, slab_pad, a.dilation,
-                                      false, a.output_padding, a.groups, {want_input, want_weight, false});
+                                      false, a.output_padding, a.groups,
+                                      {want_input, want_weight, false});
     if (want_input) {
       const int64_t lo = std::max(read.lo, mine.lo), hi = std::min(read.hi, mine.hi);
-      if (hi > lo) gi.narrow(c.dim, lo - mine.lo, hi - lo).add_(std::get<0>(r).narrow(c.dim, lo - read.lo, hi - lo));
+      if (hi > lo)
+        gi.narrow(c.dim, lo - mine.lo, hi - lo)
+            .add_(std::get<0>(r).narrow(c.dim, lo - read.lo, hi - lo));
     }
     if (want_weight) gw.add_(std::get<1>(r));
   }
@@ -259,9 +266,9 @@ void conv_forward_kernel(KernelCall& kc, const DeviceMesh& mesh, const std::vect
   const at::Tensor win = spatial::fetch(mesh, x, sp.cut, spatial::HaloBoundary::Zeros);
   at::Tensor out;
   if (!a.transposed) {
-    out = any_empty(cuts, true)
-              ? at::zeros(local_shape(x, a.out_channels, cuts, true), x.options())
-              : at::convolution(win, w, b, a.stride, sp.pad, a.dilation, false, sp.out_pad, a.groups);
+    out = any_empty(cuts, true) ? at::zeros(local_shape(x, a.out_channels, cuts, true), x.options())
+                                : at::convolution(win, w, b, a.stride, sp.pad, a.dilation, false,
+                                                  sp.out_pad, a.groups);
   } else {
     bool empty = any_empty(cuts, true);
     for (int64_t d = 2; d < win.dim(); ++d) empty = empty || win.size(d) == 0;
@@ -355,8 +362,10 @@ void conv_backward_kernel(KernelCall& kc, const DeviceMesh& mesh, const std::vec
       const Window full{start, start + (in.size() - 1) * c.axis.stride +
                                    c.axis.dilation * (c.axis.kernel - 1) + 1};
       const int64_t before = t.lo - full.lo, after = full.hi - t.hi;
-      if (before == after && before >= 0) sp.pad[sp.index[k]] = before;
-      else gf = spatial::place(gf, c.dim, t, full);
+      if (before == after && before >= 0)
+        sp.pad[sp.index[k]] = before;
+      else
+        gf = spatial::place(gf, c.dim, t, full);
     }
     auto r = at::convolution_backward(gf, x, w, c10::nullopt, a.stride, sp.pad, a.dilation, true,
                                       sp.out_pad, a.groups, {mask[0], mask[1], false});
@@ -418,7 +427,8 @@ OpPlan convolution_backward_rule(const OpCall& call) {
   OpPlan plan(call);
   plan.input("input", l.layout);
   if (const auto* g = call.spec("grad_output"))
-    plan.input("grad_output", spatial::output_spec(*l.layout, l.cuts, g->dtype(), l.a.out_channels));
+    plan.input("grad_output",
+               spatial::output_spec(*l.layout, l.cuts, g->dtype(), l.a.out_channels));
   if (const auto* w = call.spec("weight")) plan.input("weight", replicated(*w));
   const auto& bias_sizes = call.arg("bias_sizes");
   plan.output(l.layout)

@@ -45,7 +45,9 @@ struct NeighborhoodAxis final : spatial::AxisMap {
   }
 };
 
-at::Tensor optional_tensor(const c10::IValue& v) { return v.isTensor() ? v.toTensor() : at::Tensor(); }
+at::Tensor optional_tensor(const c10::IValue& v) {
+  return v.isTensor() ? v.toTensor() : at::Tensor();
+}
 
 // The per-axis arguments; the op receives them already expanded to one entry per axis.
 std::vector<NAAxis> na_axes(const OpCall& call, const std::vector<int64_t>& q_sizes) {
@@ -54,11 +56,10 @@ std::vector<NAAxis> na_axes(const OpCall& call, const std::vector<int64_t>& q_si
     for (bool b : call.arg(name).toBoolList()) v.push_back(b);
     return v;
   };
-  return nn::detail::make_axes(call.describe().c_str(), q_sizes,
-                               call.arg<std::vector<int64_t>>("kernel_size"),
-                               call.arg<std::vector<int64_t>>("stride"),
-                               call.arg<std::vector<int64_t>>("dilation"), bools("is_causal"),
-                               bools("circular"));
+  return nn::detail::make_axes(
+      call.describe().c_str(), q_sizes, call.arg<std::vector<int64_t>>("kernel_size"),
+      call.arg<std::vector<int64_t>>("stride"), call.arg<std::vector<int64_t>>("dilation"),
+      bools("is_causal"), bools("circular"));
 }
 
 bool any_circular(const std::vector<NAAxis>& axes) {
@@ -273,14 +274,16 @@ void na_backward_kernel(KernelCall& kc, const DeviceMesh& mesh, const NALayout& 
     if (ek.defined()) dek = at::zeros_like(ek);
     if (ev.defined()) dev = at::zeros_like(ev);
   } else {
-    std::tie(dq, dkw, dvw, drpb, dek, dev) = nn::detail::backward(
-        kc.tensor("grad_out"), q, kw, vw, kc.tensor("out"), kc.tensor("lse"), tables,
-        kc.arg<double>("scale"), rpb, ek, ev);
+    std::tie(dq, dkw, dvw, drpb, dek, dev) =
+        nn::detail::backward(kc.tensor("grad_out"), q, kw, vw, kc.tensor("out"), kc.tensor("lse"),
+                             tables, kc.arg<double>("scale"), rpb, ek, ev);
   }
   const auto boundary = periodic ? spatial::HaloBoundary::Periodic : spatial::HaloBoundary::Zeros;
   at::Tensor dk = spatial::fetch_backward(mesh, dkw, l.cuts, boundary);
   at::Tensor dv = spatial::fetch_backward(mesh, dvw, l.cuts, boundary);
-  auto or_empty = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, q.options()); };
+  auto or_empty = [&](const at::Tensor& t) {
+    return t.defined() ? t : at::empty({0}, q.options());
+  };
   kc.finish({dq, dk, dv, or_empty(drpb), or_empty(dek), or_empty(dev)});
 }
 

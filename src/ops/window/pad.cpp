@@ -36,10 +36,10 @@ struct PadPlan {
 };
 
 // pad = (before, after) pairs from the last dim backwards, as torch.nn.functional.pad.
-PadPlan pad_plan(const std::string& op, const std::vector<int64_t>& sizes, const std::vector<int64_t>& pad,
-                 bool skip_zero) {
-  TORCH_CHECK(pad.size() % 2 == 0 && pad.size() / 2 <= sizes.size(), "tessera: ", op,
-              ": padding ", shape_str(pad), " does not fit a tensor of shape ", shape_str(sizes));
+PadPlan pad_plan(const std::string& op, const std::vector<int64_t>& sizes,
+                 const std::vector<int64_t>& pad, bool skip_zero) {
+  TORCH_CHECK(pad.size() % 2 == 0 && pad.size() / 2 <= sizes.size(), "tessera: ", op, ": padding ",
+              shape_str(pad), " does not fit a tensor of shape ", shape_str(sizes));
   PadPlan p;
   const int64_t nd = static_cast<int64_t>(sizes.size());
   for (int64_t d = nd - static_cast<int64_t>(pad.size() / 2); d < nd; ++d) {
@@ -161,7 +161,8 @@ at::Tensor pad_circular(const at::Tensor& self, c10::IntArrayRef pad) {
   at::Tensor local;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    local = spatial::fetch(plan.mesh, dtensor_impl(laid)->local(), plan.cuts, HaloBoundary::Periodic);
+    local =
+        spatial::fetch(plan.mesh, dtensor_impl(laid)->local(), plan.cuts, HaloBoundary::Periodic);
   }
   at::Tensor out = make_dtensor(local, plan.out);
   if (laid.requires_grad() && at::GradMode::is_enabled()) {
@@ -175,9 +176,11 @@ at::Tensor pad_circular(const at::Tensor& self, c10::IntArrayRef pad) {
 
 const RuleRegistrar registrar{[] {
   register_rule("aten::constant_pad_nd", constant_pad_rule);
-  for (const char* op : {"aten::reflection_pad1d", "aten::reflection_pad2d", "aten::reflection_pad3d"})
+  for (const char* op :
+       {"aten::reflection_pad1d", "aten::reflection_pad2d", "aten::reflection_pad3d"})
     register_rule(op, reflection_pad_rule);
-  for (const char* op : {"aten::replication_pad1d", "aten::replication_pad2d", "aten::replication_pad3d"})
+  for (const char* op :
+       {"aten::replication_pad1d", "aten::replication_pad2d", "aten::replication_pad3d"})
     register_rule(op, replication_pad_rule);
   for (const char* op : {"aten::reflection_pad1d_backward", "aten::reflection_pad2d_backward",
                          "aten::reflection_pad3d_backward"})

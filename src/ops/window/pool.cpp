@@ -105,7 +105,8 @@ at::Tensor reindex(const at::Tensor& idx, const std::vector<DimCut>& cuts, bool 
     rem = rem.div(from[j], "floor");
   }
   at::Tensor out = at::zeros_like(idx);
-  for (size_t j = 0; j < n; ++j) out = out * to[j] + (to_global ? coord[j] + lo[j] : coord[j] - lo[j]);
+  for (size_t j = 0; j < n; ++j)
+    out = out * to[j] + (to_global ? coord[j] + lo[j] : coord[j] - lo[j]);
   return out;
 }
 
@@ -147,7 +148,8 @@ at::Tensor window_sums(const at::Tensor& win, const PoolArgs& a) {
   return a.kernel.size() == 2 ? at::avg_pool2d(win, a.kernel, a.stride, zeros, false, true, 1)
                               : at::avg_pool3d(win, a.kernel, a.stride, zeros, false, true, 1);
 }
-at::Tensor window_sums_backward(const at::Tensor& g, const at::Tensor& win_like, const PoolArgs& a) {
+at::Tensor window_sums_backward(const at::Tensor& g, const at::Tensor& win_like,
+                                const PoolArgs& a) {
   const std::vector<int64_t> zeros(a.kernel.size(), 0);
   return a.kernel.size() == 2
              ? at::avg_pool2d_backward(g, win_like, a.kernel, a.stride, zeros, false, true, 1)
@@ -161,8 +163,10 @@ void pool_forward_kernel(KernelCall& kc, const DeviceMesh& mesh, const std::vect
   const at::Tensor win = spatial::fetch(mesh, x, cuts, spatial::HaloBoundary::Zeros, fill);
   if (no_outputs(cuts)) {
     const at::Tensor out = at::zeros(output_shape(x, cuts), x.options());
-    if (a.max) kc.finish({out, at::zeros(output_shape(x, cuts), x.options().dtype(at::kLong))});
-    else kc.finish({out});
+    if (a.max)
+      kc.finish({out, at::zeros(output_shape(x, cuts), x.options().dtype(at::kLong))});
+    else
+      kc.finish({out});
     return;
   }
   if (a.max) {
@@ -208,7 +212,8 @@ OpPlan pool_plan(const OpCall& call, const PoolArgs& a) {
   OpPlan plan(call);
   plan.input("self", layout);
   if (backward) {
-    plan.input("grad_output", spatial::output_spec(*layout, cuts, call.spec("grad_output")->dtype()));
+    plan.input("grad_output",
+               spatial::output_spec(*layout, cuts, call.spec("grad_output")->dtype()));
     if (a.max) plan.input("indices", spatial::output_spec(*layout, cuts, at::kLong));
     plan.output(layout);
   } else {
@@ -230,9 +235,7 @@ OpPlan pool_plan(const OpCall& call, const PoolArgs& a) {
   return plan;
 }
 
-size_t nsp_of(const OpCall& call) {
-  return call.name().find("3d") != std::string::npos ? 3 : 2;
-}
+size_t nsp_of(const OpCall& call) { return call.name().find("3d") != std::string::npos ? 3 : 2; }
 
 OpPlan max_pool_rule(const OpCall& c) { return pool_plan(c, pool_args(c, true, nsp_of(c))); }
 OpPlan avg_pool_rule(const OpCall& c) { return pool_plan(c, pool_args(c, false, nsp_of(c))); }
@@ -283,15 +286,16 @@ OpPlan adaptive_rule(const OpCall& call) {
 }
 
 const RuleRegistrar registrar{[] {
-  for (const char* op : {"aten::max_pool2d_with_indices", "aten::max_pool3d_with_indices",
-                         "aten::max_pool2d_with_indices_backward",
-                         "aten::max_pool3d_with_indices_backward"})
+  for (const char* op :
+       {"aten::max_pool2d_with_indices", "aten::max_pool3d_with_indices",
+        "aten::max_pool2d_with_indices_backward", "aten::max_pool3d_with_indices_backward"})
     register_rule(op, max_pool_rule);
   for (const char* op : {"aten::avg_pool2d", "aten::avg_pool3d", "aten::avg_pool2d_backward",
                          "aten::avg_pool3d_backward"})
     register_rule(op, avg_pool_rule);
-  for (const char* op : {"aten::_adaptive_avg_pool2d", "aten::_adaptive_avg_pool3d",
-                         "aten::_adaptive_avg_pool2d_backward", "aten::_adaptive_avg_pool3d_backward"})
+  for (const char* op :
+       {"aten::_adaptive_avg_pool2d", "aten::_adaptive_avg_pool3d",
+        "aten::_adaptive_avg_pool2d_backward", "aten::_adaptive_avg_pool3d_backward"})
     register_rule(op, adaptive_rule);
 }};
 

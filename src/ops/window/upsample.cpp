@@ -114,7 +114,8 @@ bool native_nearest(const std::vector<DimCut>& cuts) {
       continue;
     }
     if (mine.size() == 0) return false;
-    const bool twice = c.axis.out == 2 * c.axis.in && mine.lo == 2 * win.lo && mine.size() == 2 * win.size();
+    const bool twice =
+        c.axis.out == 2 * c.axis.in && mine.lo == 2 * win.lo && mine.size() == 2 * win.size();
     const bool same = c.axis.out == c.axis.in && mine.lo == win.lo && mine.size() == win.size();
     if (!twice && !same) return false;
   }
@@ -172,7 +173,8 @@ void backward_kernel(KernelCall& kc, const DeviceMesh& mesh, const std::vector<D
   at::Tensor g = kc.tensor("grad_output");
   if (!linear && native_nearest(cuts) && g.numel() > 0) {
     auto shape = g.sizes().vec();
-    for (const auto& c : cuts) shape[c.dim] = c.axis.reads(c.my_outputs().lo, c.my_outputs().hi).size();
+    for (const auto& c : cuts)
+      shape[c.dim] = c.axis.reads(c.my_outputs().lo, c.my_outputs().hi).size();
     kc.finish({spatial::fetch_backward(mesh, nearest_native_backward(g, shape, cuts), cuts,
                                        spatial::HaloBoundary::Zeros)});
     return;
@@ -201,7 +203,8 @@ OpPlan upsample_rule(const OpCall& call) {
   plan.input(act, layout);
   plan.output(spatial::output_spec(*layout, cuts, in.dtype()));
   if (spatial::any_window_dim_sharded(*layout, dims)) {
-    plan.distributed_kernel = [act, cuts, linear = p.linear](KernelCall& kc, const DeviceMesh& mesh) {
+    plan.distributed_kernel = [act, cuts, linear = p.linear](KernelCall& kc,
+                                                             const DeviceMesh& mesh) {
       forward_kernel(kc, mesh, act, cuts, linear);
     };
   }
@@ -222,9 +225,11 @@ OpPlan upsample_backward_rule(const OpCall& call) {
   for (size_t k = 0; k < dims.size(); ++k) {
     if (tables[dims[k]].empty()) continue;
     auto t = spatial::input_sizes_for(axes[k], tables[dims[k]]);
-    tables[dims[k]] = t.empty() ? chunk_sizes(p.in[k], static_cast<int64_t>(tables[dims[k]].size())) : t;
+    tables[dims[k]] =
+        t.empty() ? chunk_sizes(p.in[k], static_cast<int64_t>(tables[dims[k]].size())) : t;
   }
-  auto layout = std::make_shared<DTensorSpec>(g.mesh(), glayout->placements(), input_shape, g.dtype(), tables);
+  auto layout = std::make_shared<DTensorSpec>(g.mesh(), glayout->placements(), input_shape,
+                                              g.dtype(), tables);
   const auto cuts = spatial::make_cuts(*layout, dims, axes);
   OpPlan plan(call);
   plan.input("grad_output", spatial::output_spec(*layout, cuts, g.dtype()));
@@ -237,22 +242,20 @@ OpPlan upsample_backward_rule(const OpCall& call) {
 }
 
 const RuleRegistrar registrar{[] {
-  for (const char* op : {"aten::upsample_nearest1d", "aten::upsample_nearest2d",
-                         "aten::upsample_nearest3d", "aten::upsample_linear1d",
-                         "aten::upsample_bilinear2d", "aten::upsample_trilinear3d",
-                         "aten::upsample_nearest1d.vec", "aten::upsample_nearest2d.vec",
-                         "aten::upsample_nearest3d.vec", "aten::upsample_linear1d.vec",
-                         "aten::upsample_bilinear2d.vec", "aten::upsample_trilinear3d.vec"})
+  for (const char* op :
+       {"aten::upsample_nearest1d", "aten::upsample_nearest2d", "aten::upsample_nearest3d",
+        "aten::upsample_linear1d", "aten::upsample_bilinear2d", "aten::upsample_trilinear3d",
+        "aten::upsample_nearest1d.vec", "aten::upsample_nearest2d.vec",
+        "aten::upsample_nearest3d.vec", "aten::upsample_linear1d.vec",
+        "aten::upsample_bilinear2d.vec", "aten::upsample_trilinear3d.vec"})
     register_rule(op, upsample_rule);
-  for (const char* op : {"aten::upsample_nearest1d_backward", "aten::upsample_nearest2d_backward",
-                         "aten::upsample_nearest3d_backward", "aten::upsample_linear1d_backward",
-                         "aten::upsample_bilinear2d_backward", "aten::upsample_trilinear3d_backward",
-                         "aten::upsample_nearest1d_backward.vec",
-                         "aten::upsample_nearest2d_backward.vec",
-                         "aten::upsample_nearest3d_backward.vec",
-                         "aten::upsample_linear1d_backward.vec",
-                         "aten::upsample_bilinear2d_backward.vec",
-                         "aten::upsample_trilinear3d_backward.vec"})
+  for (const char* op :
+       {"aten::upsample_nearest1d_backward", "aten::upsample_nearest2d_backward",
+        "aten::upsample_nearest3d_backward", "aten::upsample_linear1d_backward",
+        "aten::upsample_bilinear2d_backward", "aten::upsample_trilinear3d_backward",
+        "aten::upsample_nearest1d_backward.vec", "aten::upsample_nearest2d_backward.vec",
+        "aten::upsample_nearest3d_backward.vec", "aten::upsample_linear1d_backward.vec",
+        "aten::upsample_bilinear2d_backward.vec", "aten::upsample_trilinear3d_backward.vec"})
     register_rule(op, upsample_backward_rule);
 }};
 

@@ -104,7 +104,8 @@ int64_t Axis::source_row(int64_t o) const {
     case Kind::Transposed: return floor_div(o + pad - dilation * (kernel - 1) / 2, stride);
     case Kind::Nearest: return nearest_source(o, in, out, scale);
     case Kind::Linear:
-      return static_cast<int64_t>(std::floor(linear_source(o, in, out, align_corners, scale) + 0.5));
+      return static_cast<int64_t>(
+          std::floor(linear_source(o, in, out, align_corners, scale) + 0.5));
     case Kind::Custom: return map->source_row(o);
   }
   return 0;
@@ -118,7 +119,8 @@ Window Axis::reads(int64_t lo, int64_t hi) const {
     case Kind::Transposed: {
       // Inputs i with i*stride - pad + dilation*j in [lo, hi) for some j < kernel; inputs
       // outside the domain contribute nothing, so the window stays inside it.
-      const int64_t first = std::max<int64_t>(ceil_div(lo + pad - dilation * (kernel - 1), stride), 0);
+      const int64_t first =
+          std::max<int64_t>(ceil_div(lo + pad - dilation * (kernel - 1), stride), 0);
       const int64_t last = std::min<int64_t>(floor_div(hi - 1 + pad, stride), in - 1);
       return last >= first ? Window{first, last + 1} : Window{0, 0};
     }
@@ -139,7 +141,8 @@ std::string Axis::str() const {
   static const char* names[] = {"stencil", "transposed", "nearest", "linear"};
   os << names[static_cast<int>(kind)] << "(in " << in << ", out " << out;
   if (kind == Kind::Stencil || kind == Kind::Transposed)
-    os << ", kernel " << kernel << ", stride " << stride << ", pad " << pad << ", dilation " << dilation;
+    os << ", kernel " << kernel << ", stride " << stride << ", pad " << pad << ", dilation "
+       << dilation;
   os << ")";
   return os.str();
 }
@@ -352,12 +355,14 @@ at::Tensor fetch_backward(const DeviceMesh& mesh, const at::Tensor& grad_window,
   const auto order = fetch_order(cuts);
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     const auto& c = cuts[*it];
-    g = comm::fetch_window_backward(group_of(mesh, c), g, c.dim, c.in_sizes, windows[*it], boundary);
+    g = comm::fetch_window_backward(group_of(mesh, c), g, c.dim, c.in_sizes, windows[*it],
+                                    boundary);
   }
   return g;
 }
 
-at::Tensor fetch_ranges(const DeviceMesh& mesh, const at::Tensor& x, const std::vector<DimCut>& cuts,
+at::Tensor fetch_ranges(const DeviceMesh& mesh, const at::Tensor& x,
+                        const std::vector<DimCut>& cuts,
                         const std::vector<std::vector<int64_t>>& sizes,
                         const std::vector<std::vector<Window>>& windows) {
   return fetch_dims(mesh, x, cuts, sizes, windows, HaloBoundary::Zeros, 0.0);
@@ -366,7 +371,8 @@ at::Tensor fetch_ranges(const DeviceMesh& mesh, const at::Tensor& x, const std::
 at::Tensor place(const at::Tensor& x, int64_t dim, Window from, Window to) {
   TORCH_INTERNAL_ASSERT(x.size(dim) == from.size());
   if (from.lo == to.lo && from.hi == to.hi) return x;
-  if (from.lo <= to.lo && to.hi <= from.hi) return x.narrow(dim, to.lo - from.lo, to.size());  // a view
+  if (from.lo <= to.lo && to.hi <= from.hi)
+    return x.narrow(dim, to.lo - from.lo, to.size());  // a view
   auto shape = x.sizes().vec();
   shape[dim] = to.size();
   at::Tensor out = at::zeros(shape, x.options());

@@ -22,7 +22,8 @@ std::vector<Window> read_windows(const Axis& axis, const std::vector<int64_t>& o
 
 // Generic windowed fetch with explicit windows per member and dim (e.g. of gradients in
 // output space). sizes[k] / windows[k] are per member for cuts[k].
-at::Tensor fetch_ranges(const DeviceMesh& mesh, const at::Tensor& x, const std::vector<DimCut>& cuts,
+at::Tensor fetch_ranges(const DeviceMesh& mesh, const at::Tensor& x,
+                        const std::vector<DimCut>& cuts,
                         const std::vector<std::vector<int64_t>>& sizes,
                         const std::vector<std::vector<Window>>& windows);
 
