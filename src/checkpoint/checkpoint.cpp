@@ -32,6 +32,7 @@
 #include <c10/util/strides.h>
 
 #include "format.h"
+#include "tessera/comm/agree.h"
 #include "tessera/runtime/world.h"
 #include "tessera/tensor/api.h"
 #include "tessera/tensor/dtensor_impl.h"

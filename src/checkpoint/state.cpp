@@ -12,6 +12,7 @@
 #include <torch/serialize/output-archive.h>
 
 #include "format.h"
+#include "tessera/comm/agree.h"
 #include "tessera/compat.h"
 #include "tessera/tensor/api.h"
 #include "tessera/tensor/dtensor_impl.h"

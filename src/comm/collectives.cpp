@@ -284,50 +284,19 @@ PendingAllReduce all_reduce_start(const Group& pg, at::Tensor buffer, PartialOp 
   const int n = pg->getSize();
   const int64_t ring = 2 * (n - 1) * nbytes(buffer) / n;
   record({CollectiveKind::AllReduce, ring, ring, n});
-  PendingAllReduce p;
-  p.home_ = buffer;
-  p.buffer_ = to_wire(pg, buffer, "all_reduce_start");
-  p.op_ = op;
-  p.group_size_ = n;
-  if (n == 1 || p.buffer_.numel() == 0) return p;
-  std::vector<at::Tensor> buf{p.buffer_};
+  // What the transport writes: the buffer itself, or its host copy (cuda:gloo).
+  at::Tensor wire = to_wire(pg, buffer, "all_reduce_start");
+  if (n == 1 || wire.numel() == 0) return PendingAllReduce::ready(buffer);
+  std::vector<at::Tensor> buf{wire};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
-  p.work_ = pg->allreduce(buf, opts);
-  return p;
-}
-
-at::Tensor PendingAllReduce::wait() {
-  if (work_.defined()) {
-    auto work = std::move(work_);
-    work_.reset();
+  auto work = pg->allreduce(buf, opts);
+  return PendingAllReduce([work, wire, home = std::move(buffer), op, n]() {
     detail::wait(work, "all_reduce");
-    if (op_ == PartialOp::Avg) buffer_.div_(group_size_);
-    if (!buffer_.is_same(home_)) home_.copy_(buffer_);  // staged through the host
-  }
-  return home_;
-}
-
-PendingAllReduce& PendingAllReduce::operator=(PendingAllReduce&& o) {
-  if (this != &o) {
-    if (work_.defined()) work_->wait();
-    work_ = std::move(o.work_);
-    buffer_ = std::move(o.buffer_);
-    home_ = std::move(o.home_);
-    op_ = o.op_;
-    group_size_ = o.group_size_;
-  }
-  return *this;
-}
-
-PendingAllReduce::~PendingAllReduce() {
-  // The backend writes into buffer_ until the work finishes: never let it go earlier.
-  if (work_.defined()) {
-    try {
-      work_->wait();
-    } catch (...) {
-    }
-  }
+    if (op == PartialOp::Avg) wire.div_(n);
+    if (!wire.is_same(home)) home.copy_(wire);  // staged through the host
+    return home;
+  });
 }
 
 PendingAllGather all_gather_start(const Group& pg, const at::Tensor& home_x,
@@ -340,13 +309,10 @@ PendingAllGather all_gather_start(const Group& pg, const at::Tensor& home_x,
   const int64_t most = *std::max_element(sizes.begin(), sizes.end());
   const int64_t block = most * static_cast<int64_t>(x.element_size());
   if (n > 1) record({CollectiveKind::AllGather, (n - 1) * block, (n - 1) * block, n});
-  PendingAllGather p;
-  p.sizes_ = sizes;
-  p.home_ = home_x.device();
   if (n == 1 || most == 0) {
-    p.blocks_.assign(n, at::empty({0}, home_x.options()));
-    p.blocks_[me] = home_x;
-    return p;
+    std::vector<at::Tensor> blocks(n, at::empty({0}, home_x.options()));
+    blocks[me] = home_x;
+    return PendingAllGather::ready(std::move(blocks));
   }
   at::Tensor mine = x;
   if (x.numel() < most) {
@@ -356,45 +322,16 @@ PendingAllGather all_gather_start(const Group& pg, const at::Tensor& home_x,
   std::vector<at::Tensor> in{mine.contiguous()};
   std::vector<std::vector<at::Tensor>> out(1);
   for (int i = 0; i < n; ++i) out[0].push_back(at::empty({most}, x.options()));
-  p.work_ = pg->allgather(out, in);
-  p.blocks_ = std::move(out[0]);
-  return p;
-}
-
-std::vector<at::Tensor> PendingAllGather::wait() {
-  if (work_.defined()) {
-    auto work = std::move(work_);
-    work_.reset();
+  auto work = pg->allgather(out, in);
+  return PendingAllGather([work, in, blocks = std::move(out[0]), sizes, home = home_x.device()]() {
     detail::wait(work, "all_gather");
-  }
-  std::vector<at::Tensor> out;
-  for (size_t i = 0; i < blocks_.size(); ++i) {
-    auto b = blocks_[i].narrow(0, 0, sizes_[i]);
-    out.push_back(b.device() == home_ ? b : b.to(home_));  // staged through the host
-  }
-  blocks_.clear();
-  return out;
-}
-
-PendingAllGather& PendingAllGather::operator=(PendingAllGather&& o) {
-  if (this != &o) {
-    if (work_.defined()) work_->wait();
-    work_ = std::move(o.work_);
-    blocks_ = std::move(o.blocks_);
-    sizes_ = std::move(o.sizes_);
-    home_ = o.home_;
-  }
-  return *this;
-}
-
-PendingAllGather::~PendingAllGather() {
-  // The backend writes into blocks_ until the work finishes: never let them go earlier.
-  if (work_.defined()) {
-    try {
-      work_->wait();
-    } catch (...) {
+    std::vector<at::Tensor> pieces;
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      auto b = blocks[i].narrow(0, 0, sizes[i]);
+      pieces.push_back(b.device() == home ? b : b.to(home));  // staged through the host
     }
-  }
+    return pieces;
+  });
 }
 
 namespace {
@@ -538,34 +475,6 @@ std::vector<std::string> all_gather_strings(const Group& pg, const std::string& 
     off += len;
   }
   return out;
-}
-
-void check_everywhere(const Group& pg, bool ok, const std::string& message) {
-  const std::string mine = ok ? std::string() : message;
-  auto flags = all_gather_ints(pg, {ok ? 1 : 0, static_cast<int64_t>(mine.size())});
-  bool all_ok = true;
-  std::vector<int64_t> lens;
-  for (auto& f : flags) {
-    all_ok = all_ok && f[0] == 1;
-    lens.push_back(f[1]);
-  }
-  if (all_ok) return;
-  // Ship every failing member's message to everyone, so all ranks raise the same error.
-  auto bytes = at::empty({static_cast<int64_t>(mine.size())}, at::kByte);
-  // (an empty tensor's data pointer is null, and memcpy's arguments must not be)
-  if (!mine.empty()) std::memcpy(bytes.data_ptr(), mine.data(), mine.size());
-  auto all = all_gather_wire(pg, bytes.to(wire_device(pg)), 0, lens).cpu();
-  std::string text;
-  int64_t off = 0;
-  for (size_t i = 0; i < lens.size(); ++i) {
-    if (lens[i] > 0 || flags[i][0] == 0) {
-      std::string m(reinterpret_cast<const char*>(all.data_ptr<uint8_t>()) + off, lens[i]);
-      text +=
-          (text.empty() ? "" : "; ") + std::string("[group member ") + std::to_string(i) + "] " + m;
-    }
-    off += lens[i];
-  }
-  TORCH_CHECK(false, text);
 }
 
 }  // namespace tessera::comm

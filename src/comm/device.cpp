@@ -1,4 +1,5 @@
 #include "tessera/comm/device.h"
+#include "tessera/comm/collectives.h"
 
 #include <mutex>
 #include <unordered_map>

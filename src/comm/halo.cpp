@@ -217,13 +217,6 @@ std::vector<Window> uniform_windows(const std::vector<int64_t>& sizes, int64_t b
 
 }  // namespace
 
-struct PendingWindow::State {
-  at::Tensor out;
-  int64_t dim = 0;
-  std::vector<std::vector<Piece>> incoming;
-  InFlight flight;
-};
-
 PendingWindow fetch_window_async(const Group& pg, const at::Tensor& x, int64_t dim,
                                  const std::vector<int64_t>& sizes,
                                  const std::vector<Window>& windows, HaloBoundary boundary,
@@ -232,41 +225,22 @@ PendingWindow fetch_window_async(const Group& pg, const at::Tensor& x, int64_t d
   TORCH_INTERNAL_ASSERT(sizes[me] == x.size(dim), "fetch_window: local extent ", x.size(dim),
                         " != table entry ", sizes[me]);
   auto plan = plan_for(me, sizes, windows, boundary);
-  auto st = std::make_shared<PendingWindow::State>();
-  st->dim = dim;
-  st->flight = start_rows(
-      pg, x, dim, plan.send, plan.recv, [](const Piece& p) { return p.local; }, kHaloTag + 1 + tag);
+  auto flight = std::make_shared<InFlight>(start_rows(
+      pg, x, dim, plan.send, plan.recv, [](const Piece& p) { return p.local; },
+      kHaloTag + 1 + tag));
   const bool identity = plan.identity && plan.fill.empty();
-  st->out = identity ? x : at::empty(with_dim(x, dim, windows[me].size()), x.options());
+  at::Tensor out = identity ? x : at::empty(with_dim(x, dim, windows[me].size()), x.options());
   if (!identity) {
-    for (const auto& f : plan.fill) st->out.narrow(dim, f.lo, f.size()).fill_(fill);
+    for (const auto& f : plan.fill) out.narrow(dim, f.lo, f.size()).fill_(fill);
     for (const auto& p : plan.local)
-      st->out.narrow(dim, p.slot, p.count).copy_(x.narrow(dim, p.local, p.count));
+      out.narrow(dim, p.slot, p.count).copy_(x.narrow(dim, p.local, p.count));
   }
-  st->incoming = std::move(plan.recv);
-  PendingWindow w;
-  w.state_ = std::move(st);
-  return w;
-}
-
-at::Tensor PendingWindow::wait() {
-  TORCH_CHECK(state_, "tessera: PendingWindow::wait() called twice");
-  auto st = std::move(state_);
-  at::Tensor out = st->out;
-  finish_rows(st->flight, st->dim, st->incoming, [&](const Piece& p, const at::Tensor& r) {
-    out.narrow(st->dim, p.slot, p.count).copy_(r);
+  return PendingWindow([flight, out, dim, incoming = std::move(plan.recv)]() {
+    finish_rows(*flight, dim, incoming, [&](const Piece& p, const at::Tensor& r) {
+      out.narrow(dim, p.slot, p.count).copy_(r);
+    });
+    return out;
   });
-  return out;
-}
-
-PendingWindow::~PendingWindow() {
-  // Never leave a peer's rows half-sent: complete an exchange nobody waited for.
-  if (state_) {
-    try {
-      wait();
-    } catch (...) {
-    }
-  }
 }
 
 at::Tensor fetch_window(const Group& pg, const at::Tensor& x, int64_t dim,

@@ -1,14 +1,13 @@
 #include "wait.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <c10/util/Exception.h>
-
-#include "tessera/runtime/world.h"
 
 namespace tessera::comm::detail {
 
@@ -22,49 +21,8 @@ std::string message_of(const std::exception& e) {
   return e.what();
 }
 
-std::string stuck_key(int rank) { return "tessera/stuck/" + std::to_string(rank); }
-
-// Every rank that fails in a collective leaves a note in the store; after a short grace the
-// ranks without a note are the suspects. One round trip per poll while waiting (a check of
-// all keys), one per rank at the end.
-std::string stuck_report(const World& world, const char* op) {
-  const auto& store = world.store();
-  const int n = world.size();
-  const std::string note = std::string(op);
-  store->set(stuck_key(world.rank()), std::vector<uint8_t>(note.begin(), note.end()));
-  std::vector<std::string> keys;
-  for (int r = 0; r < n; ++r) keys.push_back(stuck_key(r));
-  const auto grace = std::min<std::chrono::milliseconds>(std::chrono::seconds(2), world.timeout());
-  const auto until = std::chrono::steady_clock::now() + grace;
-  while (!store->check(keys) && std::chrono::steady_clock::now() < until)
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-
-  constexpr int kListed = 16;
-  std::string stuck, silent;
-  int n_stuck = 0, n_silent = 0;
-  for (int r = 0; r < n; ++r) {
-    if (store->check({keys[r]})) {
-      if (r == world.rank() || ++n_stuck > kListed) continue;
-      const auto value = store->get(keys[r]);
-      stuck += (stuck.empty() ? "" : ", ") + std::to_string(r) + " (" +
-               std::string(value.begin(), value.end()) + ")";
-    } else if (++n_silent <= kListed) {
-      silent += (silent.empty() ? "" : ", ") + std::to_string(r);
-    }
-  }
-  if (n_silent > kListed) silent += " and " + std::to_string(n_silent - kListed) + " more";
-  if (n_stuck > kListed) stuck += " and " + std::to_string(n_stuck - kListed) + " more";
-  std::string report;
-  if (n_silent > 0)
-    report += ". Ranks that never failed in a collective within " + std::to_string(grace.count()) +
-              " ms: " + silent + " (hung, dead, or busy outside collectives: look there first)";
-  else
-    report +=
-        ". Every rank failed in a collective (a network failure, or ranks calling "
-        "different collectives)";
-  if (!stuck.empty()) report += "; other ranks stuck: " + stuck;
-  return report;
-}
+// Set once by the runtime, which owns the store (comm sits below it).
+std::atomic<FailureContextFn> g_failure_context{nullptr};
 
 }  // namespace
 
@@ -73,6 +31,10 @@ CallerScope::CallerScope(const char* caller) : set_(t_caller == nullptr) {
 }
 CallerScope::~CallerScope() {
   if (set_) t_caller = nullptr;
+}
+
+void set_failure_context(FailureContextFn fn) {
+  g_failure_context.store(fn, std::memory_order_release);
 }
 
 void rethrow_collective_failure(const char* op) {
@@ -84,21 +46,10 @@ void rethrow_collective_failure(const char* op) {
   }
   // A backend refusing an op it lacks is no transport failure: callers fall back on it.
   if (original.find("support") != std::string::npos) throw;
-  std::shared_ptr<World> world;
-  try {
-    world = current_world();
-  } catch (const std::exception&) {
-  }
-  std::string report, who;
-  if (world) {
-    who = " on rank " + std::to_string(world->rank()) + " of " + std::to_string(world->size());
-    try {
-      report = stuck_report(*world, op);
-    } catch (const std::exception& e) {
-      report = ". (The store could not be asked which ranks are missing: " + message_of(e) +
-               "; rank 0 hosts it)";
-    }
-  }
+  FailureContext context;
+  if (FailureContextFn fn = g_failure_context.load(std::memory_order_acquire)) context = fn(op);
+  const std::string& who = context.who;
+  const std::string& report = context.report;
   // A call made on some ranks only is the everyday cause: say which call waited.
   const std::string caller = t_caller ? std::string(" in ") + t_caller : std::string();
   const std::string hint =

@@ -1,6 +1,7 @@
 #pragma once
 // Waiting for c10d work with errors that say what failed and who is missing.
 #include <exception>
+#include <string>
 
 namespace tessera::comm::detail {
 
@@ -24,6 +25,14 @@ class CallerScope {
 // got stuck in a collective and names those that stayed silent: hung, dead or still busy
 // outside any collective. Call from inside a catch block.
 [[noreturn]] void rethrow_collective_failure(const char* op);
+
+// What the runtime knows about a failed collective: " on rank 3 of 8" and which ranks it
+// finds stuck or silent (it owns the store that can tell). Set by the runtime at start-up.
+struct FailureContext {
+  std::string who, report;
+};
+using FailureContextFn = FailureContext (*)(const char* op);
+void set_failure_context(FailureContextFn fn);
 
 // work->wait(), with failures reported as above.
 template <class WorkPtr>

@@ -4,16 +4,6 @@
 
 namespace tessera {
 
-const char* to_string(PartialOp op) {
-  switch (op) {
-    case PartialOp::Sum: return "sum";
-    case PartialOp::Avg: return "avg";
-    case PartialOp::Max: return "max";
-    case PartialOp::Min: return "min";
-  }
-  return "?";
-}
-
 Placement Placement::normalized(int64_t ndim) const {
   if (!is_shard()) return *this;
   TORCH_CHECK(dim_ >= -ndim && dim_ < std::max<int64_t>(ndim, 1) && ndim > 0, "tessera: Shard(",

@@ -10,6 +10,7 @@
 // nested outside it on t, and on the shard table up to d. Nesting (see NOTE: [Shard tables])
 // means only the innermost mesh dim of a tensor dim can be added or removed; the phases are
 // ordered so that each step obeys this.
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 
@@ -22,7 +23,8 @@ namespace tessera {
 
 namespace {
 
-bool g_debug = std::getenv("TESSERA_DEBUG_REDISTRIBUTE") != nullptr;
+// Set from any thread (tests flip it while rank threads plan): atomic.
+std::atomic<bool> g_debug{std::getenv("TESSERA_DEBUG_REDISTRIBUTE") != nullptr};
 
 std::vector<int64_t> level_sizes(const DTensorSpec& s, const std::vector<int64_t>& dims) {
   std::vector<int64_t> out;
@@ -174,7 +176,7 @@ std::string RedistributePlan::str() const {
   return s;
 }
 
-void set_redistribute_debug(bool on) { g_debug = on; }
+void set_redistribute_debug(bool on) { g_debug.store(on, std::memory_order_relaxed); }
 
 namespace {
 double average_bytes(const DTensorSpec& s) {
@@ -212,14 +214,14 @@ std::shared_ptr<const RedistributePlan> plan_redistribute(const SpecPtr& from, c
               to->dtype(), " but the tensor is ", from->dtype(), "; cast with .to() first");
   const DeviceMesh& mesh = from->mesh();
   const size_t key = c10::hash_combine(from->hash(), to->hash());
-  std::lock_guard<std::mutex> lock(mesh.cache_mutex());
-  auto& slot = mesh.cache_slot();
+  std::lock_guard<std::mutex> lock(detail::mesh_cache_mutex(mesh));
+  auto& slot = detail::mesh_cache_slot(mesh);
   if (!slot) slot = std::make_shared<PlanCache>();
   auto& bucket = static_cast<PlanCache*>(slot.get())->map[key];
   for (auto& e : bucket)
     if (*e.from == *from && *e.to == *to) return e.plan;
   auto plan = build_plan(unowned_copy(*from), unowned_copy(*to));
-  if (g_debug) {
+  if (g_debug.load(std::memory_order_relaxed)) {
     fprintf(stderr, "tessera: redistribute %s -> %s: %s\n", from->str().c_str(), to->str().c_str(),
             plan->str().c_str());
   }

@@ -24,6 +24,10 @@
 #include "tessera/compat.h"
 #include "tessera/runtime/env.h"
 
+namespace tessera::detail {
+void install_failure_context();  // stuck_report.cpp
+}
+
 namespace tessera {
 
 namespace {
@@ -137,6 +141,7 @@ World::World(c10::intrusive_ptr<c10d::Store> store, int rank, int size,
       timeout_(timeout) {
   TORCH_CHECK(size >= 1 && rank >= 0 && rank < size, "tessera: invalid world: rank ", rank, " of ",
               size);
+  detail::install_failure_context();  // before any collective can fail
 }
 
 void World::set_cuda_transport(std::string transport) {

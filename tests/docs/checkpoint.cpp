@@ -24,28 +24,28 @@ torch::nn::Sequential make_model() {
 // The first half: saving, here after the step that made `step` 1000.
 void save_checkpoint(torch::nn::Sequential& model, torch::optim::AdamW& optimizer, int64_t step) {
   // doc:begin
-  namespace ckpt = tessera::checkpoint;
+namespace ckpt = tessera::checkpoint;
 
-  ckpt::StateDict state = ckpt::model_state(*model);      // parameters and buffers
-  state.merge(ckpt::optimizer_state(optimizer, *model));  // Adam / AdamW / SGD state
-  state.insert("step", int64_t{step});
-  ckpt::save(state, "ckpt/step-1000");  // collective
-                                        // doc:end
+ckpt::StateDict state = ckpt::model_state(*model);         // parameters and buffers
+state.merge(ckpt::optimizer_state(optimizer, *model));     // Adam / AdamW / SGD state
+state.insert("step", int64_t{step});
+ckpt::save(state, "ckpt/step-1000");                       // collective
+  // doc:end
 }
 
 // The second half: resuming into a fresh model and optimizer; returns the loaded step.
 int64_t load_checkpoint(torch::nn::Sequential& model, torch::optim::AdamW& optimizer) {
   // doc:begin
 
-  // Later, on any number of ranks, any mesh, any placements:
-  ckpt::StateDict state = ckpt::model_state(*model);
-  state.merge(ckpt::optimizer_state(optimizer, *model));  // creates missing state as zeros
-  state.insert("step", int64_t{0});
-  ckpt::load(state, "ckpt/step-1000");                        // fills the tensors in place
-  ckpt::restore_optimizer_scalars(state, optimizer, *model);  // steps and learning rates
-  int64_t step = state.integer("step");
-  // an LR schedule: state.merge(ckpt::scheduler_state(scheduler)) before both calls, then
-  // ckpt::restore_scheduler(state, scheduler) after load
+// Later, on any number of ranks, any mesh, any placements:
+ckpt::StateDict state = ckpt::model_state(*model);
+state.merge(ckpt::optimizer_state(optimizer, *model));     // creates missing state as zeros
+state.insert("step", int64_t{0});
+ckpt::load(state, "ckpt/step-1000");                       // fills the tensors in place
+ckpt::restore_optimizer_scalars(state, optimizer, *model); // steps and learning rates
+int64_t step = state.integer("step");
+// an LR schedule: state.merge(ckpt::scheduler_state(scheduler)) before both calls, then
+// ckpt::restore_scheduler(state, scheduler) after load
   // doc:end
   return step;
 }
@@ -66,8 +66,8 @@ int main() {
   // A checkpoint left by an earlier run would make save fail; the all-gather below keeps the
   // other ranks from saving before rank 0 has removed it.
   if (tessera::get_rank() == 0) std::filesystem::remove_all("ckpt");
-  tessera::full_tensor(
-      tessera::distribute_tensor(at::zeros({4}), line, {tessera::Shard(0)}, std::nullopt));
+  tessera::full_tensor(tessera::distribute_tensor(at::zeros({4}), line, {tessera::Shard(0)},
+                                                  std::nullopt));
   torch::manual_seed(1);
   const auto x1 = at::randn({10, 6}, at::kDouble), y1 = at::randn({10, 4}, at::kDouble);
   const auto x2 = at::randn({10, 6}, at::kDouble), y2 = at::randn({10, 4}, at::kDouble);

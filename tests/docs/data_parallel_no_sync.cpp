@@ -10,8 +10,8 @@ int main() {
   tessera::init_process_group();
   auto mesh = tessera::init_device_mesh("cpu", {4}, {"dp"});
   torch::manual_seed(0);  // same values on every rank
-  auto model =
-      torch::nn::Sequential(torch::nn::Linear(5, 8), torch::nn::Tanh(), torch::nn::Linear(8, 3));
+  auto model = torch::nn::Sequential(torch::nn::Linear(5, 8), torch::nn::Tanh(),
+                                     torch::nn::Linear(8, 3));
   model->to(at::kDouble);
   auto reference = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(model->clone());
   auto ddp = tessera::replicate(model, mesh);
@@ -25,11 +25,11 @@ int main() {
   auto loss_b = torch::mse_loss(model->forward(shard(xb)), shard(yb));
 
   // doc:begin
-  {
-    auto guard = ddp->no_sync();  // or ddp->set_requires_gradient_sync(false)
-    loss_a.backward();            // gradients accumulate locally, no communication
-  }
-  loss_b.backward();  // reduces the accumulated sum, once
+{
+  auto guard = ddp->no_sync();       // or ddp->set_requires_gradient_sync(false)
+  loss_a.backward();                 // gradients accumulate locally, no communication
+}
+loss_b.backward();                   // reduces the accumulated sum, once
   // doc:end
 
   torch::mse_loss(reference->forward(xa), ya).backward();

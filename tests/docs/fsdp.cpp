@@ -51,20 +51,20 @@ int main() {
   {
     // doc:begin
 #include <tessera/tessera.h>
-    using namespace tessera;
+using namespace tessera;
 
-    auto mesh = init_device_mesh("cpu", {dp, domain}, {"dp", "domain"});
-    auto model = std::make_shared<Net>();  // same initial values on every rank
-    for (auto& block : model->blocks) fully_shard(*block, mesh["dp"]);  // bottom-up
-    fully_shard(*model, mesh["dp"]);                     // the root: whatever is left
-    torch::optim::AdamW opt(model->parameters(), 1e-3);  // the sharded parameters
+auto mesh = init_device_mesh("cpu", {dp, domain}, {"dp", "domain"});
+auto model = std::make_shared<Net>();                 // same initial values on every rank
+for (auto& block : model->blocks) fully_shard(*block, mesh["dp"]);   // bottom-up
+fully_shard(*model, mesh["dp"]);                      // the root: whatever is left
+torch::optim::AdamW opt(model->parameters(), 1e-3);   // the sharded parameters
 
-    // Each rank's own samples, declared as the rows of one global batch:
-    auto x = from_local(local_x, mesh, {Shard(0), Shard(2)}, {ShardSizes::Infer()});
-    auto loss = at::mse_loss(
-        model->forward(x), from_local(local_y, mesh, {Shard(0), Shard(2)}, {ShardSizes::Infer()}));
-    loss.backward();
-    opt.step();
+// Each rank's own samples, declared as the rows of one global batch:
+auto x = from_local(local_x, mesh, {Shard(0), Shard(2)}, {ShardSizes::Infer()});
+auto loss = at::mse_loss(model->forward(x), from_local(local_y, mesh, {Shard(0), Shard(2)},
+                                                       {ShardSizes::Infer()}));
+loss.backward();
+opt.step();
     // doc:end
 
     torch::optim::AdamW ref_opt(reference->parameters(), 1e-3);

@@ -39,10 +39,10 @@ int main() {
   const auto targets = at::randint(0, c.vocab_size, {3, 7}, at::kLong);
 
   // doc:begin
-  auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
-  parallelize_module(model, mesh["tp"], plan);
-  for (auto& layer : *model->layers) fully_shard(*layer, mesh["dp"]);
-  fully_shard(*model, mesh["dp"]);
+auto mesh = init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+parallelize_module(model, mesh["tp"], plan);
+for (auto& layer : *model->layers) fully_shard(*layer, mesh["dp"]);
+fully_shard(*model, mesh["dp"]);
   // doc:end
 
   auto step = [&](llama::Transformer& m, const at::Tensor& x, const at::Tensor& y) {

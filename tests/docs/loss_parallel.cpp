@@ -22,15 +22,16 @@ int main() {
   {
     // doc:begin
 #include <tessera/tessera.h>
-    namespace F = torch::nn::functional;
+namespace F = torch::nn::functional;
 
-    auto logits = lm_head(h);  // distributed, Shard(1) on the tp mesh dim
-    {
-      tessera::LossParallel scope;  // or: auto scope = tessera::loss_parallel();
-      auto loss = F::cross_entropy(
-          logits, target, F::CrossEntropyFuncOptions().ignore_index(-100).label_smoothing(0.1));
-      loss.backward();
-    }
+auto logits = lm_head(h);                 // distributed, Shard(1) on the tp mesh dim
+{
+  tessera::LossParallel scope;            // or: auto scope = tessera::loss_parallel();
+  auto loss = F::cross_entropy(logits, target,
+                               F::CrossEntropyFuncOptions().ignore_index(-100)
+                                   .label_smoothing(0.1));
+  loss.backward();
+}
     // doc:end
   }
 

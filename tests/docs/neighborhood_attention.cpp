@@ -18,8 +18,8 @@ int main() {
   const auto full_v = at::randn({2, 16, 12, 2, 6}, opts);
   const auto sizes = tessera::ShardSizes::Given({{}, {9, 7}, {5, 7}});
   auto shard = [&](const at::Tensor& t) {
-    return tessera::distribute_tensor(t, mesh, {tessera::Shard(1), tessera::Shard(2)}, std::nullopt,
-                                      sizes)
+    return tessera::distribute_tensor(t, mesh, {tessera::Shard(1), tessera::Shard(2)},
+                                      std::nullopt, sizes)
         .requires_grad_();
   };
   const auto q = shard(full_q), k = shard(full_k), v = shard(full_v);
@@ -28,12 +28,11 @@ int main() {
     // doc:begin
 #include <tessera/tessera.h>
 #include <tessera/nn/neighborhood_attention.h>  // not in the umbrella header
-    namespace F = tessera::nn::functional;
+namespace F = tessera::nn::functional;
 
-    // q [B, H, W, heads, D], k [B, H, W, kv_heads, D], v [B, H, W, kv_heads, Dv]
-    auto out =
-        F::na2d(q, k, v, /*kernel_size=*/{7, 7},
-                F::NeighborhoodAttentionFuncOptions().dilation({2, 1}).is_causal({false, false}));
+// q [B, H, W, heads, D], k [B, H, W, kv_heads, D], v [B, H, W, kv_heads, Dv]
+auto out = F::na2d(q, k, v, /*kernel_size=*/{7, 7},
+                   F::NeighborhoodAttentionFuncOptions().dilation({2, 1}).is_causal({false, false}));
     // doc:end
 
     const auto ref_q = full_q.clone().requires_grad_(), ref_k = full_k.clone().requires_grad_(),

@@ -34,12 +34,12 @@ int main() {
                                      {tessera::ShardSizes::Infer()});
 
   // doc:begin
-  auto ddp = tessera::replicate(model, mesh["dp"]);  // parameters replicated, first rank's values
-  torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
-  auto x = tessera::from_local(local_batch, mesh, {tessera::Shard(0), tessera::Replicate()},
-                               {tessera::ShardSizes::Infer()});
-  at::mse_loss(model->forward(x), y).backward();  // gradients summed in buckets during backward
-  opt.step();
+auto ddp = tessera::replicate(model, mesh["dp"]);  // parameters replicated, first rank's values
+torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-3));
+auto x = tessera::from_local(local_batch, mesh, {tessera::Shard(0), tessera::Replicate()},
+                             {tessera::ShardSizes::Infer()});
+at::mse_loss(model->forward(x), y).backward();  // gradients summed in buckets during backward
+opt.step();
   // doc:end
 
   torch::optim::AdamW ref_opt(reference->parameters(), torch::optim::AdamWOptions(1e-3));

@@ -13,9 +13,8 @@ int main() {
   torch::manual_seed(0);  // same values on every rank
   auto make_model = [] {
     namespace nn = torch::nn;
-    nn::Sequential m(
-        nn::Conv2d(nn::Conv2dOptions(2, 4, 3).padding(1)), nn::ReLU(),
-        nn::Conv2d(nn::Conv2dOptions(4, 1, 5).padding(2).padding_mode(torch::kCircular)));
+    nn::Sequential m(nn::Conv2d(nn::Conv2dOptions(2, 4, 3).padding(1)), nn::ReLU(),
+                     nn::Conv2d(nn::Conv2dOptions(4, 1, 5).padding(2).padding_mode(torch::kCircular)));
     m->to(at::kDouble);
     return m;
   };
@@ -25,12 +24,12 @@ int main() {
   const auto target = at::randn({2, 1, 64, 64}, at::kDouble);
 
   // doc:begin
-  auto mesh = init_device_mesh("cpu", {2, 2}, {"h", "w"});
-  distribute_module(*model, mesh);  // parameters replicated
-  auto x = distribute_tensor(field, mesh, {Shard(2), Shard(3)}, std::nullopt,
-                             ShardSizes::Given({{}, {}, {24, 40}, {36, 28}}));
-  auto loss = at::mse_loss(model->forward(x), target);  // halos exchanged where needed
-  loss.backward();  // gradient halos sent home; weight gradients summed over the domain
+auto mesh = init_device_mesh("cpu", {2, 2}, {"h", "w"});
+distribute_module(*model, mesh);  // parameters replicated
+auto x = distribute_tensor(field, mesh, {Shard(2), Shard(3)}, std::nullopt,
+                           ShardSizes::Given({{}, {}, {24, 40}, {36, 28}}));
+auto loss = at::mse_loss(model->forward(x), target);  // halos exchanged where needed
+loss.backward();  // gradient halos sent home; weight gradients summed over the domain
   // doc:end
 
   auto ref_loss = at::mse_loss(reference->forward(field), target);

@@ -14,7 +14,7 @@ int main() {
   llama::LlamaConfig c;
   c.vocab_size = 65;  // uneven over 2 ranks
   c.dim = 48;
-  c.n_heads = 6;  // whole heads of 8: 3 and 3
+  c.n_heads = 6;      // whole heads of 8: 3 and 3
   c.ffn_hidden = 40;
   c.max_seq_len = 16;
   const int64_t head_dim = c.head_dim();
@@ -31,19 +31,17 @@ int main() {
   const auto targets = at::randint(0, c.vocab_size, {3, 7}, at::kLong);
 
   // doc:begin
-  tessera::parallelize_module(
-      model, mesh["tp"],
-      {
-          {"layers.*.attention.w[qkv]", tessera::ColwiseParallel().shard_unit(head_dim)},
-          {"layers.*.attention.wo", tessera::RowwiseParallel().shard_unit(head_dim)},
-          {"output", tessera::ColwiseParallel().use_local_output(false)},
-      });
+tessera::parallelize_module(model, mesh["tp"], {
+    {"layers.*.attention.w[qkv]", tessera::ColwiseParallel().shard_unit(head_dim)},
+    {"layers.*.attention.wo", tessera::RowwiseParallel().shard_unit(head_dim)},
+    {"output", tessera::ColwiseParallel().use_local_output(false)},
+});
   // doc:end
   // The logits the snippet's loss reads: [B, S, vocab], sharded on the vocabulary.
   auto logits = model->forward(tokens);
   // doc:begin
-  tessera::LossParallel scope;  // cross entropy without gathering the logits
-  auto loss = torch::nn::functional::cross_entropy(logits.flatten(0, 1), targets.flatten());
+tessera::LossParallel scope;  // cross entropy without gathering the logits
+auto loss = torch::nn::functional::cross_entropy(logits.flatten(0, 1), targets.flatten());
   // doc:end
   loss.backward();
 

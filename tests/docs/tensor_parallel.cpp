@@ -35,22 +35,18 @@ int main() {
   // doc:begin
 #include <tessera/tessera.h>
 
-  auto mesh = tessera::init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
-  tessera::parallelize_module(
-      model, mesh["tp"],
-      {
-          {"tok_embeddings", tessera::RowwiseParallel()
-                                 .input_layouts(tessera::Replicate())
-                                 .output_layouts(tessera::Shard(1))
-                                 .use_local_output(false)},
-          {"layers.*.attention_norm", tessera::SequenceParallel()},
-          {"layers.*.attention", tessera::PrepareModuleInput()
-                                     .input_layouts({tessera::Shard(1)})
-                                     .desired_input_layouts({tessera::Replicate()})},
-          {"layers.*.attention.w[qkv]", tessera::ColwiseParallel()},
-          {"layers.*.attention.wo",
-           tessera::RowwiseParallel().output_layouts(tessera::Shard(1)).use_local_output(false)},
-      });
+auto mesh = tessera::init_device_mesh("cpu", {2, 2}, {"dp", "tp"});
+tessera::parallelize_module(model, mesh["tp"], {
+    {"tok_embeddings", tessera::RowwiseParallel().input_layouts(tessera::Replicate())
+                                                 .output_layouts(tessera::Shard(1))
+                                                 .use_local_output(false)},
+    {"layers.*.attention_norm", tessera::SequenceParallel()},
+    {"layers.*.attention", tessera::PrepareModuleInput().input_layouts({tessera::Shard(1)})
+                                                        .desired_input_layouts({tessera::Replicate()})},
+    {"layers.*.attention.w[qkv]", tessera::ColwiseParallel()},
+    {"layers.*.attention.wo", tessera::RowwiseParallel().output_layouts(tessera::Shard(1))
+                                                        .use_local_output(false)},
+});
   // doc:end
 
   auto logits = model->forward(tokens);

@@ -76,3 +76,36 @@ TEST(Halo, MovesOnlyHaloRows) {
               expected_recv);
   });
 }
+
+// An exchange assigned over while still in flight is finished first (its rows arrive, its
+// peers are not left waiting); the new one then completes with its own window.
+TEST(Halo, AssigningOverAnExchangeInFlightFinishesIt) {
+  for (int world : {1, 2, 3, 4}) {
+    tessera::testing::run_ranks(world, [&](int rank) {
+      auto mesh = init_device_mesh("cpu", {world});
+      std::vector<int64_t> sizes(world, 2);
+      sizes[0] = 3;
+      const int64_t total = 2 * world + 1;
+      const auto full = tessera::test::randn({2, total}, 40 + world);
+      const int64_t off = rank == 0 ? 0 : 3 + 2 * (rank - 1);
+      const auto local = full.narrow(1, off, sizes[rank]);
+      std::vector<comm::Window> first, second;
+      for (int r = 0, o = 0; r < world; o += sizes[r], ++r) {
+        first.push_back({o - 1, o + sizes[r] + 1});
+        second.push_back({o - 2, o + sizes[r]});
+      }
+      comm::PendingWindow pending = comm::fetch_window_async(
+          mesh.group(0), local, 1, sizes, first, HaloBoundary::Periodic, 0.0, /*tag=*/1);
+      EXPECT_TRUE(pending.pending());
+      pending = comm::fetch_window_async(mesh.group(0), local, 1, sizes, second,
+                                         HaloBoundary::Periodic, 0.0, /*tag=*/2);
+      const at::Tensor got = pending.wait();
+      EXPECT_FALSE(pending.pending());
+      auto expected = at::empty({2, second[rank].size()});
+      for (int64_t k = 0; k < second[rank].size(); ++k)
+        expected.select(1, k).copy_(full.select(1, wrap(second[rank].lo + k, total)));
+      EXPECT_TRUE(at::equal(got, expected)) << "world " << world;
+      EXPECT_TRUE(at::equal(pending.wait(), got));  // a second wait returns the same window
+    });
+  }
+}

@@ -14,8 +14,14 @@
 
 #include "tessera/comm/accounting.h"
 #include "tessera/comm/device.h"
+#include "tessera/comm/pending.h"
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#if TORCH_VERSION_MAJOR >= 2
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#endif
+
 #include "tessera/compat.h"
-#include "tessera/placement/placement.h"
+#include "tessera/comm/reduce_op.h"
 
 namespace tessera::comm {
 
@@ -33,50 +39,17 @@ at::Tensor all_reduce(const Group& pg, const at::Tensor& x, PartialOp op);
 
 // The same all-reduce, in place on `buffer` (contiguous), left running on the backend's own
 // threads so the caller can go on computing (gradient buckets in backward). wait() finishes
-// it and returns the buffer; a pending all-reduce that is never waited for is waited for by
-// its destructor. Accounted when started.
-class PendingAllReduce {
- public:
-  PendingAllReduce() = default;
-  PendingAllReduce(PendingAllReduce&&) = default;
-  PendingAllReduce& operator=(PendingAllReduce&&);
-  ~PendingAllReduce();
-  at::Tensor wait();
-  bool pending() const { return work_.defined(); }
-
- private:
-  friend PendingAllReduce all_reduce_start(const Group&, at::Tensor, PartialOp);
-  c10::intrusive_ptr<c10d::Work> work_;
-  at::Tensor buffer_;  // what the transport writes: home_ itself, or its host copy (cuda:gloo)
-  at::Tensor home_;
-  PartialOp op_ = PartialOp::Sum;
-  int group_size_ = 1;
-};
+// it and returns the buffer. Accounted when started.
+using PendingAllReduce = Pending<at::Tensor>;
 PendingAllReduce all_reduce_start(const Group& pg, at::Tensor buffer, PartialOp op);
 
 // Every member's 1-D `x` (member i's has sizes[i] elements), left running on the backend's own
 // threads; wait() returns the n pieces in member order (fully_shard's prefetch: the next
 // group's parameters arrive while this one computes). Uneven pieces travel padded to the
 // largest, as the backend's all-gather wants equal blocks: sends (n-1)*max, receives
-// (n-1)*max elements (fully_shard's pieces differ by at most a row per parameter). A pending
-// all-gather that is never waited for is waited for by its destructor. Accounted when started.
-class PendingAllGather {
- public:
-  PendingAllGather() = default;
-  PendingAllGather(PendingAllGather&&) = default;
-  PendingAllGather& operator=(PendingAllGather&&);
-  ~PendingAllGather();
-  std::vector<at::Tensor> wait();
-  bool pending() const { return work_.defined() || !blocks_.empty(); }
-
- private:
-  friend PendingAllGather all_gather_start(const Group&, const at::Tensor&,
-                                           const std::vector<int64_t>&);
-  c10::intrusive_ptr<c10d::Work> work_;
-  std::vector<at::Tensor> blocks_;  // padded, one per member (the member's own: its input)
-  std::vector<int64_t> sizes_;
-  c10::Device home_ = c10::Device(c10::DeviceType::CPU);
-};
+// (n-1)*max elements (fully_shard's pieces differ by at most a row per parameter). Accounted
+// when started.
+using PendingAllGather = Pending<std::vector<at::Tensor>>;
 PendingAllGather all_gather_start(const Group& pg, const at::Tensor& x,
                                   const std::vector<int64_t>& sizes);
 
@@ -112,10 +85,6 @@ std::vector<std::vector<int64_t>> all_gather_ints(const Group& pg, const std::ve
 
 // Every member's string, in member order (one length exchange, then the bytes).
 std::vector<std::string> all_gather_strings(const Group& pg, const std::string& s);
-
-// Errors, not hangs: every member calls this at the same point. If any member's `ok` is
-// false, every member throws the same c10::Error, carrying the failing members' messages.
-void check_everywhere(const Group& pg, bool ok, const std::string& message);
 
 int group_rank(const Group& pg);
 int group_size(const Group& pg);

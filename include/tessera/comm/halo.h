@@ -44,21 +44,7 @@ at::Tensor fetch_window(const Group& pg, const at::Tensor& x, int64_t dim,
 
 // The same exchange, left in flight: start it, compute what needs no halo, then wait() for
 // the window. Exchanges in flight at the same time on one group need distinct tags.
-class PendingWindow {
- public:
-  PendingWindow() = default;
-  PendingWindow(PendingWindow&&) = default;
-  PendingWindow& operator=(PendingWindow&&) = default;
-  ~PendingWindow();
-  at::Tensor wait();
-  struct State;
-
- private:
-  friend PendingWindow fetch_window_async(const Group&, const at::Tensor&, int64_t,
-                                          const std::vector<int64_t>&, const std::vector<Window>&,
-                                          HaloBoundary, double, int);
-  std::shared_ptr<State> state_;
-};
+using PendingWindow = Pending<at::Tensor>;
 PendingWindow fetch_window_async(const Group& pg, const at::Tensor& x, int64_t dim,
                                  const std::vector<int64_t>& sizes,
                                  const std::vector<Window>& windows, HaloBoundary boundary,

@@ -5,11 +5,9 @@
 #include <string>
 #include <vector>
 
-namespace tessera {
+#include "tessera/comm/reduce_op.h"
 
-// Partial(op): every rank holds a term; the global value is op over the terms.
-enum class PartialOp : uint8_t { Sum, Avg, Max, Min };
-const char* to_string(PartialOp op);
+namespace tessera {
 
 class Placement {
  public:
