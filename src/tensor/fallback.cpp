@@ -3,19 +3,22 @@
 // Per call, in named steps (see dtensor_fallback): collect the distributed arguments, admit
 // plain ones and build the decision key, decide (cache or rule), unwrap and redistribute,
 // run the op or the plan's kernel, wrap the results and write back aliased arguments.
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include "../comm/wait.h"
+#include "comm/wait.h"
+#include "tensor/out_form.h"
 #include "fallback_hooks.h"
 #include "tessera/compat.h"
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 #include "tessera/redistribute/redistribute.h"
 #include "tessera/tensor/dtensor_impl.h"
 #include "tessera/tensor/registration.h"
@@ -77,6 +80,9 @@ int aliased_argument(const c10::FunctionSchema& schema, size_t ret) {
 struct Decision {
   ops::OpPlan plan;
   bool replicate_all = false;
+  // An out= form run through its functional sibling (NOTE: [out= forms] in tensor/rule_registry.cpp).
+  std::optional<c10::OperatorHandle> functional;
+  size_t outs = 0;
 };
 
 using Key = c10::SmallVector<size_t, 16>;
@@ -390,10 +396,17 @@ void decide(Frame& f) {
   f.fresh = std::make_shared<Decision>();
   if (const ops::Rule* rule = ops::find_rule(f.op)) {
     f.fresh->plan = (*rule)(f.call);
-    // Share spec objects the inputs already carry: later calls then match by pointer.
-    auto& in = f.fresh->plan.inputs;
-    for (size_t i = 0; i < in.size() && i < f.nargs; ++i)
-      if (in[i] && f.impls[i] && *in[i] == f.impls[i]->spec()) in[i] = f.impls[i]->spec_ptr();
+  } else if (const auto* out_form = ops::detail::find_out_form_rule(f.op)) {
+    // The functional rule sees the inputs only: the out tensors are overwritten.
+    const size_t first_out = f.nargs - out_form->outs;
+    c10::SmallVector<const DTensorSpec*, 2> out_specs(f.call.specs.begin() + first_out,
+                                                      f.call.specs.end());
+    std::fill(f.call.specs.begin() + first_out, f.call.specs.end(), nullptr);
+    f.fresh->plan = (*out_form->rule)(f.call);
+    std::copy(out_specs.begin(), out_specs.end(), f.call.specs.begin() + first_out);
+    if (f.fresh->plan.inputs.size() > first_out) f.fresh->plan.inputs.resize(first_out);
+    f.fresh->functional = out_form->functional;
+    f.fresh->outs = out_form->outs;
   } else {
     for (size_t i = 0; i < f.nargs; ++i)
       TORCH_CHECK(!f.call.specs[i] || f.call.specs[i]->is_replicated(),
@@ -408,7 +421,13 @@ void decide(Frame& f) {
                     "redistribute the list's tensors to Replicate() first, or register a ",
                     "rule with tessera::ops::register_rule");
     f.fresh->replicate_all = true;
+    f.decision = f.fresh;
+    return;
   }
+  // Share spec objects the inputs already carry: later calls then match by pointer.
+  auto& in = f.fresh->plan.inputs;
+  for (size_t i = 0; i < in.size() && i < f.nargs; ++i)
+    if (in[i] && f.impls[i] && *in[i] == f.impls[i]->spec()) in[i] = f.impls[i]->spec_ptr();
   f.decision = f.fresh;
 }
 
@@ -442,22 +461,48 @@ void unwrap(Frame& f) {
   for (const auto& [i, value] : plan.local_args) (*f.stack)[f.base + i] = value;
 }
 
-// Step 5: the op itself on the local shards, or the plan's kernel in its place.
-void run(Frame& f) {
+// The op (or the plan's kernel in its place) on the stack's local arguments.
+void run_local(Frame& f, const c10::OperatorHandle& op) {
   const ops::OpPlan& plan = f.plan();
   if (!plan.local_kernel && !plan.distributed_kernel) {
-    f.op.callBoxed(f.stack);
+    op.callBoxed(f.stack);
     return;
   }
   torch::jit::Stack own(f.stack->begin() + f.base, f.stack->end());
   f.stack->resize(f.base);
-  ops::KernelCall kernel(f.op, own);
+  ops::KernelCall kernel(op, own);
   if (plan.local_kernel)
     plan.local_kernel(kernel);
   else
     plan.distributed_kernel(kernel, f.ref().mesh());
   f.stack->insert(f.stack->end(), std::make_move_iterator(own.begin()),
                   std::make_move_iterator(own.end()));
+}
+
+// An out= form without its own rule: the functional sibling on the shards, its results
+// written into the out shards (or replacing them where the layout changes the local shape).
+void run_out_form(Frame& f) {
+  const size_t first_out = f.nargs - f.decision->outs;
+  f.stack->resize(f.base + first_out);
+  run_local(f, *f.decision->functional);
+  const size_t results_at = f.stack->size() - f.decision->outs;
+  for (size_t k = 0; k < f.decision->outs; ++k) {
+    at::Tensor result = (*f.stack)[results_at + k].toTensor();
+    at::Tensor& out = f.locals[first_out + k];
+    if (out.sizes() == result.sizes())
+      out.copy_(result);
+    else
+      out = result.to(out.scalar_type());
+    (*f.stack)[results_at + k] = out;
+  }
+}
+
+// Step 5: the op itself on the local shards, or the plan's kernel in its place.
+void run(Frame& f) {
+  if (f.decision->functional)
+    run_out_form(f);
+  else
+    run_local(f, f.op);
 }
 
 // The planned spec of the next result. On a miss it is checked against the local result and
@@ -517,6 +562,7 @@ void wrap_results(Frame& f) {
       if (planned && (!f.locals[alias].is_same(target) || !planned->is_replicated())) {
         auto whole = std::make_shared<DTensorSpec>(
             planned->with_placements(Placements(planned->mesh().ndim(), Replicate())));
+        if (target.sizes().vec() != planned->sizes()) target.resize_(planned->sizes());  // out=
         target.copy_(redistribute_local(f.locals[alias], planned, whole));
       }
       f.stack->push_back(target);
@@ -572,9 +618,9 @@ void remember(Frame& f) {
 // Whether the fast path may replay this call (see detail::FallbackReport).
 void report(const Frame& f, detail::FallbackReport* out) {
   const ops::OpPlan& plan = f.plan();
-  if (f.lists || !f.keep_alive.empty() || f.decision->replicate_all || plan.data_dependent_shapes ||
-      plan.local_kernel || plan.distributed_kernel || f.schema.returns().size() != 1 ||
-      plan.outputs.size() != 1)
+  if (f.lists || !f.keep_alive.empty() || f.decision->replicate_all || f.decision->functional ||
+      plan.data_dependent_shapes || plan.local_kernel || plan.distributed_kernel ||
+      f.schema.returns().size() != 1 || plan.outputs.size() != 1)
     return;
   for (size_t i = 0; i < f.nargs; ++i) {
     if (!f.impls[i]) continue;

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <memory>
 #include <mutex>
 #include <shared_mutex>
 #include <unordered_map>
@@ -6,7 +7,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include "tessera/ops/rule.h"
+#include "out_form.h"
+#include "tessera/tensor/rule.h"
 #include "tessera/redistribute/redistribute.h"
 
 namespace tessera::ops {
@@ -16,6 +18,9 @@ struct Registry {
   std::shared_mutex mu;
   std::unordered_map<std::string, Rule> by_name;           // nodes are stable: memo points into it
   std::unordered_map<const void*, const Rule*> by_schema;  // memo: one lookup per operator
+  std::unordered_map<const void*, std::unique_ptr<detail::OutFormRule>> out_forms;  // memo
+  // Memo entries a later registration invalidated: callers may still hold them.
+  std::vector<std::unique_ptr<detail::OutFormRule>> retired;
 };
 Registry& registry() {
   static Registry r;
@@ -71,6 +76,8 @@ void register_rule(const std::string& qualified_name, Rule rule) {
   TORCH_CHECK(inserted, "tessera: a second sharding rule for ", qualified_name,
               "; one rule per op");
   r.by_schema.clear();
+  for (auto& kv : r.out_forms) r.retired.push_back(std::move(kv.second));
+  r.out_forms.clear();
 }
 
 int register_rule_for_overloads(const std::string& base, const Rule& rule,
@@ -98,6 +105,81 @@ const Rule* find_rule(const c10::OperatorHandle& op) {
   const Rule* rule = it == r.by_name.end() ? nullptr : &it->second;
   r.by_schema.emplace(key, rule);
   return rule;
+}
+
+// NOTE: [out= forms]
+// An out= overload (cumsum.out, sort.values, ...) needs no rule of its own: ATen ends its
+// schema with the written kwarg-only arguments, so without them it is its functional
+// sibling's schema, every other argument at the same position. The fallback runs that
+// sibling's rule and the sibling itself on the shards, then writes each result into its out
+// tensor, which takes the rule's output spec (as ATen resizes `out`). An overload with a rule
+// of its own (the pointwise family rules every overload) keeps it.
+size_t detail::out_argument_count(const c10::FunctionSchema& schema) {
+  size_t n = 0;
+  const auto& args = schema.arguments();
+  for (size_t i = args.size(); i-- > 0;) {
+    const auto* alias = args[i].alias_info();
+    if (!args[i].kwarg_only() || !alias || !alias->isWrite()) break;
+    ++n;
+  }
+  return n;
+}
+
+namespace {
+// The overloads of one base name, indexed once (the dispatcher lists about 2,500 names).
+const std::vector<c10::OperatorName>& overloads_of(const std::string& base) {
+  static const auto index = [] {
+    std::unordered_map<std::string, std::vector<c10::OperatorName>> m;
+    for (auto& name : c10::Dispatcher::singleton().getAllOpNames()) m[name.name].push_back(name);
+    return m;
+  }();
+  static const std::vector<c10::OperatorName> none;
+  auto it = index.find(base);
+  return it == index.end() ? none : it->second;
+}
+
+detail::OutFormRule borrow_functional_rule(const c10::OperatorHandle& op) {
+  detail::OutFormRule found;
+  const auto& schema = op.schema();
+  const size_t outs = detail::out_argument_count(schema);
+  if (outs == 0 || schema.returns().size() != outs) return found;
+  for (size_t i = schema.arguments().size() - outs; i < schema.arguments().size(); ++i)
+    if (schema.arguments()[i].type()->kind() != c10::TypeKind::TensorType) return found;
+  const size_t nargs = schema.arguments().size() - outs;
+  for (const auto& name : overloads_of(schema.name())) {
+    auto sibling = c10::Dispatcher::singleton().findOp(name);
+    if (!sibling || detail::out_argument_count(sibling->schema()) != 0) continue;
+    const auto& args = sibling->schema().arguments();
+    if (args.size() != nargs || sibling->schema().returns().size() != schema.returns().size())
+      continue;
+    bool same = true;
+    for (size_t i = 0; i < nargs && same; ++i)
+      same = args[i].name() == schema.arguments()[i].name() &&
+             args[i].type()->str() == schema.arguments()[i].type()->str();
+    if (!same) continue;
+    if (const Rule* rule = find_rule(*sibling)) {
+      found.rule = rule;
+      found.functional = *sibling;
+      found.outs = outs;
+      return found;
+    }
+  }
+  return found;
+}
+}  // namespace
+
+const detail::OutFormRule* detail::find_out_form_rule(const c10::OperatorHandle& op) {
+  auto& r = registry();
+  const void* key = &op.schema();
+  {
+    std::shared_lock<std::shared_mutex> lock(r.mu);
+    auto it = r.out_forms.find(key);
+    if (it != r.out_forms.end()) return it->second->rule ? it->second.get() : nullptr;
+  }
+  auto made = std::make_unique<OutFormRule>(borrow_functional_rule(op));
+  std::unique_lock<std::shared_mutex> lock(r.mu);
+  auto it = r.out_forms.emplace(key, std::move(made)).first;
+  return it->second->rule ? it->second.get() : nullptr;
 }
 
 std::vector<std::string> registered_rule_names() {

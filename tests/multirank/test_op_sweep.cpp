@@ -370,6 +370,9 @@ std::vector<OpCase> shape_cases() {
       {"flip", {D(A)}, [](Args v) { return v[0].flip({0}); }},
       {"roll", {D(A)}, [](Args v) { return v[0].roll({2}, {1}); }},
       {"tril", {D(A)}, [](Args v) { return v[0].tril(); }},
+      // maxnorm below the slices' norms, so every slice is rescaled
+      {"renorm(dim 0)", {D(A)}, [](Args v) { return v[0].renorm(2, 0, 0.5); }},
+      {"renorm(dim 1)", {D(A3)}, [](Args v) { return v[0].renorm(1, 1, 0.5); }},
       {"triu", {D(A)}, [](Args v) { return v[0].triu(1); }},
       {"trace", {D(A)}, [](Args v) { return v[0].trace(); }},
       {"diag", {D(A)}, [](Args v) { return at::diag(v[0], 1) * 2; }},

@@ -2,7 +2,33 @@
 // The extension surface: how an op learns to run on distributed tensors.
 //
 // NOTE: [How to add an op]
-// There are three ways, from most to least common:
+// Adding an op touches one file: a rule family under src/ops/ (or a new file there, picked up
+// by the build), ending with its registration block. src/ops/renorm.cpp is the worked example
+// in full:
+//
+//   OpPlan renorm_rule(const OpCall& call) {
+//     const DTensorSpec& self = *call.spec("self");                 // arguments by name
+//     const int64_t dim = c10::maybe_wrap_dim(call.arg<int64_t>("dim"), self.ndim());
+//     auto layout = std::make_shared<DTensorSpec>(self.replicate_where(
+//         [&](int64_t, const Placement& p) {                          // what must be whole
+//           return p.is_partial() || (p.is_shard() && p.dim() != dim);
+//         }));
+//     OpPlan plan(call);
+//     plan.input("self", layout);  // the fallback redistributes self to this layout,
+//     plan.output(layout);         // runs aten::renorm on the shards, wraps the result so
+//     return plan;
+//   }
+//   const RuleRegistrar registrar{[] {
+//     register_rule("aten::renorm", renorm_rule);   // renorm.out borrows it (NOTE: [out= forms])
+//     register_rule("aten::renorm_", renorm_rule);  // the in-place form is its own op
+//   }};
+//
+// A rule never communicates and must not read Scalar arguments (they are not part of the
+// cache key, NOTE: [Decision cache]). Tests: add the op to the sweep's table
+// (tests/multirank/test_op_sweep.cpp), which checks it against one device, forward and
+// backward, on uneven shards and several meshes; RegistrationPolicy checks the overloads.
+//
+// The three ways in, from most to least common:
 //  1. register_rule: a sharding rule. It reads the input layouts (and non-tensor arguments by
 //     schema name) and says which layout each input must have and which layout each result
 //     gets; the fallback redistributes, runs the op on the shards and wraps the results. Most
