@@ -39,6 +39,7 @@
 #include "bench_main.h"
 #include "counting_allocator.h"
 #include "tessera/tessera.h"
+#include "tessera/testing/run_ranks.h"
 
 using namespace tessera;
 namespace nn = torch::nn;

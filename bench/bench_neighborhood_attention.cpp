@@ -36,6 +36,7 @@
 #include "bench_main.h"
 #include "counting_allocator.h"
 #include "tessera/tessera.h"
+#include "tessera/testing/run_ranks.h"
 
 using Clock = std::chrono::steady_clock;
 namespace naf = tessera::nn::functional;

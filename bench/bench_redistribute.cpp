@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "tessera/tessera.h"
+#include "tessera/testing/run_ranks.h"
 
 using namespace tessera;
 using Clock = std::chrono::steady_clock;

@@ -14,6 +14,7 @@
 #include "support/compare.h"
 #include "support/property.h"
 #include "tessera/tessera.h"
+#include "tessera/testing/run_ranks.h"
 
 namespace tessera::test {
 

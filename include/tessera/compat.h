@@ -8,22 +8,10 @@
 
 #include <ATen/core/Tensor.h>
 #include <torch/version.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
-#if TORCH_VERSION_MAJOR >= 2
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-#endif
+#include "tessera/compat_c10d.h"
 
 namespace tessera::compat {
-
-#if TORCH_VERSION_MAJOR >= 2
-// 2.x: concrete transports (Gloo, NCCL) derive from c10d::Backend.
-using Backend = c10d::Backend;
-#else
-// 1.13: concrete transports derive from c10d::ProcessGroup directly.
-using Backend = c10d::ProcessGroup;
-#endif
-using BackendPtr = c10::intrusive_ptr<Backend>;
 
 // c10::Allocator: 2.3 made allocate() non-const and added a pure virtual copy_data(); an
 // allocator written for both declares `allocate(size_t) TESSERA_ALLOCATE_CONST override` and

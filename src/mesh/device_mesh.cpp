@@ -7,6 +7,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "tessera/comm/collectives.h"
 #include "tessera/comm/device.h"
 #include "tessera/runtime/world.h"
 
@@ -295,8 +296,8 @@ DeviceMesh DeviceMesh::unowned() const {
   // Aliasing constructor with an empty owner: points at the impl, owns nothing.
   return DeviceMesh(std::shared_ptr<Impl>(std::shared_ptr<Impl>(), impl_.get()));
 }
-std::shared_ptr<void>& DeviceMesh::cache_slot() const { return impl_->cache; }
-std::mutex& DeviceMesh::cache_mutex() const { return impl_->cache_mu; }
+std::shared_ptr<void>& detail::mesh_cache_slot(const DeviceMesh& mesh) { return mesh.impl_->cache; }
+std::mutex& detail::mesh_cache_mutex(const DeviceMesh& mesh) { return mesh.impl_->cache_mu; }
 
 std::string DeviceMesh::str() const {
   if (!impl_) return "DeviceMesh(undefined)";

@@ -20,7 +20,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
-#include "na_local.h"
+#include "ops/window/na_local.h"
 #include "tessera/comm/halo.h"
 
 namespace tessera::nn {

@@ -38,7 +38,7 @@
 #include <torch/library.h>
 
 #include "dimwise.h"
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 #include "tessera/redistribute/redistribute.h"
 #include "tessera/tensor/dtensor_impl.h"
 

@@ -35,7 +35,7 @@
 #include "dimwise.h"
 
 #include "tessera/comm/collectives.h"
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 #include "tessera/redistribute/redistribute.h"
 #include "tessera/tensor/api.h"
 #include "tessera/tensor/dtensor_impl.h"

@@ -15,7 +15,7 @@
 #include <c10/util/Exception.h>
 
 #include "dimwise.h"
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
 

@@ -10,7 +10,7 @@
 // returns empty results (the kernels refuse empty input).
 #include <c10/util/Exception.h>
 
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
 

@@ -1,6 +1,6 @@
 // Ops whose result has the input's layout: identity/alias ops, *_like factories, casts,
 // fills; and item(), which needs the whole (replicated) value.
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
 

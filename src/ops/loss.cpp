@@ -14,7 +14,7 @@
 
 #include "tessera/comm/collectives.h"
 #include "loss_mean.h"
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
 

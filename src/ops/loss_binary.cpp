@@ -9,7 +9,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
 

@@ -4,7 +4,7 @@
 #include <ATen/core/Reduction.h>
 #include <ATen/core/Tensor.h>
 
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
 

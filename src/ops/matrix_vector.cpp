@@ -6,7 +6,7 @@
 // The backward is mv / outer products, which have their own rules.
 #include <c10/util/Exception.h>
 
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
 

@@ -17,7 +17,7 @@
 
 #include <ATen/ATen.h>
 
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
 

@@ -30,7 +30,7 @@
 #include <c10/util/accumulate.h>
 
 #include "tessera/comm/collectives.h"
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
 

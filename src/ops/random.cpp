@@ -13,7 +13,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 #include "tessera/tensor/random.h"
 
 namespace tessera {

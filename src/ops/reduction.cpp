@@ -38,7 +38,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 #include "reduction_identity.h"
 
 namespace tessera::ops {

@@ -23,7 +23,7 @@
 #include <c10/util/Exception.h>
 
 #include "tessera/comm/collectives.h"
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 #include "reduction_identity.h"
 
 namespace tessera::ops {

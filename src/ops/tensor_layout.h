@@ -7,7 +7,7 @@
 #include <c10/core/WrapDimMinimal.h>
 #include <c10/util/Exception.h>
 
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 
 namespace tessera::ops::layout {
 

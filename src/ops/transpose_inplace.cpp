@@ -5,7 +5,7 @@
 // the local op transposes the shard in place, and the tensor takes the swapped layout.
 #include <c10/core/WrapDimMinimal.h>
 
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
 

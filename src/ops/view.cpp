@@ -16,7 +16,7 @@
 #include <c10/util/accumulate.h>
 #include <c10/util/strides.h>
 
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
 

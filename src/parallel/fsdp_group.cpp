@@ -51,7 +51,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include "../tensor/fallback_hooks.h"
+#include "tensor/fallback_hooks.h"
 #include "gradient_owner.h"
 #include "tessera/comm/collectives.h"
 #include "tessera/tensor/api.h"

@@ -39,7 +39,7 @@
 
 #include "tessera/comm/collectives.h"
 #include "tessera/compat.h"
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 #include "tessera/tensor/api.h"
 #include "tessera/tensor/dtensor_impl.h"
 

@@ -29,7 +29,7 @@
 #include <torch/library.h>
 
 #include "tessera/compat_autograd.h"
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 #include "tessera/placement/spec.h"
 #include "tessera/tensor/dtensor_impl.h"
 #include "tp_boundary.h"

@@ -11,7 +11,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include "../tensor/fallback_hooks.h"
+#include "tensor/fallback_hooks.h"
 #include "tessera/comm/collectives.h"
 #include "tessera/tensor/api.h"
 #include "tessera/tensor/dtensor_impl.h"

@@ -15,7 +15,7 @@
 
 #include "helpers.h"
 #include "support/meshes.h"
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 
 using namespace tessera;
 using tessera::test::differential;

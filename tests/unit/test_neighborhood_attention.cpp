@@ -8,7 +8,7 @@
 
 #include <torch/csrc/autograd/autograd.h>
 
-#include "../../src/nn/na_local.h"
+#include "ops/window/na_local.h"
 #include "helpers.h"
 #include "tessera/nn/neighborhood_attention.h"
 

@@ -2,7 +2,7 @@
 // header) against ATen on one device: which input rows an output range depends on (autograd of the
 // real op), the interpolation source rows and weights (the op on an index ramp), and the
 // per-member output/input tables against brute-force assignment.
-#include "../../src/ops/window/window_internal.h"
+#include "ops/window/window_internal.h"
 #include "helpers.h"
 
 using namespace tessera;

@@ -11,11 +11,18 @@
 #include <c10/core/Device.h>
 #include <c10/core/DeviceType.h>
 
-#include "tessera/compat.h"
+#include "tessera/compat_c10d.h"
 
 namespace tessera {
 
 class World;
+class DeviceMesh;
+
+namespace detail {
+// A cache slot and its mutex that die with the mesh (the redistribute planner's plans).
+std::shared_ptr<void>& mesh_cache_slot(const DeviceMesh& mesh);
+std::mutex& mesh_cache_mutex(const DeviceMesh& mesh);
+}  // namespace detail
 
 class DeviceMesh {
  public:
@@ -89,15 +96,14 @@ class DeviceMesh {
 
   std::string str() const;  // DeviceMesh(cpu, shape=[2, 2], ranks=[0,1,2,3], dims=(dp, tp))
 
-  // For caches owned by this mesh (redistribute plans): a handle that does not keep the mesh
-  // alive (no ownership cycle), and a slot plus mutex that die with the mesh.
+  // A handle that does not keep the mesh alive, for caches the mesh owns (no ownership cycle).
   DeviceMesh unowned() const;
-  std::shared_ptr<void>& cache_slot() const;
-  std::mutex& cache_mutex() const;
 
   struct Impl;
 
  private:
+  friend std::shared_ptr<void>& detail::mesh_cache_slot(const DeviceMesh&);
+  friend std::mutex& detail::mesh_cache_mutex(const DeviceMesh&);
   explicit DeviceMesh(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
   const Impl& impl() const;
   // The mesh over `dims` of this one, in that order (slices and permutations), cached.

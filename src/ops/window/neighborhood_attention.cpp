@@ -18,9 +18,9 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include "../../nn/na_local.h"
+#include "na_local.h"
 #include "window_internal.h"
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
 

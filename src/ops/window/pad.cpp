@@ -17,7 +17,7 @@
 #include <torch/library.h>
 
 #include "tessera/compat_autograd.h"
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 #include "tessera/ops/window.h"
 #include "tessera/tensor/api.h"
 #include "tessera/tensor/dtensor_impl.h"

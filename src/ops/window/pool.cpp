@@ -16,7 +16,7 @@
 #include <c10/util/accumulate.h>
 
 #include "window_internal.h"
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
 

@@ -11,7 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include "window_internal.h"
-#include "tessera/ops/rule.h"
+#include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
 
