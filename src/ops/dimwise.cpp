@@ -32,7 +32,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include "dimwise.h"
+#include "dim_layout.h"
 
 #include "tessera/comm/collectives.h"
 #include "tessera/ops/rule.h"
@@ -45,39 +45,6 @@ namespace tessera::ops {
 namespace {
 
 int64_t wrap(int64_t d, int64_t nd) { return c10::maybe_wrap_dim(d, nd); }
-
-}  // namespace
-
-SpecPtr whole_along(const DTensorSpec& in, const std::vector<int64_t>& dims, bool keep_partial) {
-  const int64_t nd = in.ndim();
-  std::vector<bool> touched(nd, false), sharded(nd, false), changed(nd, false);
-  for (int64_t d : dims) touched[wrap(d, nd)] = true;
-  Placements p = in.placements();
-  for (const auto& x : p)
-    if (x.is_shard() && !touched[x.dim()]) sharded[x.dim()] = true;
-  for (auto& x : p) {
-    if (x.is_partial() && !keep_partial) x = Replicate();
-    if (!x.is_shard() || !touched[x.dim()]) continue;
-    changed[x.dim()] = true;
-    int64_t free_dim = -1;
-    for (int64_t t = 0; t < nd; ++t)
-      if (!touched[t] && !sharded[t] && (free_dim < 0 || in.sizes()[t] > in.sizes()[free_dim]))
-        free_dim = t;
-    if (free_dim < 0) {
-      x = Replicate();
-    } else {
-      x = Shard(free_dim);
-      sharded[free_dim] = changed[free_dim] = true;
-    }
-  }
-  // Tables survive for dims whose sharding mesh dims did not change; new shards are chunks.
-  std::vector<ShardTable> tables(nd);
-  for (int64_t t = 0; t < nd; ++t)
-    if (sharded[t] && !changed[t]) tables[t] = in.shard_table(t);
-  return std::make_shared<DTensorSpec>(in.mesh(), p, in.sizes(), in.dtype(), tables);
-}
-
-namespace {
 
 const DTensorSpec& self_of(const OpCall& call) {
   // Every op here has a `self`; the other tensor arguments are laid out after it.
@@ -586,24 +553,6 @@ OpPlan scan_rule(const OpCall& call, Scan kind) {
 }
 
 // ---- backward kernels ------------------------------------------------------------------------
-
-}  // namespace
-
-at::Tensor local_as(const at::Tensor& t, const DTensorSpec& target) {
-  auto spec = std::make_shared<DTensorSpec>(target.mesh(), target.placements(), target.sizes(),
-                                            t.scalar_type(), target.shard_tables());
-  if (is_dtensor(t)) {
-    const auto* d = dtensor_impl(t);
-    return *d->spec_ptr() == *spec ? d->local()
-                                   : redistribute_local(d->local(), d->spec_ptr(), spec);
-  }
-  at::Tensor block = t;
-  const auto off = spec->local_offsets(), len = spec->local_sizes();
-  for (int64_t i = 0; i < spec->ndim(); ++i) block = block.narrow(i, off[i], len[i]);
-  return block;
-}
-
-namespace {
 
 // The layout the backward of a scan along `dim` runs in: the first distributed argument's,
 // with `dim` whole.
