@@ -143,11 +143,11 @@ SpecPtr layout_of(const at::Tensor& t, const DeviceMesh& mesh) {
 }
 
 // index.Tensor(self, indices)
-void index_kernel(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  const size_t n = stack->size();
-  const at::Tensor self = (*stack)[n - 2].toTensor();
-  const c10::IValue list = (*stack)[n - 1];
-  stack->resize(n - 2);
+void index_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  torch::jit::Stack args = torch::jit::pop(*stack, op.schema().arguments().size());
+  KernelCall k(op, args);
+  const at::Tensor self = k.tensor("self");
+  const c10::IValue list = k.arg("indices");
   const DeviceMesh* mesh = mesh_of(self);
   for (const c10::IValue& e : list.toListRef())
     if (!mesh && e.isTensor()) mesh = mesh_of(e.toTensor());
