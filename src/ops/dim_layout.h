@@ -1,8 +1,8 @@
 #pragma once
-// Layout helpers shared by the rule families: dims made whole (the dim-wise, sorting, scan,
-// window, indexing and distance rules), results resized or reduced along them, a
-// distributed or plain tensor cut to a layout, and broadcast shapes. Family files include
-// this header, never one another's.
+// Layout helpers shared by the rule families: dims made whole (scans, sorting, reorder,
+// diagonal, ... , adaptive max pooling, im2col, prelu, advanced indexing), results resized or
+// reduced along them, a distributed or plain tensor cut to a layout, and broadcast shapes.
+// Family files include this header, never one another's.
 #include <string>
 #include <vector>
 
