@@ -37,7 +37,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include "dimwise.h"
+#include "dim_layout.h"
 #include "tessera/tensor/rule.h"
 #include "tessera/redistribute/redistribute.h"
 #include "tessera/tensor/dtensor_impl.h"
@@ -45,17 +45,6 @@
 namespace tessera::ops {
 
 namespace {
-
-std::vector<int64_t> broadcast(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
-  const size_t n = std::max(a.size(), b.size());
-  std::vector<int64_t> out(n, 1);
-  for (size_t i = 0; i < n; ++i) {
-    const int64_t x = i < n - a.size() ? 1 : a[i - (n - a.size())];
-    const int64_t y = i < n - b.size() ? 1 : b[i - (n - b.size())];
-    out[i] = x == 1 ? y : x;
-  }
-  return out;
-}
 
 const DeviceMesh* mesh_of(const at::Tensor& t) {
   return is_dtensor(t) ? &dtensor_impl(t)->spec().mesh() : nullptr;
@@ -101,7 +90,7 @@ Index read_index(const c10::IValue& list, int64_t self_ndim, const std::string& 
   for (size_t k = 0; k < ix.entries.size(); ++k)
     if (ix.entries[k]) {
       ix.dims.push_back(static_cast<int64_t>(k));
-      ix.shape = broadcast(ix.shape, ix.entries[k]->sizes().vec());
+      ix.shape = broadcast_shapes(ix.shape, ix.entries[k]->sizes().vec(), what);
     }
   ix.adjacent = ix.dims.empty() ||
                 ix.dims.back() - ix.dims.front() + 1 == static_cast<int64_t>(ix.dims.size());
@@ -154,11 +143,11 @@ SpecPtr layout_of(const at::Tensor& t, const DeviceMesh& mesh) {
 }
 
 // index.Tensor(self, indices)
-void index_kernel(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  const size_t n = stack->size();
-  const at::Tensor self = (*stack)[n - 2].toTensor();
-  const c10::IValue list = (*stack)[n - 1];
-  stack->resize(n - 2);
+void index_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  torch::jit::Stack args = torch::jit::pop(*stack, op.schema().arguments().size());
+  KernelCall k(op, args);
+  const at::Tensor self = k.tensor("self");
+  const c10::IValue list = k.arg("indices");
   const DeviceMesh* mesh = mesh_of(self);
   for (const c10::IValue& e : list.toListRef())
     if (!mesh && e.isTensor()) mesh = mesh_of(e.toTensor());
@@ -315,7 +304,8 @@ OpPlan masked_scatter_rule(const OpCall& call) {
   OpPlan plan(call);
   if (mask) plan.input("mask", replicated(*mask));
   if (source) plan.input("source", replicated(*source));
-  if (broadcast(self->sizes(), mask_sizes) != self->sizes()) {  // the mask widens self
+  if (broadcast_shapes(self->sizes(), mask_sizes, call.describe()) !=
+      self->sizes()) {  // the mask widens self
     plan.input("self", replicated(*self));
     plan.data_dependent_shapes = true;
     return plan;

@@ -62,14 +62,15 @@ std::vector<ResultShape> result_shapes(const OpCall& call) {
   const int64_t pad = call.arg<int64_t>("padding_idx");
   const int64_t n = kProbeBags * kProbeLength;
   torch::jit::Stack stack(call.args.begin(), call.args.end());
-  auto set = [&](const char* name, at::Tensor t) { stack[call.index(name)] = std::move(t); };
+  KernelCall k(call.op, stack);
+  auto set = [&](const char* name, at::Tensor t) { k.set(name, std::move(t)); };
   set("weight", at::zeros({std::max<int64_t>(pad + 1, 1), kProbeWidth}, at::dtype(w.dtype())));
   set("indices", at::zeros({n}, at::dtype(need(call, "indices").dtype())));
   set("offsets",
       at::arange(0, n + (last ? 1 : 0), kProbeLength, at::dtype(need(call, "offsets").dtype())));
   if (const auto* p = call.spec("per_sample_weights"))
     set("per_sample_weights", at::zeros({n}, at::dtype(p->dtype())));
-  call.op.callBoxed(&stack);
+  k.call_op();
   std::vector<ResultShape> out;
   for (const auto& r : stack) {
     std::vector<Dim> dims;

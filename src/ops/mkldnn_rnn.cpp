@@ -44,19 +44,20 @@ SpecPtr sharded(const DeviceMesh& mesh, int64_t m, std::vector<int64_t> sizes, i
 std::pair<int64_t, c10::ScalarType> workspace_of(const OpCall& call, int64_t batch_dim, int64_t b) {
   if (b == 0) return {0, c10::kByte};
   torch::jit::Stack stack(call.args.begin(), call.args.end());
+  KernelCall k(call.op, stack);
   // Argument `name` as zeros of its global shape, with b along `t` (-1: none).
   auto zeros = [&](const char* name, int64_t t) {
     const auto* s = call.spec(name);
     if (!s) return;
     auto sizes = s->sizes();
     if (t >= 0) sizes[t] = b;
-    stack[call.index(name)] = at::zeros(sizes, at::dtype(s->dtype()));
+    k.set(name, at::zeros(sizes, at::dtype(s->dtype())));
   };
   zeros("input", batch_dim);
   for (const char* w : {"weight0", "weight1", "weight2", "weight3"}) zeros(w, -1);
   zeros("hx_", 0);
   zeros("cx_", 0);
-  call.op.callBoxed(&stack);
+  k.call_op();
   const at::Tensor ws = stack.back().toTensor();
   return {ws.numel(), ws.scalar_type()};
 }

@@ -1,7 +1,10 @@
 // Pointwise ops: operands are aligned to one reference layout (an operand with the output's
 // shape); broadcast dims are replicated. Every operand with the output's shape is a candidate
 // reference; the one whose layout costs the fewest bytes to reach wins (R + S(0) slices the R
-// operand instead of gathering S(0)).
+// operand instead of gathering S(0)). In-place ops keep self's layout; out= arguments (one or
+// several) take the result's; every result gets the output's layout. Every overload the
+// running LibTorch lists is registered (functional, in-place, out=, Scalar-first). prelu,
+// whose weight runs along the channel dim, has its own rule at the end.
 //
 // NOTE: [Pointwise partial tables]
 // Partial placements follow data, not code: each category below is a table of rows plus the
@@ -20,6 +23,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
+#include "dim_layout.h"
 #include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
@@ -73,6 +77,8 @@ const Table kMaskedFill = {
 struct Category {
   const Table& table;
   std::vector<const char*> ops;  // base names; the in-place forms (add_) come with them
+  // Ops only some LibTorch versions have: no warning where they are absent.
+  bool some_versions_only = false;
 };
 
 // clang-format off
@@ -103,6 +109,19 @@ const std::vector<Category>& categories() {
         "bitwise_xor", "threshold_backward", "sigmoid_backward", "tanh_backward",
         "gelu_backward", "silu_backward", "leaky_relu_backward", "hardtanh_backward",
         "hardsigmoid_backward"}},
+      // More activations and their backward ops, and special functions: not monotone (mish,
+      // hardswish, hardshrink, lgamma, i0, ...), monotone on part of the line only (logit),
+      // or depending on a Scalar the rule must not read (elu's alpha, softplus' beta,
+      // threshold's value). log_sigmoid_forward returns a buffer of the output's layout too.
+      {kNone,
+       {"elu", "elu_backward", "celu", "softplus", "softplus_backward", "mish", "mish_backward",
+        "hardswish", "hardswish_backward", "log_sigmoid_forward", "log_sigmoid_backward",
+        "hardshrink", "hardshrink_backward", "softshrink", "softshrink_backward", "threshold",
+        "logit", "logit_backward", "lgamma", "digamma", "polygamma", "mvlgamma", "i0", "sinc",
+        "heaviside", "nextafter", "special_xlog1py", "float_power"}},
+      // LibTorch 2.x's prelu kernels take a weight already shaped to broadcast (see prelu_rule
+      // for 1.13's prelu).
+      {kNone, {"_prelu_kernel", "_prelu_kernel_backward"}, /*some_versions_only=*/true},
   };
   return all;
 }
@@ -156,30 +175,20 @@ bool rounded(const OpCall& call) {
   return call.has("rounding_mode") && !call.arg("rounding_mode").isNone();
 }
 
-std::vector<int64_t> broadcast_shape(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
-  const size_t n = std::max(a.size(), b.size());
-  std::vector<int64_t> out(n, 1);
-  for (size_t i = 0; i < n; ++i) {
-    const int64_t x = i < n - a.size() ? 1 : a[i - (n - a.size())];
-    const int64_t y = i < n - b.size() ? 1 : b[i - (n - b.size())];
-    TORCH_CHECK(x == y || x == 1 || y == 1, "tessera: shapes ", shape_str(a), " and ", shape_str(b),
-                " do not broadcast");
-    out[i] = x == 1 ? y : x;
+// The out= arguments: keyword-only arguments the op writes (log_sigmoid_forward.output has
+// two).
+std::vector<bool> out_arguments(const c10::FunctionSchema& schema) {
+  std::vector<bool> out(schema.arguments().size(), false);
+  for (size_t i = 0; i < out.size(); ++i) {
+    const auto& a = schema.arguments()[i];
+    out[i] = a.kwarg_only() && a.alias_info() && a.alias_info()->isWrite();
   }
   return out;
 }
 
-int out_argument(const c10::FunctionSchema& schema) {
-  for (size_t i = 0; i < schema.arguments().size(); ++i) {
-    const auto& a = schema.arguments()[i];
-    if (a.kwarg_only() && a.alias_info() && a.alias_info()->isWrite()) return static_cast<int>(i);
-  }
-  return -1;
-}
-
 // The first row that keeps the reference's Partial(kind), or nullptr.
 const Row* find_row(const OpCall& call, const Table& table, size_t ref, Pl kind, bool inplace,
-                    int out_idx) {
+                    const std::vector<bool>& is_out) {
   if (ref >= 3) return nullptr;
   for (const auto& row : table) {
     if (row.in[ref] != kind) continue;
@@ -188,7 +197,7 @@ const Row* find_row(const OpCall& call, const Table& table, size_t ref, Pl kind,
     if (inplace && row.out != kind) continue;
     bool applies = true;
     for (size_t i = 0; i < 3 && i < call.args.size() && applies; ++i) {
-      if (i == ref || static_cast<int>(i) == out_idx || row.in[i] != Sum) continue;
+      if (i == ref || is_out[i] || row.in[i] != Sum) continue;
       const auto& a = call.args[i];
       const bool absent = a.isNone() || (a.isTensor() && !a.toTensor().defined());
       applies = absent || call.specs[i] != nullptr;  // a plain value has no terms
@@ -201,24 +210,26 @@ const Row* find_row(const OpCall& call, const Table& table, size_t ref, Pl kind,
 OpPlan pointwise(const OpCall& call, const Table& all_rows) {
   const Table& table = rounded(call) ? kNone : all_rows;
   const auto& schema = call.op.schema();
-  const int out_idx = out_argument(schema);
+  const std::vector<bool> is_out = out_arguments(schema);
   const size_t n = call.args.size();
+  const size_t nret = schema.returns().size();
   std::vector<int64_t> out_shape;
   for (size_t i = 0; i < n; ++i) {
-    if (static_cast<int>(i) == out_idx || !call.args[i].isTensor()) continue;
+    if (is_out[i] || !call.args[i].isTensor()) continue;
     const auto& t = call.args[i].toTensor();
     if (!t.defined()) continue;
-    out_shape =
-        broadcast_shape(out_shape, call.specs[i] ? call.specs[i]->sizes() : t.sizes().vec());
+    out_shape = broadcast_shapes(
+        out_shape, call.specs[i] ? call.specs[i]->sizes() : t.sizes().vec(), call.describe());
   }
   // An out= result has the dtype of `out` (eq.Tensor_out writes bools), which the fallback
   // does not read off written arguments.
   c10::optional<c10::ScalarType> out_dtype;
-  if (out_idx >= 0 && call.args[out_idx].isTensor() && call.args[out_idx].toTensor().defined())
-    out_dtype = call.args[out_idx].toTensor().scalar_type();
+  for (size_t i = 0; i < n && !out_dtype; ++i)
+    if (is_out[i] && call.args[i].isTensor() && call.args[i].toTensor().defined())
+      out_dtype = call.args[i].toTensor().scalar_type();
   std::vector<size_t> refs;  // operands that could set the layout
   for (size_t i = 0; i < n; ++i) {
-    if (!call.specs[i] || static_cast<int>(i) == out_idx) continue;
+    if (!call.specs[i] || is_out[i]) continue;
     if (call.specs[i]->sizes() == out_shape) refs.push_back(i);
   }
   const bool inplace = schema.arguments().size() > 0 && schema.arguments()[0].alias_info() &&
@@ -235,11 +246,12 @@ OpPlan pointwise(const OpCall& call, const Table& all_rows) {
     // Every operand broadcasts: compute replicated.
     OpPlan plan(call);
     for (size_t i = 0; i < n; ++i)
-      if (call.specs[i] && static_cast<int>(i) != out_idx)
-        plan.inputs[i] = replicated(*call.specs[i]);
-    return plan.output(std::make_shared<DTensorSpec>(
-        call.first().mesh(), Placements(call.first().mesh().ndim(), Replicate()), out_shape,
-        out_dtype.value_or(call.first().dtype())));
+      if (call.specs[i] && !is_out[i]) plan.inputs[i] = replicated(*call.specs[i]);
+    plan.outputs.assign(
+        nret, std::make_shared<DTensorSpec>(call.first().mesh(),
+                                            Placements(call.first().mesh().ndim(), Replicate()),
+                                            out_shape, out_dtype.value_or(call.first().dtype())));
+    return plan;
   }
   // One candidate per operand that could set the layout; the cheapest moves the least.
   std::vector<Strategy> candidates;
@@ -250,7 +262,7 @@ OpPlan pointwise(const OpCall& call, const Table& all_rows) {
     if (ref.has_partial() && partials_commute(ref))
       for (int64_t m = 0; m < mesh_ndim; ++m)
         if (ref.placement(m).is_partial())
-          rows[m] = find_row(call, table, r, kind_of(ref.placement(m)), inplace, out_idx);
+          rows[m] = find_row(call, table, r, kind_of(ref.placement(m)), inplace, is_out);
     auto ref_in = std::make_shared<DTensorSpec>(ref.replicate_where(
         [&](int64_t m, const Placement& p) { return p.is_partial() && !rows[m]; }));
     Placements out_p = ref_in->placements();
@@ -260,7 +272,7 @@ OpPlan pointwise(const OpCall& call, const Table& all_rows) {
     Strategy st;
     st.inputs.resize(n);
     for (size_t i = 0; i < n; ++i) {
-      if (!call.specs[i] || static_cast<int>(i) == out_idx) continue;
+      if (!call.specs[i] || is_out[i]) continue;
       if (i == r) {
         st.inputs[i] = ref_in;
         continue;
@@ -275,11 +287,47 @@ OpPlan pointwise(const OpCall& call, const Table& all_rows) {
               ? aligned
               : std::make_shared<DTensorSpec>(aligned->with_placements(p, aligned->shard_tables()));
     }
-    st.outputs.push_back(std::make_shared<DTensorSpec>(
-        ref.mesh(), out_p, ref.sizes(), out_dtype.value_or(ref.dtype()), ref_in->shard_tables()));
+    // Every result (log_sigmoid_forward's buffer too) has the output's shape and layout.
+    st.outputs.assign(nret, std::make_shared<DTensorSpec>(ref.mesh(), out_p, ref.sizes(),
+                                                          out_dtype.value_or(ref.dtype()),
+                                                          ref_in->shard_tables()));
     candidates.push_back(std::move(st));
   }
   return cheapest(call, candidates);
+}
+
+// prelu(self, weight): the weight [C] applies along dim 1, so C is whole there (one weight
+// for every channel: elementwise).
+SpecPtr prelu_layout(const OpCall& call) {
+  const DTensorSpec* self = call.spec("self");
+  TORCH_CHECK(self, "tessera: ", call.describe(), ": the input must be distributed");
+  const DTensorSpec* w = call.spec("weight");
+  const int64_t n = w ? w->numel() : call.arg("weight").toTensor().numel();
+  if (n == 1 || self->ndim() < 2)
+    return std::make_shared<DTensorSpec>(self->partial_as_replicate());
+  return whole_along(*self, {1});
+}
+
+OpPlan prelu_rule(const OpCall& call) {
+  auto in = prelu_layout(call);
+  OpPlan plan(call);
+  plan.input("self", in).output(in);
+  if (const auto* w = call.spec("weight")) plan.input("weight", replicated(*w));
+  return plan;
+}
+
+// prelu_backward(grad_output, self, weight) -> (grad_input, grad_weight): the weight's gradient
+// sums over every dim but the channels, so it is Partial(sum) where the input is sharded.
+OpPlan prelu_backward_rule(const OpCall& call) {
+  auto in = prelu_layout(call);
+  OpPlan plan(call);
+  plan.input("self", in).output(in);
+  if (const auto* g = call.spec("grad_output")) plan.input("grad_output", align_to(*in, *g, false));
+  const DTensorSpec* w = call.spec("weight");
+  if (w) plan.input("weight", replicated(*w));
+  plan.output(
+      summed_over_shards(*in, w ? w->sizes() : call.arg("weight").toTensor().sizes().vec()));
+  return plan;
 }
 
 const RuleRegistrar registrar{[] {
@@ -291,10 +339,12 @@ const RuleRegistrar registrar{[] {
       const int n = register_rule_for_overloads(base, rule, skipped(op)) +
                     register_rule_for_overloads(base + "_", rule, skipped(op));
       // A misspelt or removed name would otherwise leave its ops without a rule, silently.
-      if (n == 0)
+      if (n == 0 && !category.some_versions_only)
         TORCH_WARN("tessera: this LibTorch has no op ", base, "; its pointwise rule is idle");
     }
   }
+  register_rule("aten::prelu", prelu_rule);
+  register_rule("aten::prelu_backward", prelu_backward_rule);
 }};
 
 }  // namespace

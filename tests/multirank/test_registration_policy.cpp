@@ -36,7 +36,7 @@ const std::set<std::string> kOtherVersionsOnly = {
     "aten::upsample_bilinear2d_backward.vec", "aten::upsample_linear1d_backward.vec",
     "aten::upsample_nearest1d_backward.vec", "aten::upsample_nearest2d_backward.vec",
     "aten::upsample_nearest3d_backward.vec", "aten::upsample_trilinear3d_backward.vec",
-    // 1.13 only: 2.x replaced it with _prelu_kernel_backward (elementwise_extra.cpp rules both).
+    // 1.13 only: 2.x replaced it with _prelu_kernel_backward (pointwise.cpp rules both).
     "aten::prelu_backward",
     // 2.x only: ops the dim-wise, reduction-collective, loss and attention families rule there.
     "aten::_safe_softmax", "aten::all.dims", "aten::any.dims",
@@ -53,7 +53,7 @@ const std::set<std::string> kOtherVersionsOnly = {
 const std::set<std::string> kOutFormsWithoutRule = {
     // TODO(conv.cpp): out= forms.
     "aten::convolution", "aten::convolution_backward",
-    // TODO(dimwise.cpp): out= forms.
+    // TODO(scans.cpp, reorder.cpp, sorting.cpp, triangular.cpp): out= forms.
     "aten::cumsum", "aten::flip", "aten::logcumsumexp", "aten::roll", "aten::sort", "aten::tril",
     "aten::triu",
     // TODO(index.cpp): out= forms.
@@ -109,8 +109,9 @@ const std::set<std::string> kOutFormsWithoutRule = {
     "aten::upsample_nearest2d_backward", "aten::upsample_nearest3d",
     "aten::upsample_nearest3d_backward", "aten::upsample_trilinear3d",
     "aten::upsample_trilinear3d_backward",
-    // TODO(dimwise.cpp, reduction_collective.cpp, distance.cpp, advanced_index.cpp,
-    // elementwise_extra.cpp, loss_binary.cpp, matrix_vector.cpp, window/pool.cpp): out= forms.
+    // TODO(scans.cpp, sorting.cpp, reorder.cpp, vector_ops.cpp, diagonal.cpp, unfold.cpp,
+    // window/im2col.cpp, reduction_collective.cpp, distance.cpp, advanced_index.cpp,
+    // pointwise.cpp (prelu), loss_binary.cpp, matrix_vector.cpp, window/pool.cpp): out= forms.
     "aten::_cdist_backward", "aten::_cdist_forward", "aten::_euclidean_dist",
     "aten::adaptive_max_pool2d", "aten::adaptive_max_pool2d_backward",
     "aten::adaptive_max_pool3d", "aten::adaptive_max_pool3d_backward", "aten::all",
@@ -618,6 +619,26 @@ TEST(PointwiseTables, OverloadsFromTheDispatcher) {
     expect_layout_and_value(at::remainder(2.5, dy), s0, at::remainder(2.5, y),
                             "remainder.Scalar_Tensor");
     expect_layout_and_value(at::xlogy(3, dy.abs()), s0, at::xlogy(3, y.abs()), "xlogy.Scalar_Self");
+  });
+}
+
+// Ops with several results and several out= arguments take the same pointwise path.
+TEST(PointwiseTables, SeveralResultsAndOutArguments) {
+  const auto x = tessera::test::randn({7, 5}, 33);
+  on_one_to_three_ranks([&](const DeviceMesh& mesh) {
+    auto dist = [&](const at::Tensor& t) {
+      return distribute_tensor(t, mesh, {Shard(0)}, std::nullopt, uneven_rows(mesh, 7));
+    };
+    const Placement s0 = Shard(0);
+    auto dx = dist(x);
+    auto result = at::log_sigmoid_forward(dx);
+    expect_layout_and_value(std::get<0>(result), s0, at::log_sigmoid(x), "log_sigmoid_forward");
+    auto output = dist(at::zeros({7, 5})), buffer = dist(at::zeros({7, 5}));
+    at::log_sigmoid_forward_out(output, buffer, dx);  // log_sigmoid_forward.output
+    expect_layout_and_value(output, s0, at::log_sigmoid(x), "log_sigmoid_forward.output");
+    auto elu = dist(at::zeros({7, 5}));
+    at::elu_out(elu, dx);  // elu.out
+    expect_layout_and_value(elu, s0, at::elu(x), "elu.out");
   });
 }
 

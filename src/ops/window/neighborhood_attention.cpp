@@ -94,6 +94,115 @@ std::vector<int64_t> sizes_of(const OpCall& call, const char* name) {
   return call.arg(name).toTensor().sizes().vec();
 }
 
+// The operand the layout comes from: q when it is distributed, else the first distributed
+// operand (all of q, k, v have the layout [B, *S, heads, dim]).
+const DTensorSpec& reference_operand(const OpCall& call, int64_t nd) {
+  const DTensorSpec* ref = call.spec("query");
+  if (!ref) ref = call.spec("key");
+  if (!ref) ref = call.spec("value");
+  if (!ref) ref = &call.first();
+  TORCH_CHECK(ref->ndim() == nd + 3, "tessera: ", call.describe(),
+              ": the distributed operands must all be [B, *spatial, heads, dim]");
+  return *ref;
+}
+
+// The layout q, k and v share: batch, spatial dims (their outermost mesh dim) and heads keep
+// their shards; the head dim and Partial become Replicate. GQA: q head h reads kv head
+// h / (H / H_kv), so the heads stay sharded only when every shard holds whole groups; their
+// tables for q's and kv's head counts go to `q_heads` / `kv_heads` (empty otherwise).
+DTensorSpec shared_layout(const DTensorSpec& r, int64_t nd, int64_t h_q, int64_t h_kv,
+                          ShardTable* q_heads, ShardTable* kv_heads) {
+  const int64_t heads = nd + 1, dim = nd + 2;
+  DTensorSpec base = r.replicate_where([&](int64_t m, const Placement& p) {
+    if (!p.is_shard()) return true;
+    const int64_t t = p.dim();
+    if (t >= 1 && t <= nd) return m != r.mesh_dims_sharding(t).front();
+    return t == dim;
+  });
+  const int64_t h_ref = r.sizes()[heads];
+  if (!base.mesh_dims_sharding(heads).empty()) {
+    *q_heads = scale_heads(base.shard_table(heads), h_ref, h_q);
+    *kv_heads = scale_heads(base.shard_table(heads), h_ref, h_kv);
+    if (q_heads->empty() || kv_heads->empty() || scale_heads(*kv_heads, h_kv, h_q) != *q_heads) {
+      base = base.replicate_where([&](int64_t, const Placement& p) { return p.is_shard(heads); });
+      q_heads->clear(), kv_heads->clear();
+    }
+  }
+  return base;
+}
+
+// q, k, v, the output and the log-sum-exp [B, *S, heads] in the shared layout.
+void operand_layouts(const DTensorSpec& base, int64_t nd, const std::vector<int64_t>& qs,
+                     const std::vector<int64_t>& ks, const std::vector<int64_t>& vs,
+                     const ShardTable& q_heads, const ShardTable& kv_heads, NALayout& l) {
+  const int64_t heads = nd + 1, dim = nd + 2;
+  const auto& mesh = base.mesh();
+  const auto& pl = base.placements();
+  const auto dtype = base.dtype();
+  auto spec_of = [&](std::vector<int64_t> sizes, const ShardTable& heads_table) {
+    auto tables = base.shard_tables();
+    tables.resize(nd + 3);
+    if (!heads_table.empty()) tables[heads] = heads_table;
+    tables.resize(sizes.size());
+    return std::make_shared<DTensorSpec>(mesh, pl, std::move(sizes), dtype, std::move(tables));
+  };
+  l.q = spec_of(qs, q_heads);
+  l.k = spec_of(ks, kv_heads);
+  l.v = spec_of(vs, kv_heads);
+  auto os = qs;
+  os[dim] = vs[dim];
+  l.out = spec_of(os, q_heads);
+  std::vector<int64_t> lse_sizes(qs.begin(), qs.end() - 1);
+  auto tables = l.q->shard_tables();
+  tables.resize(lse_sizes.size());
+  l.lse = std::make_shared<DTensorSpec>(mesh, pl, lse_sizes,
+                                        dtype == at::kDouble ? at::kDouble : at::kFloat, tables);
+}
+
+// rpb [H, 2k-1, ...] follows the q heads; the extra keys/values [B, N, H_kv, D] follow the
+// batch and kv heads. Their gradients sum over the mesh dims that shard batch or space.
+SpecPtr side_spec(const DTensorSpec& base, int64_t heads, const std::vector<int64_t>& sizes,
+                  int64_t batch_dim, int64_t heads_dim, const ShardTable& heads_table,
+                  bool gradient) {
+  const auto& pl = base.placements();
+  Placements p(pl.size(), Placement::replicate());
+  std::vector<ShardTable> tables(sizes.size());
+  for (size_t m = 0; m < pl.size(); ++m) {
+    if (!pl[m].is_shard()) continue;
+    const int64_t t = pl[m].dim();
+    if (t == heads) {
+      p[m] = Placement::shard(heads_dim);
+      tables[heads_dim] = heads_table;
+    } else if (t == 0 && batch_dim >= 0) {
+      p[m] = Placement::shard(batch_dim);
+      tables[batch_dim] = base.shard_table(0);
+    } else if (gradient) {
+      p[m] = Placement::partial(PartialOp::Sum);
+    }
+  }
+  return std::make_shared<DTensorSpec>(base.mesh(), p, sizes, base.dtype(), tables);
+}
+
+// The optional operands (rpb, additional keys / values) and their gradients.
+void side_layouts(const OpCall& call, const DTensorSpec& base, int64_t heads,
+                  const ShardTable& q_heads, const ShardTable& kv_heads, NALayout& l) {
+  if (optional_tensor(call.arg("rpb")).defined()) {
+    const auto s = sizes_of(call, "rpb");
+    l.rpb = side_spec(base, heads, s, -1, 0, q_heads, false);
+    l.drpb = side_spec(base, heads, s, -1, 0, q_heads, true);
+  }
+  if (optional_tensor(call.arg("additional_keys")).defined()) {
+    const auto s = sizes_of(call, "additional_keys");
+    l.extra_k = side_spec(base, heads, s, 0, 2, kv_heads, false);
+    l.dextra_k = side_spec(base, heads, s, 0, 2, kv_heads, true);
+  }
+  if (optional_tensor(call.arg("additional_values")).defined()) {
+    const auto s = sizes_of(call, "additional_values");
+    l.extra_v = side_spec(base, heads, s, 0, 2, kv_heads, false);
+    l.dextra_v = side_spec(base, heads, s, 0, 2, kv_heads, true);
+  }
+}
+
 NALayout na_layout(const OpCall& call) {
   const auto qs = sizes_of(call, "query"), ks = sizes_of(call, "key"), vs = sizes_of(call, "value");
   const int64_t nd = static_cast<int64_t>(qs.size()) - 3;
@@ -112,101 +221,18 @@ NALayout na_layout(const OpCall& call) {
                               ek.defined() ? c10::optional<at::Tensor>(ek) : c10::nullopt,
                               ev.defined() ? c10::optional<at::Tensor>(ev) : c10::nullopt);
 
-  // The layout comes from q when it is distributed, else from the first distributed operand
-  // (all of q, k, v have the layout [B, *S, heads, dim]).
-  const DTensorSpec* ref = call.spec("query");
-  if (!ref) ref = call.spec("key");
-  if (!ref) ref = call.spec("value");
-  if (!ref) ref = &call.first();
-  const DTensorSpec& r = *ref;
-  TORCH_CHECK(r.ndim() == nd + 3, "tessera: ", call.describe(),
-              ": the distributed operands must all be [B, *spatial, heads, dim]");
-  const int64_t heads = nd + 1, dim = nd + 2;
+  const int64_t heads = nd + 1;
+  ShardTable q_heads, kv_heads;
+  const DTensorSpec base =
+      shared_layout(reference_operand(call, nd), nd, qs[heads], ks[heads], &q_heads, &kv_heads);
+  operand_layouts(base, nd, qs, ks, vs, q_heads, kv_heads, l);
+  side_layouts(call, base, heads, q_heads, kv_heads, l);
+  l.empty = std::make_shared<DTensorSpec>(
+      base.mesh(), Placements(base.placements().size(), Placement::replicate()),
+      std::vector<int64_t>{0}, base.dtype());
+
   std::vector<int64_t> spatial_dims;
   for (int64_t i = 1; i <= nd; ++i) spatial_dims.push_back(i);
-  // Batch, spatial dims (their outermost mesh dim) and heads keep their shards; the head dim
-  // and Partial become Replicate.
-  DTensorSpec base = r.replicate_where([&](int64_t m, const Placement& p) {
-    if (!p.is_shard()) return true;
-    const int64_t t = p.dim();
-    if (t >= 1 && t <= nd) return m != r.mesh_dims_sharding(t).front();
-    return t == dim;
-  });
-  const int64_t h_ref = r.sizes()[heads], h_q = qs[heads], h_kv = ks[heads];
-  ShardTable q_heads, kv_heads;
-  if (!base.mesh_dims_sharding(heads).empty()) {
-    // GQA: q head h reads kv head h / (H / H_kv); keep the heads sharded only when every
-    // shard holds whole groups.
-    q_heads = scale_heads(base.shard_table(heads), h_ref, h_q);
-    kv_heads = scale_heads(base.shard_table(heads), h_ref, h_kv);
-    if (q_heads.empty() || kv_heads.empty() || scale_heads(kv_heads, h_kv, h_q) != q_heads) {
-      base = base.replicate_where([&](int64_t, const Placement& p) { return p.is_shard(heads); });
-      q_heads.clear(), kv_heads.clear();
-    }
-  }
-  const auto& mesh = base.mesh();
-  const auto& pl = base.placements();
-  const auto dtype = r.dtype();
-  auto spec_of = [&](std::vector<int64_t> sizes, const ShardTable& heads_table) {
-    auto tables = base.shard_tables();
-    tables.resize(nd + 3);
-    if (!heads_table.empty()) tables[heads] = heads_table;
-    tables.resize(sizes.size());
-    return std::make_shared<DTensorSpec>(mesh, pl, std::move(sizes), dtype, std::move(tables));
-  };
-  l.q = spec_of(qs, q_heads);
-  l.k = spec_of(ks, kv_heads);
-  l.v = spec_of(vs, kv_heads);
-  auto os = qs;
-  os[dim] = vs[dim];
-  l.out = spec_of(os, q_heads);
-  {
-    std::vector<int64_t> lse_sizes(qs.begin(), qs.end() - 1);
-    auto tables = l.q->shard_tables();
-    tables.resize(lse_sizes.size());
-    l.lse = std::make_shared<DTensorSpec>(mesh, pl, lse_sizes,
-                                          dtype == at::kDouble ? at::kDouble : at::kFloat, tables);
-  }
-
-  // rpb [H, 2k-1, ...] follows the q heads; the extra keys/values [B, N, H_kv, D] follow the
-  // batch and kv heads. Their gradients sum over the mesh dims that shard batch or space.
-  auto side_spec = [&](const std::vector<int64_t>& sizes, int64_t batch_dim, int64_t heads_dim,
-                       const ShardTable& heads_table, bool gradient) {
-    Placements p(pl.size(), Placement::replicate());
-    std::vector<ShardTable> tables(sizes.size());
-    for (size_t m = 0; m < pl.size(); ++m) {
-      if (!pl[m].is_shard()) continue;
-      const int64_t t = pl[m].dim();
-      if (t == heads) {
-        p[m] = Placement::shard(heads_dim);
-        tables[heads_dim] = heads_table;
-      } else if (t == 0 && batch_dim >= 0) {
-        p[m] = Placement::shard(batch_dim);
-        tables[batch_dim] = base.shard_table(0);
-      } else if (gradient) {
-        p[m] = Placement::partial(PartialOp::Sum);
-      }
-    }
-    return std::make_shared<DTensorSpec>(mesh, p, sizes, dtype, tables);
-  };
-  if (rpb.defined()) {
-    const auto s = sizes_of(call, "rpb");
-    l.rpb = side_spec(s, -1, 0, q_heads, false);
-    l.drpb = side_spec(s, -1, 0, q_heads, true);
-  }
-  if (ek.defined()) {
-    const auto s = sizes_of(call, "additional_keys");
-    l.extra_k = side_spec(s, 0, 2, kv_heads, false);
-    l.dextra_k = side_spec(s, 0, 2, kv_heads, true);
-  }
-  if (ev.defined()) {
-    const auto s = sizes_of(call, "additional_values");
-    l.extra_v = side_spec(s, 0, 2, kv_heads, false);
-    l.dextra_v = side_spec(s, 0, 2, kv_heads, true);
-  }
-  l.empty = std::make_shared<DTensorSpec>(mesh, Placements(pl.size(), Placement::replicate()),
-                                          std::vector<int64_t>{0}, dtype);
-
   std::vector<Axis> axes;
   for (const auto& a : l.axes)
     axes.push_back(Axis::custom(a.length, a.length, std::make_shared<NeighborhoodAxis>(a)));

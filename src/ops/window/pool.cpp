@@ -9,14 +9,16 @@
 //    ceil_mode overhang, divisor_override). Backward is the adjoint of the same sums.
 // Adaptive average pooling with output sizes that divide the input is average pooling with
 // kernel = stride = in/out; global pooling (1x1) arrives as mean (a reduction: Partial, then
-// Replicate). Other adaptive sizes replicate the spatial dims.
+// Replicate). Other adaptive sizes replicate the spatial dims. Adaptive max pooling makes the
+// planes whole and keeps the batch and channel shards (NOTE: [Dim-wise ops]).
 #include <ATen/ATen.h>
 #include <ATen/native/Pool.h>
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 
-#include "window_internal.h"
+#include "ops/dim_layout.h"
 #include "tessera/tensor/rule.h"
+#include "window_internal.h"
 
 namespace tessera::ops {
 
@@ -285,6 +287,31 @@ OpPlan adaptive_rule(const OpCall& call) {
   return plan;
 }
 
+// adaptive_max_pool2d / 3d(self, output_size) -> (values, indices)
+OpPlan adaptive_max_pool_rule(const OpCall& call) {
+  const auto out = call.arg<std::vector<int64_t>>("output_size");
+  return trailing(call, static_cast<int64_t>(out.size()), out, 2);
+}
+
+// adaptive_max_poolNd_backward(grad_output, self, indices): the planes whole on all three.
+OpPlan adaptive_max_pool_backward_rule(const OpCall& call) {
+  const auto& self = self_of(call);
+  const DTensorSpec* g = call.spec("grad_output");
+  TORCH_INTERNAL_ASSERT(g, call.describe());
+  const int64_t planes = call.name().find("3d") != std::string::npos ? 3 : 2;
+  std::vector<int64_t> dims;
+  for (int64_t t = self.ndim() - planes; t < self.ndim(); ++t) dims.push_back(t);
+  auto in = whole_along(self, dims);
+  auto grad_layout = [&](const DTensorSpec& like) {  // the planes differ in size only
+    return std::make_shared<DTensorSpec>(in->mesh(), in->placements(), like.sizes(), like.dtype(),
+                                         in->shard_tables());
+  };
+  OpPlan plan(call);
+  plan.input("self", in).input("grad_output", grad_layout(*g)).output(in);
+  if (const auto* idx = call.spec("indices")) plan.input("indices", grad_layout(*idx));
+  return plan;
+}
+
 const RuleRegistrar registrar{[] {
   for (const char* op :
        {"aten::max_pool2d_with_indices", "aten::max_pool3d_with_indices",
@@ -297,6 +324,11 @@ const RuleRegistrar registrar{[] {
        {"aten::_adaptive_avg_pool2d", "aten::_adaptive_avg_pool3d",
         "aten::_adaptive_avg_pool2d_backward", "aten::_adaptive_avg_pool3d_backward"})
     register_rule(op, adaptive_rule);
+  for (const char* op : {"aten::adaptive_max_pool2d", "aten::adaptive_max_pool3d"})
+    register_rule(op, adaptive_max_pool_rule);
+  for (const char* op :
+       {"aten::adaptive_max_pool2d_backward", "aten::adaptive_max_pool3d_backward"})
+    register_rule(op, adaptive_max_pool_backward_rule);
 }};
 
 }  // namespace
