@@ -6,6 +6,7 @@
 // setters that had no test (input_kwarg_layouts, use_local_input, SequenceParallel's
 // use_local_output): each checked by an effect that is wrong when the setter is ignored.
 #include <torch/nn/cloneable.h>
+#include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
@@ -246,6 +247,37 @@ TEST(TpStyleBoundary, SequenceParallelUseLocalOutput) {
       at::Tensor y = m(piece(x, 1, rank, world));
       ASSERT_FALSE(is_dtensor(y));
       ASSERT_TRUE(matches(y, piece(y_ref.detach(), 1, rank, world), kTol));
+    });
+  }
+}
+
+// shard_sizes on Colwise and Rowwise: the parameters' shards follow the given table (an empty
+// shard included) and the pair equals one device, forward and backward. Ignored, the weights
+// would take torch.chunk's layout.
+TEST(TpStyleBoundary, ShardSizesLayOutTheGivenFeatures) {
+  for (const ShardTable& table : {ShardTable{2, 5}, ShardTable{4, 0, 3}}) {
+    const int world = static_cast<int>(table.size());
+    torch::manual_seed(33);
+    torch::nn::Sequential ref(torch::nn::Linear(8, 7), torch::nn::Linear(7, 5));
+    const at::Tensor x = test::randn({4, 8}, 34);
+    at::Tensor y_ref = ref->forward(x);
+    y_ref.pow(2).sum().backward();
+    tessera::testing::run_ranks(world, [&](int rank) {
+      auto mesh = init_device_mesh("cpu", {world});
+      auto m = clone_of(ref);
+      parallelize_module(m, mesh,
+                         {{"0", ColwiseParallel().shard_sizes(table)},
+                          {"1", RowwiseParallel().shard_sizes(table)}});
+      auto first = m[0]->as<torch::nn::Linear>(), second = m[1]->as<torch::nn::Linear>();
+      const int64_t mine = table[static_cast<size_t>(rank)];
+      EXPECT_EQ(to_local(first->weight).size(0), mine);
+      EXPECT_EQ(to_local(second->weight).size(1), mine);
+      at::Tensor y = m->forward(x);
+      ASSERT_TRUE(matches(y, y_ref.detach(), kTol));
+      y.pow(2).sum().backward();
+      auto ref0 = ref[0]->as<torch::nn::Linear>(), ref1 = ref[1]->as<torch::nn::Linear>();
+      ASSERT_TRUE(full_matches(first->weight.grad(), ref0->weight.grad(), kTol));
+      ASSERT_TRUE(full_matches(second->weight.grad(), ref1->weight.grad(), kTol));
     });
   }
 }
