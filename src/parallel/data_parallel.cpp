@@ -331,99 +331,97 @@ std::string qualified(const std::string& prefix, const std::string& name) {
 
 }  // namespace
 
-std::shared_ptr<ReplicatedModule> replicate(torch::nn::Module& module, const DeviceMesh& mesh,
-                                            const ReplicateOptions& options) {
-  TORCH_CHECK(mesh.defined() && mesh.contains_this_rank(),
-              "tessera: replicate: this rank is not part of the mesh ",
-              mesh.defined() ? mesh.str() : std::string("(undefined)"));
-  TORCH_CHECK(options.bucket_cap_mb() > 0 && options.first_bucket_cap_mb() > 0,
-              "tessera: replicate: bucket capacities must be positive (got bucket_cap_mb=",
-              options.bucket_cap_mb(), ", first_bucket_cap_mb=", options.first_bucket_cap_mb(),
-              ")");
-  auto state = std::make_shared<ReplicatedModule::State>();
-  // Distributed inputs live on the whole mesh (a slice such as mesh["dp"] lays parameters out
-  // on its root, as tensor parallelism does), and a gradient is summed over every mesh dim
-  // it is replicated on: the data-parallel dim and domain dims alike.
-  state->mesh = options.local_batches() ? mesh : mesh.root();
-  state->options = options;
+namespace {
 
-  // Every (module, local name) with a parameter, in registration order (the module's own
-  // first, then its submodules', as named_parameters() lists them).
-  std::vector<std::pair<torch::nn::Module*, std::string>> entries, buffer_entries;
-  std::vector<std::string> names;
+using State = ReplicatedModule::State;
+
+// Every (module, local name) with a parameter, in registration order (the module's own
+// first, then its submodules', as named_parameters() lists them), and the same for buffers.
+struct Entries {
+  std::vector<std::pair<torch::nn::Module*, std::string>> params, buffers;
+  std::vector<std::string> names;  // qualified, per parameter entry
+};
+
+Entries collect_entries(torch::nn::Module& module) {
+  Entries e;
   auto collect = [&](const std::string& prefix, torch::nn::Module& m) {
     for (const auto& item : m.named_parameters(/*recurse=*/false))
       if (item.value().defined()) {
-        entries.emplace_back(&m, item.key());
-        names.push_back(qualified(prefix, item.key()));
+        e.params.emplace_back(&m, item.key());
+        e.names.push_back(qualified(prefix, item.key()));
       }
     for (const auto& item : m.named_buffers(/*recurse=*/false))
-      if (item.value().defined()) buffer_entries.emplace_back(&m, item.key());
+      if (item.value().defined()) e.buffers.emplace_back(&m, item.key());
   };
   collect("", module);
   for (const auto& item : module.named_modules("", /*include_self=*/false))
     collect(item.key(), *item.value());
+  return e;
+}
 
-  auto current = [](torch::nn::Module& m, const std::string& name) {
-    const auto params = m.named_parameters(false);
-    if (const auto* p = params.find(name)) return *p;
-    return *m.named_buffers(false).find(name);
-  };
+at::Tensor current(torch::nn::Module& m, const std::string& name) {
+  const auto params = m.named_parameters(false);
+  if (const auto* p = params.find(name)) return *p;
+  return *m.named_buffers(false).find(name);
+}
 
-  // Tied parameters: checked before anything changes, from values every rank has.
+// Devices, tied parameters and distributed layouts: checked before anything changes, from
+// values every rank has.
+void check_parameters(const Entries& e, const DeviceMesh& mesh, const State& state,
+                      const ReplicateOptions& options) {
   std::unordered_map<const c10::TensorImpl*, std::string> seen;
-  for (size_t k = 0; k < entries.size(); ++k) {
-    at::Tensor t = current(*entries[k].first, entries[k].second);
-    TORCH_CHECK(t.device().type() == mesh.device_kind(), "tessera: replicate: parameter ", names[k],
+  for (size_t k = 0; k < e.params.size(); ++k) {
+    at::Tensor t = current(*e.params[k].first, e.params[k].second);
+    const std::string& name = e.names[k];
+    TORCH_CHECK(t.device().type() == mesh.device_kind(), "tessera: replicate: parameter ", name,
                 " is on ", t.device(), " but the mesh ", mesh.str(), " keeps its ", "tensors on ",
                 mesh.device_type(), "; move the model first (module->to(",
                 mesh.device_type() == "cpu" ? "torch::kCPU"
                                             : "torch::Device(torch::kCUDA, get_local_rank())",
                 "))");
-    auto [it, fresh] = seen.emplace(t.unsafeGetTensorImpl(), names[k]);
-    TORCH_CHECK(fresh || options.local_batches(), "tessera: replicate: ", names[k], " and ",
-                it->second, " are one tensor (tied parameters); with distributed inputs each ",
+    auto [it, fresh] = seen.emplace(t.unsafeGetTensorImpl(), name);
+    TORCH_CHECK(fresh || options.local_batches(), "tessera: replicate: ", name, " and ", it->second,
+                " are one tensor (tied parameters); with distributed inputs each ",
                 "parameter must be registered once. Tie them in forward() instead, or use ",
                 "ReplicateOptions().local_batches(true)");
     if (options.local_batches() || !is_dtensor(t)) continue;
     const DTensorSpec& s = spec(t);
-    TORCH_CHECK(s.mesh() == state->mesh, "tessera: replicate: parameter ", names[k], " lives on ",
-                s.mesh().str(), ", not on the mesh it is replicated over (", state->mesh.str(),
+    TORCH_CHECK(s.mesh() == state.mesh, "tessera: replicate: parameter ", name, " lives on ",
+                s.mesh().str(), ", not on the mesh it is replicated over (", state.mesh.str(),
                 "); distribute it on that mesh first");
-    TORCH_CHECK(!s.has_partial(), "tessera: replicate: parameter ", names[k],
+    TORCH_CHECK(!s.has_partial(), "tessera: replicate: parameter ", name,
                 " has a Partial placement ", to_string(s.placements()),
                 "; parameters must be Shard or Replicate");
   }
-  seen.clear();
+}
 
-  // One starting point: the first rank's values of every plain parameter and buffer.
-  {
-    std::vector<at::Tensor> plain;
-    for (auto& [m, name] : entries) {
+// One starting point: the first rank's values of every plain parameter and buffer.
+void broadcast_plain_values(const Entries& e, State& state) {
+  std::vector<at::Tensor> plain;
+  for (const auto* list : {&e.params, &e.buffers})
+    for (const auto& [m, name] : *list) {
       at::Tensor t = current(*m, name);
       if (!is_dtensor(t)) plain.push_back(t);
     }
-    for (auto& [m, name] : buffer_entries) {
-      at::Tensor t = current(*m, name);
-      if (!is_dtensor(t)) plain.push_back(t);
-    }
-    state->broadcast_from_first(plain);
-  }
+  state.broadcast_from_first(plain);
+}
 
-  const DeviceMesh& layout = state->mesh;
+// The parameters to reduce: laid out replicated (distributed inputs) and described by the
+// mesh dims their gradients are summed over.
+void add_parameters(const Entries& e, State& state, const ReplicateOptions& options) {
+  const DeviceMesh& layout = state.mesh;
   const Placements replicated(layout.ndim(), Replicate());
-  for (size_t k = 0; k < entries.size(); ++k) {
-    auto& [m, name] = entries[k];
+  std::unordered_map<const c10::TensorImpl*, std::string> seen;
+  for (size_t k = 0; k < e.params.size(); ++k) {
+    auto& [m, name] = e.params[k];
     at::Tensor t = current(*m, name);
-    if (!seen.emplace(t.unsafeGetTensorImpl(), names[k]).second) continue;  // tied (local batches)
-    if (!options.local_batches()) {
-      if (!is_dtensor(t)) {
-        distribute_parameter(*m, name, layout, replicated);
-        t = current(*m, name);
-      }
+    if (!seen.emplace(t.unsafeGetTensorImpl(), e.names[k]).second) continue;  // tied
+    if (!options.local_batches() && !is_dtensor(t)) {
+      distribute_parameter(*m, name, layout, replicated);
+      t = current(*m, name);
     }
     Param p;
-    p.name = names[k];
+    p.name = e.names[k];
     p.tensor = t;
     if (options.local_batches()) {
       for (int64_t d = 0; d < layout.ndim(); ++d) p.reduce_dims.push_back(d);
@@ -438,38 +436,46 @@ std::shared_ptr<ReplicatedModule> replicate(torch::nn::Module& module, const Dev
     p.numel = 1;
     for (int64_t v : p.local_sizes) p.numel *= v;
     if (!t.requires_grad() || p.reduce_dims.empty()) continue;  // nothing to reduce
-    state->params.push_back(std::move(p));
+    state.params.push_back(std::move(p));
   }
-  if (!options.local_batches()) {
-    // Buffers become replicated distributed tensors where Tessera can swap them (running
-    // statistics then cover the global batch). A buffer kept in a member Tessera does not
-    // know (a rotary table, say) stays plain: plain operands are replicated values anyway.
-    for (auto& [m, name] : buffer_entries) {
-      if (is_dtensor(current(*m, name))) continue;
-      try {
-        distribute_parameter(*m, name, layout, replicated);
-      } catch (const c10::Error&) {
-        // same outcome on every rank: it depends only on the module's type
-      }
-    }
-    for (auto& [m, name] : buffer_entries) {
-      const at::Tensor b = current(*m, name);
-      if (is_dtensor(b) && spec(b).mesh() == layout && !spec(b).has_partial()) {
-        bool replicated_everywhere = true;
-        for (const auto& pl : spec(b).placements()) replicated_everywhere &= pl.is_replicate();
-        if (replicated_everywhere) state->buffers.push_back(b);
-      }
-    }
-  } else {
-    for (auto& [m, name] : buffer_entries) state->buffers.push_back(current(*m, name));
-  }
+}
 
-  // Reverse registration order: gradients of the last layers are ready first.
+// The buffers sync_buffers() broadcasts.
+void add_buffers(const Entries& e, State& state, const ReplicateOptions& options) {
+  if (options.local_batches()) {
+    for (auto& [m, name] : e.buffers) state.buffers.push_back(current(*m, name));
+    return;
+  }
+  // Buffers become replicated distributed tensors where Tessera can swap them (running
+  // statistics then cover the global batch). A buffer kept in a member Tessera does not
+  // know (a rotary table, say) stays plain: plain operands are replicated values anyway.
+  const DeviceMesh& layout = state.mesh;
+  const Placements replicated(layout.ndim(), Replicate());
+  for (auto& [m, name] : e.buffers) {
+    if (is_dtensor(current(*m, name))) continue;
+    try {
+      distribute_parameter(*m, name, layout, replicated);
+    } catch (const c10::Error&) {
+      // same outcome on every rank: it depends only on the module's type
+    }
+  }
+  for (auto& [m, name] : e.buffers) {
+    const at::Tensor b = current(*m, name);
+    if (is_dtensor(b) && spec(b).mesh() == layout && !spec(b).has_partial()) {
+      bool replicated_everywhere = true;
+      for (const auto& pl : spec(b).placements()) replicated_everywhere &= pl.is_replicate();
+      if (replicated_everywhere) state.buffers.push_back(b);
+    }
+  }
+}
+
+// Buckets in reverse registration order (gradients of the last layers are ready first), and
+// the hooks that launch a bucket once its gradients are ready.
+void bucket_and_hook(const std::shared_ptr<State>& state, const ReplicateOptions& options) {
   std::vector<size_t> order(state->params.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = order.size() - 1 - i;
   state->assign_buckets(order);
-
-  std::weak_ptr<ReplicatedModule::State> weak = state;
+  std::weak_ptr<State> weak = state;
   for (size_t i = 0; i < state->params.size(); ++i) {
     Param& p = state->params[i];
     if (!options.local_batches()) {
@@ -482,6 +488,31 @@ std::shared_ptr<ReplicatedModule> replicate(torch::nn::Module& module, const Dev
     p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
     p.accumulator->add_post_hook(std::make_unique<ReadyHook>(weak, i));
   }
+}
+
+}  // namespace
+
+std::shared_ptr<ReplicatedModule> replicate(torch::nn::Module& module, const DeviceMesh& mesh,
+                                            const ReplicateOptions& options) {
+  TORCH_CHECK(mesh.defined() && mesh.contains_this_rank(),
+              "tessera: replicate: this rank is not part of the mesh ",
+              mesh.defined() ? mesh.str() : std::string("(undefined)"));
+  TORCH_CHECK(options.bucket_cap_mb() > 0 && options.first_bucket_cap_mb() > 0,
+              "tessera: replicate: bucket capacities must be positive (got bucket_cap_mb=",
+              options.bucket_cap_mb(), ", first_bucket_cap_mb=", options.first_bucket_cap_mb(),
+              ")");
+  auto state = std::make_shared<State>();
+  // Distributed inputs live on the whole mesh (a slice such as mesh["dp"] lays parameters out
+  // on its root, as tensor parallelism does), and a gradient is summed over every mesh dim
+  // it is replicated on: the data-parallel dim and domain dims alike.
+  state->mesh = options.local_batches() ? mesh : mesh.root();
+  state->options = options;
+  const Entries entries = collect_entries(module);
+  check_parameters(entries, mesh, *state, options);
+  broadcast_plain_values(entries, *state);
+  add_parameters(entries, *state, options);
+  add_buffers(entries, *state, options);
+  bucket_and_hook(state, options);
   return std::shared_ptr<ReplicatedModule>(new ReplicatedModule(std::move(state)));
 }
 

@@ -367,20 +367,24 @@ void FsdpGroup::finish_gradients() {
   if (reshard_after_backward) reshard();
 }
 
-void FsdpGroup::reduce(const std::vector<size_t>& ready) {
-  at::NoGradGuard no_grad;
-  const int64_t n = root_.size(shard_dim_);
-  const int64_t me = root_.local_rank(shard_dim_);
-  // The gradient of each: Partial(sum) or Replicate on every root dim (anything else, e.g. a
-  // rule that left it sharded, is redistributed to Replicate first).
-  struct Item {
-    size_t index;
-    at::Tensor full;        // local, reduce dtype, flat
-    at::Tensor shard;       // this rank's rows, flat
-    Placements placements;  // as reduced: Partial where summed (or averaged)
-    int64_t replicas;       // ranks whose replicated gradients are averaged
-  };
-  std::vector<Item> items;
+namespace {
+
+// One gradient on its way to the sharded parameter.
+struct ReduceItem {
+  size_t index;
+  at::Tensor full;        // local, reduce dtype, flat
+  at::Tensor shard;       // this rank's rows, flat
+  Placements placements;  // as reduced: Partial where summed (or averaged)
+  int64_t replicas;       // ranks whose replicated gradients are averaged
+};
+
+// The gradient of each: Partial(sum) or Replicate on every root dim (anything else, e.g. a
+// rule that left it sharded, is redistributed to Replicate first), flat in the reduce dtype.
+std::vector<ReduceItem> gradients_to_reduce(const std::vector<FsdpParam>& params,
+                                            const std::vector<size_t>& ready,
+                                            const DeviceMesh& root,
+                                            std::optional<c10::ScalarType> reduce_dtype_option) {
+  std::vector<ReduceItem> items;
   c10::ScalarType reduce_dtype = c10::ScalarType::Undefined;
   for (size_t i : ready) {
     at::Tensor g = params[i].unsharded.grad();
@@ -389,12 +393,12 @@ void FsdpGroup::reduce(const std::vector<size_t>& ready) {
     // shards kept), a sum wherever the gradient is one and the parameter is replicated.
     const DTensorSpec& like = spec(params[i].unsharded);
     Placements target;
-    for (int64_t d = 0; d < root_.ndim(); ++d) {
+    for (int64_t d = 0; d < root.ndim(); ++d) {
       const Placement& pl = s.placement(d);
       const bool sum = pl.is_partial() && pl.reduce_op() == PartialOp::Sum;
       target.push_back(sum && like.placement(d).is_replicate() ? pl : like.placement(d));
     }
-    auto target_spec = std::make_shared<const DTensorSpec>(root_, target, like.sizes(),
+    auto target_spec = std::make_shared<const DTensorSpec>(root, target, like.sizes(),
                                                            g.scalar_type(), like.shard_tables());
     if (s != *target_spec) g = redistribute(g, target_spec);
     reduce_dtype = reduce_dtype == c10::ScalarType::Undefined
@@ -406,63 +410,79 @@ void FsdpGroup::reduce(const std::vector<size_t>& ready) {
     // batch) or each rank's own (plain per-rank batches, FSDP2's habit); the mean over the dim
     // is right in both, and is FSDP2's average in the second. So it is reduced as a sum of
     // 1/size shares.
-    for (int64_t d = 0; d < root_.ndim(); ++d) {
-      if (root_.size(d) == 1 || !target[d].is_replicate() || !like.placement(d).is_replicate())
+    for (int64_t d = 0; d < root.ndim(); ++d) {
+      if (root.size(d) == 1 || !target[d].is_replicate() || !like.placement(d).is_replicate())
         continue;
       items.back().placements[static_cast<size_t>(d)] = Partial();
-      items.back().replicas *= root_.size(d);
+      items.back().replicas *= root.size(d);
     }
   }
-  reduce_dtype = options.mp_policy().reduce_dtype.value_or(reduce_dtype);
+  reduce_dtype = reduce_dtype_option.value_or(reduce_dtype);
   for (auto& it : items) {
     it.full = it.full.to(reduce_dtype).contiguous().view({-1});
     if (it.replicas > 1) it.full = it.full.div(static_cast<double>(it.replicas));
   }
-  auto rows_of = [&](const Item& it, int64_t r) {
+  return items;
+}
+
+// Shard dim: one reduce-scatter of the gradients that are sums there; rank r's segment is
+// its rows of each, back to back. Sets every item's shard.
+void reduce_scatter_rows(std::vector<ReduceItem>& items, const std::vector<FsdpParam>& params,
+                         const DeviceMesh& root, int64_t shard_dim) {
+  const int64_t n = root.size(shard_dim);
+  const int64_t me = root.local_rank(shard_dim);
+  auto rows_of = [&](const ReduceItem& it, int64_t r) {
     const auto& p = params[it.index];
     return it.full.narrow(0, p.row_offsets[r] * p.row_numel, p.rows[r] * p.row_numel);
   };
-  // Shard dim: one reduce-scatter of the gradients that are sums there; rank r's segment is
-  // its rows of each, back to back.
   std::vector<at::Tensor> to_scatter;
   std::vector<int64_t> segment(n, 0);
   for (int64_t r = 0; r < n; ++r)
     for (auto& it : items) {
-      if (n == 1 || !it.placements[shard_dim_].is_partial()) continue;
+      if (n == 1 || !it.placements[shard_dim].is_partial()) continue;
       to_scatter.push_back(rows_of(it, r));
       segment[r] += to_scatter.back().numel();
     }
   at::Tensor scattered;
   if (!to_scatter.empty())
-    scattered = comm::reduce_scatter(root_.group(shard_dim_), at::cat(to_scatter), 0, segment,
+    scattered = comm::reduce_scatter(root.group(shard_dim), at::cat(to_scatter), 0, segment,
                                      PartialOp::Sum);
   int64_t pos = 0;
   for (auto& it : items) {
-    if (n > 1 && it.placements[shard_dim_].is_partial()) {
+    if (n > 1 && it.placements[shard_dim].is_partial()) {
       it.shard = scattered.narrow(0, pos, rows_of(it, me).numel());
       pos += it.shard.numel();
     } else {
       it.shard = rows_of(it, me);
     }
   }
-  // Every other dim where the gradient is a sum (HSDP's replicate dim, domain dims): one
-  // all-reduce of the shards.
-  for (int64_t d = 0; d < root_.ndim(); ++d) {
-    if (d == shard_dim_ || root_.size(d) == 1) continue;
-    std::vector<Item*> partial;
+}
+
+// Every other dim where the gradient is a sum (HSDP's replicate dim, domain dims): one
+// all-reduce of the shards.
+void all_reduce_other_dims(std::vector<ReduceItem>& items, const DeviceMesh& root,
+                           int64_t shard_dim) {
+  for (int64_t d = 0; d < root.ndim(); ++d) {
+    if (d == shard_dim || root.size(d) == 1) continue;
+    std::vector<ReduceItem*> partial;
     for (auto& it : items)
       if (it.placements[d].is_partial()) partial.push_back(&it);
     if (partial.empty()) continue;
     std::vector<at::Tensor> parts;
     for (auto* it : partial) parts.push_back(it->shard);
-    at::Tensor summed = comm::all_reduce(root_.group(d), at::cat(parts), PartialOp::Sum);
+    at::Tensor summed = comm::all_reduce(root.group(d), at::cat(parts), PartialOp::Sum);
     int64_t off = 0;
     for (auto* it : partial) {
       it->shard = summed.narrow(0, off, it->shard.numel());
       off += it->shard.numel();
     }
   }
-  for (auto& it : items) {
+}
+
+// The reduced shards added to the sharded parameters' gradients.
+void accumulate_sharded_gradients(const std::vector<ReduceItem>& items,
+                                  std::vector<FsdpParam>& params) {
+  for (const auto& it : items) {
     auto& p = params[it.index];
     const DTensorImpl* sharded = dtensor_impl(p.sharded);
     at::Tensor local = it.shard.to(sharded->local().scalar_type()).view(sharded->local().sizes());
@@ -476,6 +496,16 @@ void FsdpGroup::reduce(const std::vector<size_t>& ready) {
     // An optimizer built before fully_shard steps the original objects (now this rank's rows).
     detail::hand_gradient_to_user(p.sharded.unsafeGetTensorImpl());
   }
+}
+
+}  // namespace
+
+void FsdpGroup::reduce(const std::vector<size_t>& ready) {
+  at::NoGradGuard no_grad;
+  auto items = gradients_to_reduce(params, ready, root_, options.mp_policy().reduce_dtype);
+  reduce_scatter_rows(items, params, root_, shard_dim_);
+  all_reduce_other_dims(items, root_, shard_dim_);
+  accumulate_sharded_gradients(items, params);
 }
 
 }  // namespace tessera::detail

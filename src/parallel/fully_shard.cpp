@@ -92,27 +92,13 @@ struct Candidate {
   at::Tensor value;
 };
 
-}  // namespace
-
-std::shared_ptr<FSDPModule> fully_shard(torch::nn::Module& module, const DeviceMesh& mesh,
-                                        FullyShardOptions options) {
-  const std::string where = "tessera: fully_shard(" + module.name() + ")";
-  TORCH_CHECK(mesh.defined() && (mesh.ndim() == 1 || mesh.ndim() == 2), where,
-              ": needs a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), got ",
-              mesh.defined() ? mesh.str() : std::string("an undefined mesh"),
-              "; slice a larger mesh, e.g. mesh[\"dp\"]");
-  TORCH_CHECK(mesh.contains_this_rank(), where, ": this rank is not in ", mesh.str());
-  auto& registry = modules();
-  {
-    std::lock_guard<std::mutex> lock(registry.mu);
-    prune_locked(registry);
-    TORCH_CHECK(!find_locked(registry, module), where,
-                ": already applied to this module; apply it once per module, bottom-up");
-  }
-  const DeviceMesh root = mesh.root();
-  const std::vector<int64_t> dp_dims = mesh.dims_in_root();
-  auto context = detail::context_of(root);
-  const auto existing = context->live();
+// The parameters the group takes: every one not owned by an earlier group. Checks everything
+// before changing anything; every check reads replicated information (module structure,
+// shapes, placements), so every rank raises the same error.
+std::vector<Candidate> collect_candidates(torch::nn::Module& module, const DeviceMesh& root,
+                                          const std::vector<int64_t>& dp_dims,
+                                          const std::vector<std::shared_ptr<FsdpGroup>>& existing,
+                                          const std::string& where) {
   auto owned_by_group = [&](const at::Tensor& t) -> std::shared_ptr<FsdpGroup> {
     for (const auto& g : existing)
       for (const auto& p : g->params)
@@ -126,8 +112,6 @@ std::shared_ptr<FSDPModule> fully_shard(torch::nn::Module& module, const DeviceM
     return nullptr;
   };
 
-  // Check everything before changing anything; every check reads replicated information
-  // (module structure, shapes, placements), so every rank raises the same error.
   std::vector<Candidate> candidates;
   for (const auto& [prefix, owner_ptr] : modules_with_self(module)) {
     torch::nn::Module& owner = *owner_ptr;
@@ -159,55 +143,94 @@ std::shared_ptr<FSDPModule> fully_shard(torch::nn::Module& module, const DeviceM
       candidates.push_back({&owner, param.key(), fqn, t});
     }
   }
+  return candidates;
+}
 
-  auto group = std::make_shared<FsdpGroup>(module, mesh, std::move(options), context);
-  const int64_t shard_dim = dp_dims.back();
+// The group's entry for one parameter: this rank's rows (what the optimizer steps) and the
+// unsharded tensor forward reads, gathered on first use.
+FsdpParam make_param(const Candidate& c, const FsdpGroup& group, const DeviceMesh& root,
+                     int64_t shard_dim) {
   const int64_t n = root.size(shard_dim);
   const int64_t me = root.local_rank(shard_dim);
-  std::vector<at::Tensor> original_values;  // parallel to group->originals
+  at::NoGradGuard no_grad;
+  // What forward reads: the parameter's own layout (replicated, or a tensor-parallel
+  // shard), gathered from the data-parallel rows of this rank's local tensor.
+  const at::Tensor local = (is_dtensor(c.value) ? to_local(c.value) : c.value).detach();
+  const DTensorSpec like = is_dtensor(c.value)
+                               ? spec(c.value)
+                               : DTensorSpec(root, Placements(root.ndim(), Replicate()),
+                                             local.sizes().vec(), local.scalar_type());
+  FsdpParam p;
+  p.owners.emplace_back(c.owner, c.name);
+  p.fqn = c.fqn;
+  p.rows = chunk_sizes(local.size(0), n);
+  int64_t off = 0;
+  for (int64_t r : p.rows) p.row_offsets.push_back(off), off += r;
+  p.row_numel = local.size(0) == 0 ? 0 : local.numel() / local.size(0);
+  // A copy of this rank's rows, so the full value's memory goes with the original.
+  p.sharded = make_dtensor(local.narrow(0, p.row_offsets[me], p.rows[me]).clone(),
+                           sharded_spec_of(like, shard_dim))
+                  .requires_grad_(c.value.requires_grad());
+  const auto compute = group.compute_dtype_of(local);
+  auto unsharded_spec = std::make_shared<const DTensorSpec>(root, like.placements(), like.sizes(),
+                                                            compute, like.shard_tables());
+  p.unsharded =
+      make_dtensor(at::empty(local.sizes(), local.options().dtype(compute)), unsharded_spec)
+          .requires_grad_(c.value.requires_grad());
+  // A tensor-parallel module finds its boundary through the parameter its forward reads
+  // (NOTE: [Module boundaries without hooks]): that is now the unsharded one, whose
+  // StorageImpl survives resharding.
+  if (auto boundary = tp::detail::boundary_of(c.value))
+    tp::detail::tag_parameter(p.unsharded, std::move(boundary));
+  return p;
+}
+
+// Adds the candidates to the group (a tied parameter: one entry, registered under each
+// name); returns the original tensors, parallel to group.originals.
+std::vector<at::Tensor> add_parameters(FsdpGroup& group, const std::vector<Candidate>& candidates,
+                                       const DeviceMesh& root, int64_t shard_dim) {
+  std::vector<at::Tensor> original_values;
   for (const auto& c : candidates) {
-    // A tied parameter: one group entry, registered under each name.
     bool tied = false;
-    for (size_t k = 0; k < group->originals.size() && !tied; ++k) {
-      if (group->originals[k]._unsafe_get_target() != c.value.unsafeGetTensorImpl()) continue;
-      group->params[k].owners.emplace_back(c.owner, c.name);
+    for (size_t k = 0; k < group.originals.size() && !tied; ++k) {
+      if (group.originals[k]._unsafe_get_target() != c.value.unsafeGetTensorImpl()) continue;
+      group.params[k].owners.emplace_back(c.owner, c.name);
       tied = true;
     }
     if (tied) continue;
-    at::NoGradGuard no_grad;
-    // What forward reads: the parameter's own layout (replicated, or a tensor-parallel
-    // shard), gathered from the data-parallel rows of this rank's local tensor.
-    const at::Tensor local = (is_dtensor(c.value) ? to_local(c.value) : c.value).detach();
-    const DTensorSpec like = is_dtensor(c.value)
-                                 ? spec(c.value)
-                                 : DTensorSpec(root, Placements(root.ndim(), Replicate()),
-                                               local.sizes().vec(), local.scalar_type());
-    FsdpParam p;
-    p.owners.emplace_back(c.owner, c.name);
-    p.fqn = c.fqn;
-    p.rows = chunk_sizes(local.size(0), n);
-    int64_t off = 0;
-    for (int64_t r : p.rows) p.row_offsets.push_back(off), off += r;
-    p.row_numel = local.size(0) == 0 ? 0 : local.numel() / local.size(0);
-    // A copy of this rank's rows, so the full value's memory goes with the original.
-    p.sharded = make_dtensor(local.narrow(0, p.row_offsets[me], p.rows[me]).clone(),
-                             sharded_spec_of(like, shard_dim))
-                    .requires_grad_(c.value.requires_grad());
-    const auto compute = group->compute_dtype_of(local);
-    auto unsharded_spec = std::make_shared<const DTensorSpec>(root, like.placements(), like.sizes(),
-                                                              compute, like.shard_tables());
-    p.unsharded =
-        make_dtensor(at::empty(local.sizes(), local.options().dtype(compute)), unsharded_spec)
-            .requires_grad_(c.value.requires_grad());
-    // A tensor-parallel module finds its boundary through the parameter its forward reads
-    // (NOTE: [Module boundaries without hooks]): that is now the unsharded one, whose
-    // StorageImpl survives resharding.
-    if (auto boundary = tp::detail::boundary_of(c.value))
-      tp::detail::tag_parameter(p.unsharded, std::move(boundary));
-    group->originals.emplace_back(c.value.getIntrusivePtr());
+    group.params.push_back(make_param(c, group, root, shard_dim));
+    group.originals.emplace_back(c.value.getIntrusivePtr());
     original_values.push_back(c.value);
-    group->params.push_back(std::move(p));
   }
+  return original_values;
+}
+
+}  // namespace
+
+std::shared_ptr<FSDPModule> fully_shard(torch::nn::Module& module, const DeviceMesh& mesh,
+                                        FullyShardOptions options) {
+  const std::string where = "tessera: fully_shard(" + module.name() + ")";
+  TORCH_CHECK(mesh.defined() && (mesh.ndim() == 1 || mesh.ndim() == 2), where,
+              ": needs a 1-D mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP), got ",
+              mesh.defined() ? mesh.str() : std::string("an undefined mesh"),
+              "; slice a larger mesh, e.g. mesh[\"dp\"]");
+  TORCH_CHECK(mesh.contains_this_rank(), where, ": this rank is not in ", mesh.str());
+  auto& registry = modules();
+  {
+    std::lock_guard<std::mutex> lock(registry.mu);
+    prune_locked(registry);
+    TORCH_CHECK(!find_locked(registry, module), where,
+                ": already applied to this module; apply it once per module, bottom-up");
+  }
+  const DeviceMesh root = mesh.root();
+  const std::vector<int64_t> dp_dims = mesh.dims_in_root();
+  auto context = detail::context_of(root);
+  const auto existing = context->live();
+  const std::vector<Candidate> candidates =
+      collect_candidates(module, root, dp_dims, existing, where);
+  auto group = std::make_shared<FsdpGroup>(module, mesh, std::move(options), context);
+  const std::vector<at::Tensor> original_values =
+      add_parameters(*group, candidates, root, dp_dims.back());
   for (size_t k = 0; k < group->params.size(); ++k) {
     auto& p = group->params[k];
     for (auto& [owner, name] : p.owners) split_parameter(*owner, name, p.sharded, p.unsharded);

@@ -262,6 +262,93 @@ at::Tensor whole_weight(const c10::optional<at::Tensor>& weight, int64_t classes
   return w.to(dtype);
 }
 
+// The valid rows, their target weights, and for a mean the total weight (summed over the
+// row-sharding mesh dims). Out-of-range targets raise as on one device.
+void weigh_rows(Setup& s, Rows& rows, const at::Tensor& t, const at::Tensor& w_full,
+                int64_t ignore_index, const at::TensorOptions& opts, const DeviceMesh& mesh,
+                const std::string& what) {
+  const Layout& l = s.layout;
+  const int64_t C = l.classes;
+  const int64_t Cl = l.local_classes;
+  const int64_t reduction = s.reduction;
+  const double smoothing = s.smoothing;
+  const at::Tensor zero = at::zeros({}, opts);
+  rows.valid = t.ne(ignore_index);
+  const at::Tensor bad = rows.valid.logical_and(t.lt(0).logical_or(t.ge(C)));
+  const at::Tensor safe_t = at::where(rows.valid, t, at::zeros({}, t.options())).clamp(0, C - 1);
+  rows.w_target =
+      w_full.defined()
+          ? at::where(rows.valid, w_full.index_select(0, safe_t.flatten()).view(t.sizes()), zero)
+          : rows.valid.to(s.compute);
+  if (smoothing > 0)
+    s.weight_sum = w_full.defined() ? w_full.sum().item<double>() : static_cast<double>(C);
+  if (w_full.defined()) s.local_weight = w_full.narrow(0, l.class_offset, Cl);
+
+  // Out-of-range targets raise as on one device. The ranks sharing these rows (the class
+  // shards) see the same targets and raise together; where a scalar all-reduce over the
+  // row-sharding mesh dims follows (mean), the count travels with it so all raise.
+  const bool row_reduce = reduction == at::Reduction::Mean && !l.row_mesh_dims.empty();
+  const int64_t bad_here = bad.sum().item<int64_t>();
+  auto out_of_range = [&] {
+    const at::Tensor first = t.masked_select(bad);
+    return first.numel() ? "target " + std::to_string(first[0].item<int64_t>()) +
+                               " is out of bounds for " + std::to_string(C) + " classes"
+                         : std::string("a target on another rank is out of bounds for ") +
+                               std::to_string(C) + " classes";
+  };
+  TORCH_CHECK(row_reduce || bad_here == 0, what, ": ", out_of_range());
+  if (reduction == at::Reduction::Mean) {
+    at::Tensor total = rows.w_target.sum();
+    if (row_reduce) {
+      at::Tensor packed = at::stack({total, at::full({}, static_cast<double>(bad_here), opts)});
+      for (auto d : l.row_mesh_dims)
+        packed = comm::all_reduce(mesh.group(d), packed, PartialOp::Sum);
+      TORCH_CHECK(packed[1].item<double>() == 0, what, ": ", out_of_range());
+      total = packed[0];
+    }
+    s.total_weight = total;
+  }
+}
+
+// The per-row loss -w_t log p_t (and the smoothing term) over the class shards: row maxima and
+// sums reduced over the class-sharding mesh dims; ignored rows give 0.
+at::Tensor row_losses(Setup& s, Rows& rows, const at::Tensor& x, const at::Tensor& t) {
+  const Layout& l = s.layout;
+  const int64_t C = l.classes;
+  const int64_t Cl = l.local_classes;
+  const double smoothing = s.smoothing;
+  const auto opts = x.options();
+  const at::Tensor zero = at::zeros({}, opts);
+  // 1. the row maxima.
+  std::vector<int64_t> row_shape = t.sizes().vec();
+  at::Tensor m =
+      Cl > 0 ? x.amax(1) : at::full(row_shape, -std::numeric_limits<double>::infinity(), opts);
+  m = reduce_over_classes(l, m, PartialOp::Max);
+  // 2. the per-row sums, in one buffer.
+  const at::Tensor z = x - m.unsqueeze(1);
+  rows.own = rows.valid.logical_and(t.ge(l.class_offset)).logical_and(t.lt(l.class_offset + Cl));
+  rows.local_idx = at::where(rows.own, t - l.class_offset, at::zeros({}, t.options()));
+  std::vector<at::Tensor> parts;
+  parts.push_back(z.exp().sum(1));
+  parts.push_back(
+      Cl > 0 ? at::where(rows.own, z.gather(1, rows.local_idx.unsqueeze(1)).squeeze(1), zero)
+             : at::zeros(row_shape, opts));
+  if (smoothing > 0)
+    parts.push_back(s.local_weight.defined() ? (z * per_class(s.local_weight, z.dim())).sum(1)
+                                             : z.sum(1));
+  const at::Tensor sums = reduce_over_classes(l, at::stack(parts), PartialOp::Sum);
+  const at::Tensor lse = sums[0].log();
+  rows.log_norm = m + lse;
+
+  // -w_t log p_t, and the smoothing term; ignored rows give 0.
+  at::Tensor loss = at::where(rows.valid, rows.w_target * (lse - sums[1]), zero);
+  if (smoothing > 0) {
+    const at::Tensor smooth = at::where(rows.valid, lse * s.weight_sum - sums[2], zero);
+    loss = loss * (1 - smoothing) + smooth * (smoothing / static_cast<double>(C));
+  }
+  return loss;
+}
+
 at::Tensor loss_parallel_cross_entropy(const at::Tensor& self, const at::Tensor& target,
                                        const c10::optional<at::Tensor>& weight, int64_t reduction,
                                        int64_t ignore_index, double smoothing) {
@@ -310,73 +397,8 @@ at::Tensor loss_parallel_cross_entropy(const at::Tensor& self, const at::Tensor&
       x = x.unsqueeze(0);
       t = t.unsqueeze(0);
     }
-    const auto opts = x.options();
-    const at::Tensor zero = at::zeros({}, opts);
-    const int64_t Cl = l.local_classes;
-
-    rows.valid = t.ne(ignore_index);
-    const at::Tensor bad = rows.valid.logical_and(t.lt(0).logical_or(t.ge(C)));
-    const at::Tensor safe_t = at::where(rows.valid, t, at::zeros({}, t.options())).clamp(0, C - 1);
-    rows.w_target =
-        w_full.defined()
-            ? at::where(rows.valid, w_full.index_select(0, safe_t.flatten()).view(t.sizes()), zero)
-            : rows.valid.to(s.compute);
-    if (smoothing > 0)
-      s.weight_sum = w_full.defined() ? w_full.sum().item<double>() : static_cast<double>(C);
-    if (w_full.defined()) s.local_weight = w_full.narrow(0, l.class_offset, Cl);
-
-    // Out-of-range targets raise as on one device. The ranks sharing these rows (the class
-    // shards) see the same targets and raise together; where a scalar all-reduce over the
-    // row-sharding mesh dims follows (mean), the count travels with it so all raise.
-    const bool row_reduce = reduction == at::Reduction::Mean && !l.row_mesh_dims.empty();
-    const int64_t bad_here = bad.sum().item<int64_t>();
-    auto out_of_range = [&] {
-      const at::Tensor first = t.masked_select(bad);
-      return first.numel() ? "target " + std::to_string(first[0].item<int64_t>()) +
-                                 " is out of bounds for " + std::to_string(C) + " classes"
-                           : std::string("a target on another rank is out of bounds for ") +
-                                 std::to_string(C) + " classes";
-    };
-    TORCH_CHECK(row_reduce || bad_here == 0, what, ": ", out_of_range());
-    if (reduction == at::Reduction::Mean) {
-      at::Tensor total = rows.w_target.sum();
-      if (row_reduce) {
-        at::Tensor packed = at::stack({total, at::full({}, static_cast<double>(bad_here), opts)});
-        for (auto d : l.row_mesh_dims)
-          packed = comm::all_reduce(mesh.group(d), packed, PartialOp::Sum);
-        TORCH_CHECK(packed[1].item<double>() == 0, what, ": ", out_of_range());
-        total = packed[0];
-      }
-      s.total_weight = total;
-    }
-
-    // 1. the row maxima.
-    std::vector<int64_t> row_shape = t.sizes().vec();
-    at::Tensor m =
-        Cl > 0 ? x.amax(1) : at::full(row_shape, -std::numeric_limits<double>::infinity(), opts);
-    m = reduce_over_classes(l, m, PartialOp::Max);
-    // 2. the per-row sums, in one buffer.
-    const at::Tensor z = x - m.unsqueeze(1);
-    rows.own = rows.valid.logical_and(t.ge(l.class_offset)).logical_and(t.lt(l.class_offset + Cl));
-    rows.local_idx = at::where(rows.own, t - l.class_offset, at::zeros({}, t.options()));
-    std::vector<at::Tensor> parts;
-    parts.push_back(z.exp().sum(1));
-    parts.push_back(
-        Cl > 0 ? at::where(rows.own, z.gather(1, rows.local_idx.unsqueeze(1)).squeeze(1), zero)
-               : at::zeros(row_shape, opts));
-    if (smoothing > 0)
-      parts.push_back(s.local_weight.defined() ? (z * per_class(s.local_weight, z.dim())).sum(1)
-                                               : z.sum(1));
-    const at::Tensor sums = reduce_over_classes(l, at::stack(parts), PartialOp::Sum);
-    const at::Tensor lse = sums[0].log();
-    rows.log_norm = m + lse;
-
-    // -w_t log p_t, and the smoothing term; ignored rows give 0.
-    at::Tensor loss = at::where(rows.valid, rows.w_target * (lse - sums[1]), zero);
-    if (smoothing > 0) {
-      const at::Tensor smooth = at::where(rows.valid, lse * s.weight_sum - sums[2], zero);
-      loss = loss * (1 - smoothing) + smooth * (smoothing / static_cast<double>(C));
-    }
+    weigh_rows(s, rows, t, w_full, ignore_index, x.options(), mesh, what);
+    const at::Tensor loss = row_losses(s, rows, x, t);
     switch (reduction) {
       case at::Reduction::None: out_local = s.vector_input ? loss.squeeze(0) : loss; break;
       case at::Reduction::Sum: out_local = loss.sum(); break;
@@ -398,22 +420,22 @@ at::Tensor loss_parallel_cross_entropy(const at::Tensor& self, const at::Tensor&
 
 // aten::cross_entropy_loss(self, target, weight?, reduction, ignore_index, label_smoothing)
 // at the distributed tensors' autograd key: ours inside a scope, the usual one elsewhere.
-void cross_entropy_kernel(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  auto& st = *stack;
-  const size_t n = st.size();
-  const at::Tensor self = st[n - 6].toTensor();
-  const at::Tensor target = st[n - 5].toTensor();
-  const auto weight = st[n - 4].toOptional<at::Tensor>();
-  const int64_t reduction = st[n - 3].toInt();
-  const int64_t ignore_index = st[n - 2].toInt();
-  const double smoothing = st[n - 1].toDouble();
-  torch::jit::drop(st, 6);
+void cross_entropy_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  TORCH_INTERNAL_ASSERT(stack->size() == op.schema().arguments().size(),
+                        "aten::cross_entropy_loss: expected a stack of its arguments only");
+  ops::KernelCall call(op, *stack);
+  const at::Tensor self = call.tensor("self");
+  const at::Tensor target = call.tensor("target");
+  const auto weight = call.arg("weight").toOptional<at::Tensor>();
+  const int64_t reduction = call.arg("reduction").toInt();
+  const int64_t ignore_index = call.arg("ignore_index").toInt();
+  const double smoothing = call.arg("label_smoothing").toDouble();
   at::Tensor out =
       LossParallel::enabled() && is_dtensor(self)
           ? loss_parallel_cross_entropy(self, target, weight, reduction, ignore_index, smoothing)
           : compat::cross_entropy_loss_composite(self, target, weight, reduction, ignore_index,
                                                  smoothing);
-  torch::jit::push(st, std::move(out));
+  call.finish({std::move(out)});
 }
 
 const ops::RuleRegistrar registrar{[] {

@@ -27,6 +27,9 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
 
 #include "tessera/compat_autograd.h"
 #include "tessera/tensor/rule.h"
@@ -56,41 +59,47 @@ at::Tensor matmul_kernel(const at::Tensor& self, const at::Tensor& other) {
   return leave(*b, at::native::matmul(x, other), "aten::matmul", /*allow_local=*/!b->linear_bias);
 }
 
+// The boxed kernels read their arguments by name; the stack holds exactly the op's arguments.
+ops::KernelCall arguments_of(const c10::OperatorHandle& op, Stack* stack) {
+  TORCH_INTERNAL_ASSERT(stack->size() == op.schema().arguments().size(), op.schema().name(),
+                        ": expected a stack of its ", op.schema().arguments().size(),
+                        " arguments, got ", stack->size());
+  return ops::KernelCall(op, *stack);
+}
+
 // addmm(self, mat1, mat2, *, beta, alpha): F::linear on 2-d inputs with a bias.
 void addmm_kernel(const c10::OperatorHandle& op, Stack* stack) {
-  const size_t n = stack->size();
-  BoundaryPtr b = boundary_of_view((*stack)[n - 3].toTensor());
+  ops::KernelCall call = arguments_of(op, stack);
+  const at::Tensor wt = call.tensor("mat2");
+  BoundaryPtr b = boundary_of_view(wt);
   if (!b) {
     // The autograd kernel LibTorch registers for every backend (derivatives.yaml's addmm).
     c10::Dispatcher::singleton().callBoxedForDispatchKey(op, c10::DispatchKey::Autograd, stack);
     return;
   }
-  const at::Tensor bias = (*stack)[n - 5].toTensor();
-  at::Tensor x = (*stack)[n - 4].toTensor();
-  const at::Tensor wt = (*stack)[n - 3].toTensor();
-  const c10::Scalar beta = (*stack)[n - 2].toScalar(), alpha = (*stack)[n - 1].toScalar();
-  stack->resize(n - 5);
+  const at::Tensor bias = call.tensor("self");
+  at::Tensor x = call.tensor("mat1");
+  const c10::Scalar beta = call.arg("beta").toScalar(), alpha = call.arg("alpha").toScalar();
   x = enter(*b, x, "aten::addmm");
   at::Tensor out = at::mm(x, wt);
   if (!(alpha.isIntegral(false) && alpha.toLong() == 1)) out = out * alpha;
   out = (beta.isIntegral(false) && beta.toLong() == 1) ? out + bias : out + bias * beta;
-  stack->emplace_back(leave(*b, out, "aten::addmm"));
+  call.finish({leave(*b, out, "aten::addmm")});
 }
 
 // layer_norm(input, normalized_shape, weight?, bias?, eps, cudnn_enable)
-void layer_norm_kernel(const c10::OperatorHandle&, Stack* stack) {
-  const size_t n = stack->size();
-  at::Tensor input = (*stack)[n - 6].toTensor();
-  const std::vector<int64_t> shape = (*stack)[n - 5].toIntVector();
-  const auto weight = (*stack)[n - 4].toOptional<at::Tensor>();
-  const auto bias = (*stack)[n - 3].toOptional<at::Tensor>();
-  const double eps = (*stack)[n - 2].toDouble();
-  stack->resize(n - 6);
+void layer_norm_kernel(const c10::OperatorHandle& op, Stack* stack) {
+  ops::KernelCall call = arguments_of(op, stack);
+  at::Tensor input = call.tensor("input");
+  const std::vector<int64_t> shape = call.arg("normalized_shape").toIntVector();
+  const auto weight = call.arg("weight").toOptional<at::Tensor>();
+  const auto bias = call.arg("bias").toOptional<at::Tensor>();
+  const double eps = call.arg("eps").toDouble();
   BoundaryPtr b = weight ? boundary_of(*weight) : nullptr;
   if (b) input = enter(*b, input, "aten::layer_norm");
   at::Tensor out = std::get<0>(at::native_layer_norm(input, shape, weight, bias, eps));
   if (b) out = leave(*b, out, "aten::layer_norm");
-  stack->emplace_back(std::move(out));
+  call.finish({std::move(out)});
 }
 
 // embedding's backward, as derivatives.yaml has it on one device.
@@ -108,14 +117,13 @@ struct EmbeddingBackward : torch::autograd::Node {
 };
 
 // embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse)
-void embedding_kernel(const c10::OperatorHandle&, Stack* stack) {
-  const size_t n = stack->size();
-  const at::Tensor weight = (*stack)[n - 5].toTensor();
-  at::Tensor indices = (*stack)[n - 4].toTensor();
-  const int64_t padding_idx = (*stack)[n - 3].toInt();
-  const bool scale = (*stack)[n - 2].toBool();
-  const bool sparse = (*stack)[n - 1].toBool();
-  stack->resize(n - 5);
+void embedding_kernel(const c10::OperatorHandle& op, Stack* stack) {
+  ops::KernelCall call = arguments_of(op, stack);
+  const at::Tensor weight = call.tensor("weight");
+  at::Tensor indices = call.tensor("indices");
+  const int64_t padding_idx = call.arg("padding_idx").toInt();
+  const bool scale = call.arg("scale_grad_by_freq").toBool();
+  const bool sparse = call.arg("sparse").toBool();
   BoundaryPtr b = boundary_of(weight);
   if (b) indices = enter(*b, indices, "aten::embedding");
   at::Tensor out;
@@ -134,7 +142,7 @@ void embedding_kernel(const c10::OperatorHandle&, Stack* stack) {
     torch::autograd::set_history(out, node);
   }
   if (b) out = leave(*b, out, "aten::embedding");
-  stack->emplace_back(std::move(out));
+  call.finish({std::move(out)});
 }
 
 // NOTE: [Plain dropout on local shards] (tp_boundary.h): the dropout family, for every tensor;
@@ -167,6 +175,28 @@ TESSERA_DROPOUT_KERNELS(alpha_dropout)
 TESSERA_DROPOUT_KERNELS(feature_alpha_dropout)
 #undef TESSERA_DROPOUT_KERNELS
 
+template <class Impl>
+bool is_a(const torch::nn::Module& m) {
+  return dynamic_cast<const Impl*>(&m) != nullptr;
+}
+
+bool is_affine_layer_norm(const torch::nn::Module& m) {
+  auto* ln = dynamic_cast<const torch::nn::LayerNormImpl*>(&m);
+  return ln && ln->options.elementwise_affine();
+}
+
+// The anchored ops' kernels, by name; every op of anchored_modules() has one.
+torch::CppFunction anchor_kernel(const std::string& op) {
+  if (op == "aten::linear") return torch::CppFunction(TORCH_FN(linear_kernel));
+  if (op == "aten::matmul") return torch::CppFunction(TORCH_FN(matmul_kernel));
+  if (op == "aten::addmm") return torch::CppFunction::makeFromBoxedFunction<&addmm_kernel>();
+  if (op == "aten::layer_norm")
+    return torch::CppFunction::makeFromBoxedFunction<&layer_norm_kernel>();
+  TORCH_INTERNAL_ASSERT(op == "aten::embedding", "tessera: no tensor-parallel anchor kernel for ",
+                        op);
+  return torch::CppFunction::makeFromBoxedFunction<&embedding_kernel>();
+}
+
 const ops::RuleRegistrar registrar{[] {
 #define TESSERA_EVERY(name, kernel)               \
   ops::register_autograd_kernel_for_every_tensor( \
@@ -180,17 +210,29 @@ const ops::RuleRegistrar registrar{[] {
   TESSERA_EVERY("aten::feature_alpha_dropout", feature_alpha_dropout_kernel);
   TESSERA_EVERY("aten::feature_alpha_dropout_", feature_alpha_dropout__kernel);
 #undef TESSERA_EVERY
-  ops::register_autograd_kernel("aten::linear", torch::CppFunction(TORCH_FN(linear_kernel)));
-  ops::register_autograd_kernel("aten::matmul", torch::CppFunction(TORCH_FN(matmul_kernel)));
-  ops::register_autograd_kernel("aten::addmm",
-                                torch::CppFunction::makeFromBoxedFunction<&addmm_kernel>());
-  ops::register_autograd_kernel("aten::layer_norm",
-                                torch::CppFunction::makeFromBoxedFunction<&layer_norm_kernel>());
-  ops::register_autograd_kernel("aten::embedding",
-                                torch::CppFunction::makeFromBoxedFunction<&embedding_kernel>());
+  for (const auto& module : anchored_modules())
+    for (const char* op : module.ops) ops::register_autograd_kernel(op, anchor_kernel(op));
 }};
 
 }  // namespace
+
+// See NOTE: [Interceptable modules] in tp_boundary.h.
+const std::vector<AnchoredModule>& anchored_modules() {
+  static const std::vector<AnchoredModule> table{
+      {"Linear", &is_a<torch::nn::LinearImpl>, {"aten::linear", "aten::matmul", "aten::addmm"}},
+      {"Embedding", &is_a<torch::nn::EmbeddingImpl>, {"aten::embedding"}},
+      {"LayerNorm", &is_affine_layer_norm, {"aten::layer_norm"}},
+  };
+  return table;
+}
+
+std::string anchored_module_names() {
+  const auto& t = anchored_modules();
+  std::string s;
+  for (size_t i = 0; i < t.size(); ++i)
+    s += std::string(i == 0 ? "" : i + 1 == t.size() ? " or " : ", ") + t[i].name;
+  return s;
+}
 
 void ensure_anchors_registered() {}
 

@@ -37,12 +37,6 @@ Placements TpMesh::with(Placements base, Placement p) const {
   return base;
 }
 
-std::string Convert::str() const {
-  std::string s = "{plain: " + (plain ? plain->str() : std::string("keep"));
-  s += ", desired: " + (desired ? desired->str() : std::string("keep"));
-  return s + (to_local ? ", local}" : "}");
-}
-
 // ---- module and parameter tables -----------------------------------------------------------
 
 namespace {

@@ -23,17 +23,8 @@ struct TpMesh {
   Placements with(Placements base, Placement p) const;
 };
 
-// One tensor's conversion at a boundary: a plain tensor is read with `plain` (exact sizes
-// from `plain_table` when known, else exchanged), a distributed one is moved to `desired`
-// (with `desired_table` when given), then made local if `to_local`. Tables are a
-// parameter's feature split and apply only when the shard dim is the tensor's last dim.
-struct Convert {
-  IoLayout plain;
-  IoLayout desired;
-  std::optional<ShardTable> plain_table, desired_table;
-  bool to_local = false;
-  std::string str() const;
-};
+// One tensor's conversion at a boundary (NOTE: [Style conversions] in tensor_parallel.h).
+using Convert = tp::IoConversion;
 
 // PrepareModuleInput on a module: its input is recognised at the first tagged op inside the
 // module after the module was entered (see enter()).
@@ -51,14 +42,44 @@ struct Boundary {
   bool anchored = false;         // the module's forward is an op Tessera intercepts
   bool plain_forbidden = false;  // SequenceParallel on a module Tessera cannot intercept
   int64_t sequence_dim = 1;
-  std::optional<Convert> input;         // the parameter style's own input conversion
-  std::optional<Convert> style_output;  // the parameter style's own output conversion
-  std::vector<Convert> outputs;         // style_output, then PrepareModuleOutput's (linked)
+  std::optional<Convert> input;        // the parameter style's own input conversion
+  std::vector<Convert> style_outputs;  // the parameter style's own output conversions
+  std::vector<Convert> outputs;        // style_outputs, then PrepareModuleOutput's (linked)
   std::vector<std::shared_ptr<const ModuleInput>> enclosing;  // outermost first, self last
   bool has_param_style = false;
+  uint64_t application = 0;  // the style application that claimed it (begin_application)
   bool linear_bias = false;  // a Linear with bias (see NOTE: [Linear with bias] in tp_anchors.cpp)
 };
 using BoundaryPtr = std::shared_ptr<Boundary>;
+
+// NOTE: [Interceptable modules]
+// The one table of built-in modules whose forward is an op family Tessera anchors
+// (tp_anchors.cpp registers exactly these ops): tp::is_anchored_leaf, the parallelize-time
+// messages and the anchors' registration all read it.
+struct AnchoredModule {
+  const char* name;                             // "Linear"
+  bool (*matches)(const torch::nn::Module& m);  // m is one, and Tessera sees its op
+  std::vector<const char*> ops;                 // what its forward calls
+};
+const std::vector<AnchoredModule>& anchored_modules();
+// "Linear, Embedding or LayerNorm", for messages.
+std::string anchored_module_names();
+
+// One style application (parallelize_module applying one style to one module): the modules
+// whose parameters it laid out so far (tp::distribute_parameter), so its conversions know
+// where they run. Reset per application by tp_plan.cpp.
+void begin_application();
+void note_laid_out(const torch::nn::Module& module);
+bool laid_out_in_application(const torch::nn::Module& module);
+
+// The module's boundary claimed by the current style application (made, named and checked
+// to have no other parameter style on first claim).
+BoundaryPtr claim_boundary(torch::nn::Module& module, const ParallelStyle& style,
+                           const DeviceMesh& mesh);
+
+// ParallelStyle::set_input_conversion / add_output_conversion.
+void style_conversion(const ParallelStyle& style, torch::nn::Module& module, const DeviceMesh& mesh,
+                      Convert conversion, bool input);
 
 // The module's boundary, made on first use (one per module; shared by its parameters' tags).
 BoundaryPtr boundary_for(torch::nn::Module& module);

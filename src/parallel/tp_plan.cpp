@@ -83,12 +83,12 @@ bool subtree_has_anchor(torch::nn::Module& m) {
 void link(torch::nn::Module& m, const std::string& path,
           std::vector<std::shared_ptr<const tp::detail::ModuleInput>> chain) {
   if (auto own = tp::detail::module_input(m)) {
-    TORCH_CHECK(
-        subtree_has_anchor(m), "tessera: parallelize_module: PrepareModuleInput on '", own->fqn,
-        "': no module inside it has a Colwise/Rowwise/SequenceParallel style on a ",
-        "Linear, Embedding or LayerNorm, so Tessera cannot see its input (LibTorch modules ",
-        "have no hooks). Give the modules that consume the input a style, or pass the ",
-        "module distributed inputs (tessera::from_local / distribute_tensor)");
+    TORCH_CHECK(subtree_has_anchor(m), "tessera: parallelize_module: the input conversion of '",
+                own->fqn, "' (PrepareModuleInput or a style's set_input_conversion): no module ",
+                "inside it has a parameter style on a ", tp::detail::anchored_module_names(),
+                ", so Tessera cannot see its input (LibTorch modules ",
+                "have no hooks). Give the modules that consume the input a style, or pass the ",
+                "module distributed inputs (tessera::from_local / distribute_tensor)");
     chain.push_back(own);
   }
   auto b = tp::detail::find_boundary(m);
@@ -96,16 +96,17 @@ void link(torch::nn::Module& m, const std::string& path,
   if (!outputs.empty()) {
     TORCH_CHECK(b && b->anchored && b->has_param_style,
                 "tessera: parallelize_module: ", "PrepareModuleOutput on '",
-                path.empty() ? std::string("<root>") : path, "': ",
-                "Tessera converts outputs where a tensor-parallel Linear, Embedding or LayerNorm ",
-                "produces them, and this module is not one (LibTorch modules have no hooks). Put ",
+                path.empty() ? std::string("<root>") : path,
+                "' (or a style's add_output_conversion there): ",
+                "Tessera converts outputs where a tensor-parallel ",
+                tp::detail::anchored_module_names(),
+                " produces them, and this module is not one (LibTorch modules have no hooks). Put ",
                 "the layouts on the style of the module that produces the output, e.g. "
                 "RowwiseParallel().output_layouts(...)");
   }
   if (b) {
     b->enclosing = b->anchored ? chain : decltype(chain){};
-    b->outputs.clear();
-    if (b->style_output) b->outputs.push_back(*b->style_output);
+    b->outputs = b->style_outputs;
     for (auto& o : outputs) b->outputs.push_back(o);
   }
   for (const auto& child : m.named_children()) link(*child.value(), join(path, child.key()), chain);
@@ -124,6 +125,7 @@ void parallelize_module(torch::nn::Module& module, const DeviceMesh& mesh,
     style->src_data_rank = src_data_rank;
     for (auto& t : targets) {
       tp::detail::set_current_path(t.path);
+      tp::detail::begin_application();
       try {
         style->apply(*t.module, mesh);
       } catch (...) {

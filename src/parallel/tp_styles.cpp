@@ -70,13 +70,12 @@ void distribute_parameter(const ParallelStyle& style, torch::nn::Module& module,
   at::Tensor laid = distribute_tensor(current.detach(), mesh.root, mesh.with({}, placement),
                                       style.src_data_rank, shard_sizes);
   replace_parameter(module, name, laid);
+  detail::note_laid_out(module);
 }
 
 bool is_anchored_leaf(const torch::nn::Module& module) {
-  if (dynamic_cast<const torch::nn::LinearImpl*>(&module)) return true;
-  if (dynamic_cast<const torch::nn::EmbeddingImpl*>(&module)) return true;
-  if (auto* ln = dynamic_cast<const torch::nn::LayerNormImpl*>(&module))
-    return ln->options.elementwise_affine();
+  for (const auto& a : detail::anchored_modules())
+    if (a.matches(module)) return true;
   return false;
 }
 
@@ -109,21 +108,6 @@ std::optional<ShardTable> feature_table(const std::string& where, int64_t n, int
   for (int64_t r = 0; r < parts; ++r)
     t[static_cast<size_t>(r)] = (units / parts + (r < units % parts ? 1 : 0)) * unit;
   return t;
-}
-
-// Makes (or finds) the module's boundary for a parameter style and checks it has none yet.
-BoundaryPtr begin_param_style(torch::nn::Module& module, const ParallelStyle& style,
-                              const DeviceMesh& mesh, const std::string& what) {
-  const std::string where =
-      "parallelize_module: " + style.name() + " on '" + tp::current_path() + "'";
-  BoundaryPtr b = tp::detail::boundary_for(module);
-  TORCH_CHECK(!b->has_param_style, "tessera: ", where, ": the module already has ", b->style,
-              " (from plan entry '", b->fqn, "'); a module takes one parameter style");
-  b->has_param_style = true;
-  b->fqn = tp::current_path();
-  b->style = style.name() + " on " + what;
-  b->mesh = TpMesh::of(mesh, where);
-  return b;
 }
 
 void tag_all(torch::nn::Module& module, const BoundaryPtr& b, bool recurse) {
@@ -164,25 +148,23 @@ void ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
   const int64_t features =
       linear ? linear->options.out_features() : embedding->options.embedding_dim();
   const auto table = feature_table(error_prefix(*this), features, tp_size, unit_, sizes_);
-  BoundaryPtr b = begin_param_style(module, *this, mesh, type_of(module));
+  BoundaryPtr b = tp::detail::claim_boundary(module, *this, mesh);
   if (linear) {
-    b->linear_bias = linear->options.bias();
     tp::distribute_parameter(*this, module, "weight", mesh, Shard(0), table);
     if (linear->options.bias())
       tp::distribute_parameter(*this, module, "bias", mesh, Shard(0), table);
   } else {
     tp::distribute_parameter(*this, module, "weight", mesh, Shard(1), table);
   }
-  b->anchored = true;
   Convert in;
   in.plain = input_ ? input_ : IoLayout(Replicate());
   in.desired = Replicate();
-  b->input = in;
+  set_input_conversion(module, mesh, in);
   Convert out;
   out.desired = output_ ? output_ : IoLayout(Shard(-1));
   out.desired_table = table;
   out.to_local = local_;
-  b->style_output = out;
+  add_output_conversion(module, mesh, out);
   tag_all(module, b, /*recurse=*/false);
 }
 
@@ -191,13 +173,11 @@ void ColwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
 void RowwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
   auto [linear, embedding] = linear_or_embedding(module, *this);
   const int64_t tp_size = mesh.size();
-  BoundaryPtr b = begin_param_style(module, *this, mesh, type_of(module));
-  b->anchored = true;
+  BoundaryPtr b = tp::detail::claim_boundary(module, *this, mesh);
   Convert in;
   if (linear) {
     const auto table =
         feature_table(error_prefix(*this), linear->options.in_features(), tp_size, unit_, sizes_);
-    b->linear_bias = linear->options.bias();
     tp::distribute_parameter(*this, module, "weight", mesh, Shard(1), table);
     if (linear->options.bias()) tp::distribute_parameter(*this, module, "bias", mesh, Replicate());
     in.plain = input_ ? input_ : IoLayout(Shard(-1));
@@ -212,11 +192,11 @@ void RowwiseParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) c
     in.plain = input_ ? input_ : IoLayout(Replicate());
     in.desired = Replicate();
   }
-  b->input = in;
+  set_input_conversion(module, mesh, in);
   Convert out;
   out.desired = output_ ? output_ : IoLayout(Replicate());
   out.to_local = local_;
-  b->style_output = out;
+  add_output_conversion(module, mesh, out);
   tag_all(module, b, /*recurse=*/false);
 }
 
@@ -236,7 +216,7 @@ void SequenceParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) 
               ", whose forward is not one ATen op Tessera intercepts: its "
               "output cannot be made local (LibTorch modules have no hooks). Leave "
               "use_local_output(false) and call tessera::to_local on the output");
-  BoundaryPtr b = begin_param_style(module, *this, mesh, type_of(module));
+  BoundaryPtr b = tp::detail::claim_boundary(module, *this, mesh);
   b->anchored = anchored;
   b->plain_forbidden = !anchored;
   b->sequence_dim = seq_;
@@ -258,12 +238,12 @@ void SequenceParallel::apply(torch::nn::Module& module, const DeviceMesh& mesh) 
     Convert in;
     in.plain = Shard(seq_);
     in.desired = Shard(seq_);
-    b->input = in;
+    set_input_conversion(module, mesh, in);
   }
   if (local_) {
     Convert out;
     out.to_local = true;
-    b->style_output = out;
+    add_output_conversion(module, mesh, out);
   }
   tag_all(module, b, /*recurse=*/true);
 }
@@ -282,31 +262,35 @@ void PrepareModuleInput::apply(torch::nn::Module& module, const DeviceMesh& mesh
   // Tessera sees the module's input where it reaches a tagged op, so it can tell apart one
   // laid-out input (the others, e.g. masks and rotary tables, pass through).
   Convert c;
-  int laid = 0;
-  auto take = [&](const IoLayout& in, const IoLayout& want) {
+  std::vector<std::string> laid;
+  auto take = [&](const std::string& what, const IoLayout& in, const IoLayout& want) {
     if (!in && !want) return;
-    ++laid;
+    laid.push_back(what);
     c.plain = in;
     c.desired = want;
   };
   for (size_t i = 0; i < desired_.size(); ++i)
-    take(i < input_.size() ? input_[i] : IoLayout(), desired_[i]);
+    take("input " + std::to_string(i), i < input_.size() ? input_[i] : IoLayout(), desired_[i]);
   for (size_t i = 0; i < kw_desired_.size(); ++i) {
     IoLayout in;
     for (const auto& kv : kw_input_)
       if (kv.first == kw_desired_[i].first) in = kv.second;
-    take(in, kw_desired_[i].second);
+    take("'" + kw_desired_[i].first + "'", in, kw_desired_[i].second);
   }
-  TORCH_CHECK(laid <= 1, prefix, ": ", laid, " inputs have layouts. Tessera carries a module's ",
-              "input conversion out at the tensor-parallel ops inside it, where it sees one ",
-              "input; put the others' layouts on the modules that consume them");
-  if (laid == 0) return;
+  if (laid.size() > 1) {
+    std::string names;
+    for (const auto& n : laid) names += (names.empty() ? "" : ", ") + n;
+    TORCH_CHECK(false, prefix, " (", type_of(module), "): ", laid.size(), " inputs have layouts (",
+                names,
+                "). LibTorch modules have no forward hooks, so Tessera converts a module's "
+                "input where it reaches the tensor-parallel ops inside the module, and there it "
+                "can tell one input apart. Keep here the layout of the input those ops read, and "
+                "convert the others before the call (tessera::from_local / redistribute) or with "
+                "input_layouts on the styles of the modules that consume them");
+  }
+  if (laid.empty()) return;
   c.to_local = local_;
-  auto mi = std::make_shared<tp::detail::ModuleInput>();
-  mi->fqn = tp::current_path();
-  mi->mesh = TpMesh::of(mesh, prefix);
-  mi->convert = c;
-  tp::detail::set_module_input(module, std::move(mi));
+  set_input_conversion(module, mesh, c);
 }
 
 void PrepareModuleOutput::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {
@@ -315,12 +299,11 @@ void PrepareModuleOutput::apply(torch::nn::Module& module, const DeviceMesh& mes
               ": output_layouts and desired_output_layouts must be given, with the same length");
   TORCH_CHECK(output_.size() == 1, prefix, ": ", output_.size(), " outputs have layouts; ",
               "Tessera converts the one output of a tensor-parallel op");
-  (void)TpMesh::of(mesh, prefix);
   Convert c;
   c.plain = output_[0];
   c.desired = desired_[0];
   c.to_local = local_;
-  tp::detail::add_module_output(module, c);
+  add_output_conversion(module, mesh, c);
 }
 
 void PrepareModuleInputOutput::apply(torch::nn::Module& module, const DeviceMesh& mesh) const {

@@ -63,6 +63,26 @@ namespace tessera {
 using IoLayout = std::optional<Placement>;
 using IoLayouts = std::vector<IoLayout>;
 
+namespace tp {
+
+// NOTE: [Style conversions]
+// One tensor's conversion at a module boundary: what PyTorch's ParallelStyle does in the
+// input_fn / output_fn it gives distribute_module, as a value. A plain tensor is read as
+// `plain` (nullopt: it stays plain and passes), a distributed one (or the one just read) is
+// moved to `desired` (nullopt: kept), then made local if `to_local`. The tables give exact
+// shard sizes on the tensor's last dim (a parameter's uneven feature split); without them a
+// plain shard's sizes are exchanged and a redistribution follows torch.chunk. Every built-in
+// style converts through ParallelStyle::set_input_conversion / add_output_conversion.
+struct IoConversion {
+  IoLayout plain;
+  IoLayout desired;
+  std::optional<ShardTable> plain_table, desired_table;
+  bool to_local = false;
+  std::string str() const;
+};
+
+}  // namespace tp
+
 // The contract parallelize_module takes. A style lays out the module's parameters and
 // declares how its inputs and outputs change layout; implement apply() for a style of your
 // own (see tests/multirank/test_tensor_parallel.cpp for one), using the tp:: helpers below.
@@ -78,6 +98,20 @@ class ParallelStyle {
   // default 0), or nullopt: every rank slices its own copy, no communication. Set by
   // parallelize_module.
   std::optional<int> src_data_rank = 0;
+
+ protected:
+  // PyTorch's input_fn / output_fn, for use inside apply() (NOTE: [Style conversions]).
+  // Where this style laid out `module`'s parameters (tp::distribute_parameter, before the
+  // call) and the module is a leaf Tessera intercepts (tp::is_anchored_leaf), the conversion
+  // runs around that op, whatever the call syntax. On any other module the input conversion
+  // runs where the module's input reaches the first tensor-parallel op inside it (as
+  // PrepareModuleInput), and an output conversion is an error at parallelize time (Tessera
+  // cannot see a composite's output). Output conversions run in the order added, after the
+  // parameter style's own. `mesh` is the 1-D mesh apply() was given.
+  void set_input_conversion(torch::nn::Module& module, const DeviceMesh& mesh,
+                            tp::IoConversion conversion) const;
+  void add_output_conversion(torch::nn::Module& module, const DeviceMesh& mesh,
+                             tp::IoConversion conversion) const;
 };
 
 // Shards a Linear's weight and bias on the output features (Shard(0)) or an Embedding's
