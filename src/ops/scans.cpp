@@ -116,7 +116,7 @@ OpPlan scan_rule(const OpCall& call, Scan kind) {
   for (size_t r = 0; r < call.schema().returns().size(); ++r) plan.output(in);
   ScanPlace s{d, in->mesh_dims_sharding(d), 0, 0};
   if (s.mesh_dims.empty()) return plan;
-  s.index = table_index(in->mesh(), s.mesh_dims, in->mesh().coordinate());
+  s.index = tessera::detail::table_index(in->mesh(), s.mesh_dims, in->mesh().coordinate());
   s.offset = in->local_offsets()[d];
   if (kind == Scan::Max || kind == Scan::Min) {
     const bool is_max = kind == Scan::Max;

@@ -97,7 +97,7 @@ LocalCut local_cut(const DTensorSpec& s, int64_t t, const Selection& sel) {
   const auto dims = s.mesh_dims_sharding(t);
   if (dims.empty()) return {sel.start, sel.len};
   const auto runs = selected_runs(s.shard_table(t), sel);
-  const auto& r = runs.at(table_index(s.mesh(), dims, s.mesh().coordinate()));
+  const auto& r = runs.at(tessera::detail::table_index(s.mesh(), dims, s.mesh().coordinate()));
   if (r.k1 == r.k0) return {0, 0};
   return {sel.at(r.k0) - s.local_offsets()[t], r.k1 - r.k0};
 }

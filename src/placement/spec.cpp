@@ -42,15 +42,15 @@ ShardTable chunk_table(const DeviceMesh& mesh, const Placements& placements, int
   return table;
 }
 
-int64_t table_index(const DeviceMesh& mesh, const std::vector<int64_t>& sharding_dims,
-                    const std::vector<int64_t>& coord) {
+int64_t detail::table_index(const DeviceMesh& mesh, const std::vector<int64_t>& sharding_dims,
+                            const std::vector<int64_t>& coord) {
   int64_t idx = 0;
   for (auto m : sharding_dims) idx = idx * mesh.size(m) + coord.at(m);
   return idx;
 }
 
-ShardTable marginalize(const ShardTable& table, const std::vector<int64_t>& level_sizes,
-                       size_t keep_levels) {
+ShardTable detail::marginalize(const ShardTable& table, const std::vector<int64_t>& level_sizes,
+                               size_t keep_levels) {
   int64_t inner = 1;
   for (size_t i = keep_levels; i < level_sizes.size(); ++i) inner *= level_sizes[i];
   ShardTable out(table.size() / inner, 0);
@@ -106,14 +106,15 @@ DTensorSpec::DTensorSpec(DeviceMesh mesh, Placements placements, std::vector<int
   }
   size_t h = std::hash<const void*>()(mesh_.id());
   for (auto& p : placements_)
-    h = hash_mix(h, (static_cast<size_t>(p.kind()) << 16) ^ (static_cast<size_t>(p.dim()) << 4) ^
-                        static_cast<size_t>(p.reduce_op()));
-  for (auto s : sizes_) h = hash_mix(h, static_cast<size_t>(s));
+    h = detail::hash_mix(h, (static_cast<size_t>(p.kind()) << 16) ^
+                                (static_cast<size_t>(p.dim()) << 4) ^
+                                static_cast<size_t>(p.reduce_op()));
+  for (auto s : sizes_) h = detail::hash_mix(h, static_cast<size_t>(s));
   for (auto& tab : tables_) {
-    h = hash_mix(h, tab.size());
-    for (auto s : tab) h = hash_mix(h, static_cast<size_t>(s));
+    h = detail::hash_mix(h, tab.size());
+    for (auto s : tab) h = detail::hash_mix(h, static_cast<size_t>(s));
   }
-  hash_ = hash_mix(h, static_cast<size_t>(dtype_));
+  hash_ = detail::hash_mix(h, static_cast<size_t>(dtype_));
 }
 
 int64_t DTensorSpec::numel() const {
@@ -140,9 +141,9 @@ std::vector<int64_t> DTensorSpec::shard_sizes(int64_t mesh_dim,
     std::vector<int64_t> levels;
     for (auto m : dims) levels.push_back(mesh_.size(m));
     size_t level = std::find(dims.begin(), dims.end(), mesh_dim) - dims.begin();
-    auto marg = marginalize(tables_[p.dim()], levels, level + 1);
+    auto marg = detail::marginalize(tables_[p.dim()], levels, level + 1);
     std::vector<int64_t> prefix(dims.begin(), dims.begin() + level + 1);
-    out.push_back(marg[table_index(mesh_, prefix, c)]);
+    out.push_back(marg[detail::table_index(mesh_, prefix, c)]);
   }
   return out;
 }
@@ -155,7 +156,7 @@ std::vector<int64_t> DTensorSpec::local_sizes(const std::vector<int64_t>& coord)
   std::vector<int64_t> out = sizes_;
   for (int64_t t = 0; t < ndim(); ++t) {
     if (tables_[t].empty()) continue;
-    out[t] = tables_[t][table_index(mesh_, mesh_dims_sharding(t), coord)];
+    out[t] = tables_[t][detail::table_index(mesh_, mesh_dims_sharding(t), coord)];
   }
   return out;
 }
@@ -164,7 +165,7 @@ std::vector<int64_t> DTensorSpec::local_offsets(const std::vector<int64_t>& coor
   std::vector<int64_t> out(sizes_.size(), 0);
   for (int64_t t = 0; t < ndim(); ++t) {
     if (tables_[t].empty()) continue;
-    const int64_t idx = table_index(mesh_, mesh_dims_sharding(t), coord);
+    const int64_t idx = detail::table_index(mesh_, mesh_dims_sharding(t), coord);
     out[t] = std::accumulate(tables_[t].begin(), tables_[t].begin() + idx, int64_t{0});
   }
   return out;
@@ -222,7 +223,7 @@ DTensorSpec DTensorSpec::replicate_where(
     }
     std::vector<int64_t> level_sizes;
     for (int64_t m : before) level_sizes.push_back(mesh_.size(m));
-    tables[t] = marginalize(tables[t], level_sizes, after.size());
+    tables[t] = detail::marginalize(tables[t], level_sizes, after.size());
   }
   return with_placements(std::move(p), std::move(tables));
 }

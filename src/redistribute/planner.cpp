@@ -44,7 +44,7 @@ ShardTable prefix_table(const DTensorSpec& s, int64_t t, int64_t d) {
   auto dims = s.mesh_dims_sharding(t);
   size_t keep = 0;
   while (keep < dims.size() && dims[keep] <= d) ++keep;
-  return marginalize(s.shard_table(t), level_sizes(s, dims), keep);
+  return detail::marginalize(s.shard_table(t), level_sizes(s, dims), keep);
 }
 
 bool stable(const DTensorSpec& cur, const DTensorSpec& dst, int64_t d) {
@@ -79,8 +79,9 @@ SpecPtr without(const DTensorSpec& cur, int64_t d) {
     const int64_t t = p[d].dim();
     auto dims = cur.mesh_dims_sharding(t);
     TORCH_INTERNAL_ASSERT(dims.back() == d, "unsharding a mesh dim that is not innermost");
-    tables[t] = dims.size() == 1 ? ShardTable{}
-                                 : marginalize(tables[t], level_sizes(cur, dims), dims.size() - 1);
+    tables[t] = dims.size() == 1
+                    ? ShardTable{}
+                    : detail::marginalize(tables[t], level_sizes(cur, dims), dims.size() - 1);
   }
   p[d] = Replicate();
   return make_spec(cur, std::move(p), std::move(tables));

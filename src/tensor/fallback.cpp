@@ -80,7 +80,8 @@ int aliased_argument(const c10::FunctionSchema& schema, size_t ret) {
 struct Decision {
   ops::OpPlan plan;
   bool replicate_all = false;
-  // An out= form run through its functional sibling (NOTE: [out= forms] in tensor/rule_registry.cpp).
+  // An out= form run through its functional sibling (NOTE: [out= forms] in
+  // tensor/rule_registry.cpp).
   std::optional<c10::OperatorHandle> functional;
   size_t outs = 0;
 };
@@ -357,7 +358,7 @@ void admit_and_key(Frame& f) {
       f.key.push_back(scalar_kind(f.args[i]));
     }
   }
-  for (auto k : f.key) f.hash = hash_mix(f.hash, k);
+  for (auto k : f.key) f.hash = detail::hash_mix(f.hash, k);
   if (!f.admitted_plain.empty()) {
     if (PlainOperandCheck check = g_plain_operand_check.load(std::memory_order_acquire)) {
       c10::SmallVector<const c10::TensorImpl*, 4> distributed;

@@ -93,9 +93,9 @@ constexpr size_t kSlots = 256;
 thread_local std::array<Entry, kSlots> t_entries;
 
 size_t slot_of(const void* op, const Probe& p) {
-  uint64_t h = hash_mix(0, reinterpret_cast<uint64_t>(op));
-  for (const auto* s : p.specs) h = hash_mix(h, reinterpret_cast<uint64_t>(s->get()));
-  for (int64_t x : p.extras) h = hash_mix(h, static_cast<uint64_t>(x));
+  uint64_t h = detail::hash_mix(0, reinterpret_cast<uint64_t>(op));
+  for (const auto* s : p.specs) h = detail::hash_mix(h, reinterpret_cast<uint64_t>(s->get()));
+  for (int64_t x : p.extras) h = detail::hash_mix(h, static_cast<uint64_t>(x));
   return h % kSlots;
 }
 

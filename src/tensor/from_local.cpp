@@ -62,7 +62,7 @@ SpecPtr infer_spec(const at::Tensor& local, const DeviceMesh& mesh, const Placem
         coord[m] = rem % mesh.size(m);
         rem /= mesh.size(m);
       }
-      const int64_t idx = table_index(mesh, dims, coord);
+      const int64_t idx = detail::table_index(mesh, dims, coord);
       if (table[idx] < 0) {
         table[idx] = shapes[f][t];
         owner[idx] = static_cast<int64_t>(f);
@@ -152,7 +152,8 @@ at::Tensor from_local(const at::Tensor& given, const DeviceMesh& mesh, const Pla
     for (auto m : dims) entries *= mesh.size(m);
     if (static_cast<int64_t>(table.size()) != entries) continue;  // make_spec says why
     for (size_t f = 0; f < shapes.size(); ++f) {
-      const int64_t want = table[table_index(mesh, dims, coord_of(mesh, static_cast<int64_t>(f)))];
+      const int64_t want =
+          table[detail::table_index(mesh, dims, coord_of(mesh, static_cast<int64_t>(f)))];
       if (want == shapes[f][t]) continue;
       auto expected = shapes[f];
       expected[t] = want;

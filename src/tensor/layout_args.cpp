@@ -43,7 +43,7 @@ std::vector<ShardTable> target_tables(const char* what, const DTensorSpec* src,
         std::equal(dims.begin(), dims.end(), src_dims.begin())) {
       std::vector<int64_t> levels;
       for (auto m : src_dims) levels.push_back(mesh.size(m));
-      tables[t] = marginalize(src->shard_table(t), levels, dims.size());
+      tables[t] = detail::marginalize(src->shard_table(t), levels, dims.size());
     }
   }
   if (given.mode() == ShardSizes::Mode::Given)

@@ -89,14 +89,17 @@ std::vector<int64_t> chunk_sizes(int64_t n, int64_t parts);
 // The nested torch.chunk table of tensor dim t under `placements` (empty if unsharded).
 ShardTable chunk_table(const DeviceMesh& mesh, const Placements& placements, int64_t t,
                        int64_t size);
+std::string shape_str(const std::vector<int64_t>& v);
+
+namespace detail {
+
+// Shard-table arithmetic and hashing shared by the library's layers (not public API).
 // Index of the table entry owned by `coord` and the sum of entries before it.
 int64_t table_index(const DeviceMesh& mesh, const std::vector<int64_t>& sharding_dims,
                     const std::vector<int64_t>& coord);
 // Sum out trailing nesting levels so `keep_levels` remain (levels have sizes `level_sizes`).
 ShardTable marginalize(const ShardTable& table, const std::vector<int64_t>& level_sizes,
                        size_t keep_levels);
-
-std::string shape_str(const std::vector<int64_t>& v);
 
 // Order-dependent 64-bit hash step with full avalanche (splitmix64 finaliser), so that
 // structured keys (small sizes, similar shapes) do not collide.
@@ -106,5 +109,7 @@ inline uint64_t hash_mix(uint64_t h, uint64_t v) {
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
   return z ^ (z >> 31);
 }
+
+}  // namespace detail
 
 }  // namespace tessera
