@@ -101,8 +101,7 @@ at::Tensor scatter_impl(const at::Tensor& full, int src_flat, const SpecPtr& spe
   auto blocks = comm::all_to_all_blocks(pg, send, recv_shapes, opts, comm::CollectiveKind::Scatter);
   at::Tensor out = make_dtensor(blocks[src_flat], spec);
   if (requires_grad) connect_scatter_backward(out, full, spec, is_src);
-}
-return out;
+  return out;
 }
 
 }  // namespace

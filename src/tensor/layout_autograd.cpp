@@ -16,6 +16,8 @@ namespace tessera {
 
 using torch::autograd::Node;
 using torch::autograd::variable_list;
+using detail::redistribute_to;
+using detail::wrap_local;
 
 namespace {
 
