@@ -53,9 +53,9 @@ void expect_values(MlpImpl& model, MlpImpl& ref, const std::string& ctx) {
   for (const auto& item : ref.named_parameters()) {
     const at::Tensor p = model.named_parameters()[item.key()];
     const at::Tensor expected = item.value().detach();
-    if (is_dtensor(p))
+    if (is_dtensor(p)) {
       ASSERT_TRUE(test::full_matches(p, expected, {1e-9, 1e-10})) << ctx << " " << item.key();
-    else
+    } else
       ASSERT_TRUE(test::matches(p.detach(), expected, {1e-9, 1e-10})) << ctx << " " << item.key();
   }
 }

@@ -119,7 +119,9 @@ TEST(Checkpoint, SavedOnFourRanksLoadsOnOneToFourInOtherLayouts) {
       {std::chrono::seconds(120)});
   EXPECT_FALSE(saved.empty());
   for (const auto& e : ckpt::describe(dir))
-    if (e.kind == "tensor") EXPECT_TRUE(saved.count(e.name)) << e.name;
+    if (e.kind == "tensor") {
+      EXPECT_TRUE(saved.count(e.name)) << e.name;
+    }
 
   const std::vector<std::pair<int, Layout>> targets = {
       {1, Layout::Plain}, {2, Layout::Fsdp}, {3, Layout::Tp}, {4, Layout::Tp}};
@@ -138,8 +140,9 @@ TEST(Checkpoint, SavedOnFourRanksLoadsOnOneToFourInOtherLayouts) {
           EXPECT_EQ(state.integer("step"), 3) << what;
           EXPECT_EQ(std::get<std::string>(state.at("note")), "fsdp x tp") << what;
           for (const auto& [name, value] : state.items())
-            if (const auto* t = std::get_if<at::Tensor>(&value))
+            if (const auto* t = std::get_if<at::Tensor>(&value)) {
               EXPECT_TRUE(at::equal(full_value(*t), saved.at(name))) << what << ": " << name;
+            }
         },
         {std::chrono::seconds(120)});
   }
@@ -235,9 +238,9 @@ TEST(Checkpoint, RandomLayoutsReshardExactly) {
                                   s.insert("x", target);
                                   ckpt::load(s, dir);
                                   const at::Tensor got = full_tensor(target);
-                                  if (dtype == at::kLong)
+                                  if (dtype == at::kLong) {
                                     EXPECT_TRUE(at::equal(got, full)) << what;
-                                  else
+                                  } else
                                     EXPECT_TRUE(at::allclose(got, full, 1e-6, 1e-6)) << what;
                                 },
                                 {std::chrono::seconds(60)});

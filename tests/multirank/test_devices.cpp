@@ -48,7 +48,9 @@ TEST(Devices, UnknownDeviceOrTransportIsAClearError) {
 }
 
 TEST(Devices, CudaMeshWithoutCudaSaysSo) {
-  if (at::hasCUDA()) GTEST_SKIP() << "this machine has CUDA: tests/gpu/ covers CUDA meshes";
+  if (at::hasCUDA()) {
+    GTEST_SKIP() << "this machine has CUDA: tests/gpu/ covers CUDA meshes";
+  }
   tessera::testing::run_ranks(2, [](int) {
     for (const char* type : {"cuda", "cuda:gloo"}) {
       auto msg = error_of([&] { init_device_mesh(type, {2}); });

@@ -163,7 +163,9 @@ void check(const DeviceMesh& mesh, const Case& c, const Placements& placements,
   ASSERT_TRUE(test::full_matches(got, expected, kTol)) << desc;
   if (c.stats != Stats::None) {
     ASSERT_EQ(is_dtensor(drm), c.stats == Stats::Replicated) << desc;
-    if (is_dtensor(drm)) ASSERT_TRUE(spec(drm).is_replicated()) << desc << ": " << spec(drm).str();
+    if (is_dtensor(drm)) {
+      ASSERT_TRUE(spec(drm).is_replicated()) << desc << ": " << spec(drm).str();
+    }
     ASSERT_TRUE(test::matches(whole(drm), rm, kTol)) << desc << ": running_mean";
     ASSERT_TRUE(test::matches(whole(drv), rv, kTol)) << desc << ": running_var";
   }

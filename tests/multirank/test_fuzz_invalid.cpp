@@ -719,7 +719,9 @@ TEST_P(FuzzLayout, ValidMatchesOneDevice) {
 TEST_P(FuzzLayout, InvalidFailsOnEveryRank) { sweep(GetParam(), 60, same_everywhere); }
 
 TEST_P(FuzzLayout, RankDependentFailsOnEveryRank) {
-  if (tessera::test::mesh_world(GetParam()) < 2) GTEST_SKIP() << "needs two ranks";
+  if (tessera::test::mesh_world(GetParam()) < 2) {
+    GTEST_SKIP() << "needs two ranks";
+  }
   sweep(GetParam(), 60, rank_dependent);
 }
 

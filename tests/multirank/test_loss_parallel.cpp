@@ -353,7 +353,9 @@ TEST(LossParallel, TwoDimMeshClassesAndBatch) {
             const Counts n = check_case(mesh, c, what);
             EXPECT_EQ(n.forward_all_reduce, red == at::Reduction::Mean ? 3 : 2) << what;
             EXPECT_EQ(n.forward_all_reduce, documented_all_reduces(c)) << what;
-            if (target_kind != 2) EXPECT_EQ(n.forward_total, n.forward_all_reduce) << what;
+            if (target_kind != 2) {
+              EXPECT_EQ(n.forward_total, n.forward_all_reduce) << what;
+            }
             EXPECT_EQ(n.backward_total, 0) << what;
           }
         }
@@ -604,7 +606,9 @@ TEST_P(LossParallelSweep, RandomCasesMatchOneDevice) {
       const std::string what = sweep.label(k) + ": " + describe(c);
       const Counts n = check_case(mesh, c, what);
       EXPECT_EQ(n.forward_all_reduce, documented_all_reduces(c)) << what;
-      if (target_kind != 2) EXPECT_EQ(n.forward_total, n.forward_all_reduce) << what;
+      if (target_kind != 2) {
+        EXPECT_EQ(n.forward_total, n.forward_all_reduce) << what;
+      }
       EXPECT_EQ(n.backward_total, 0) << what;
     });
   });

@@ -159,7 +159,9 @@ TEST(TensorParallel, RowwiseLinear) {
             EXPECT_EQ(fwd_calls, 1);
             EXPECT_EQ(fwd_counts.count(shard_out ? "reduce_scatter" : "all_reduce"), 1u);
             EXPECT_EQ(bwd_calls, shard_out ? 1 : 0);
-            if (shard_out) EXPECT_EQ(bwd_counts.count("all_gather"), 1u);
+            if (shard_out) {
+              EXPECT_EQ(bwd_counts.count("all_gather"), 1u);
+            }
           }
         });
       }
@@ -311,7 +313,9 @@ TEST(TensorParallel, MlpPlanTrainsLikeOneDevice) {
             full_matches(*m->named_parameters().find(item.key()), item.value().detach(), kTol))
             << item.key();
       // One all-reduce forward; none backward, the input needing no gradient (PyTorch: 1).
-      if (16 % world == 0) EXPECT_EQ(comms[1], (std::map<std::string, int64_t>{{"all_reduce", 1}}));
+      if (16 % world == 0) {
+        EXPECT_EQ(comms[1], (std::map<std::string, int64_t>{{"all_reduce", 1}}));
+      }
     });
   }
 }
