@@ -39,8 +39,6 @@ at::Tensor piece(const at::Tensor& full, int64_t dim, int64_t r, int64_t parts,
 
 const test::Tolerance kTol{1e-5, 1e-5};
 
-std::map<std::string, int64_t> counts(const CommDebugMode& m) { return m.get_comm_counts(); }
-
 int64_t count(const CommDebugMode& m, const char* kind) {
   auto c = m.get_comm_counts();
   auto it = c.find(kind);
