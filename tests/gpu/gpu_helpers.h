@@ -13,7 +13,6 @@
 #include <torch/cuda.h>
 
 #include "helpers.h"
-#include "support/meshes.h"
 
 namespace tessera::gpu_test {
 

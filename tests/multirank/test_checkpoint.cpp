@@ -16,21 +16,11 @@
 
 using namespace tessera;
 using namespace tessera::fsdp_test;
+using tessera::test::fresh_dir;
 namespace ckpt = tessera::checkpoint;
 namespace fs = std::filesystem;
 
 namespace {
-
-// A new empty directory under the system's temporary directory (made on the test thread, so
-// every rank gets the same path).
-std::string fresh_dir(const std::string& what) {
-  static std::atomic<int> counter{0};
-  const fs::path p = fs::temp_directory_path() / ("tessera-ckpt-" + std::to_string(::getpid()) +
-                                                  "-" + std::to_string(counter++) + "-" + what);
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p.string();
-}
 
 at::Tensor full_value(const at::Tensor& t) {
   return is_dtensor(t) ? full_tensor(t.detach()) : t.detach();

@@ -1,7 +1,6 @@
 // Creation and conversion against a one-device oracle: every rank builds the same full tensor
 // from a seeded generator, distributes it, and compares shards, full values and gradients
 // with what one device computes.
-#include "pch.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 

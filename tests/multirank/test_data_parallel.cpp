@@ -14,7 +14,6 @@
 #include <torch/optim/sgd.h>
 
 #include "helpers.h"
-#include "support/small_unet.h"
 
 using namespace tessera;
 namespace F = torch::nn::functional;

@@ -1,7 +1,7 @@
 // Devices and transports: which device a mesh keeps its tensors on, how its collectives
 // travel, and the collective layer's refusal of a tensor on another device (NOTE: [Devices on
 // the wire]). The CUDA paths themselves run in tests/gpu/ on a machine with a GPU.
-#include "pch.h"
+#include "helpers.h"
 
 using namespace tessera;
 

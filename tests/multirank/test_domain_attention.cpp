@@ -10,7 +10,6 @@
 #include <torch/optim/adamw.h>
 
 #include "helpers.h"
-#include "support/meshes.h"
 #include "tessera/nn/neighborhood_attention.h"
 
 using namespace tessera;

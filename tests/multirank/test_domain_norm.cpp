@@ -15,7 +15,6 @@
 #include <torch/optim/sgd.h>
 
 #include "helpers.h"
-#include "support/meshes.h"
 
 using namespace tessera;
 namespace nn = torch::nn;

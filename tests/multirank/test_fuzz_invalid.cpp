@@ -8,7 +8,6 @@
 // distribute_tensor without a source rank never talk, so they cannot see other ranks' inputs.
 // A failure prints the command that replays its case (support/property.h).
 #include "helpers.h"
-#include "support/meshes.h"
 
 using namespace tessera;
 using tessera::test::Rng;

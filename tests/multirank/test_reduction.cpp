@@ -13,7 +13,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "helpers.h"
-#include "support/meshes.h"
 #include "tessera/ops/rule.h"
 
 using namespace tessera;

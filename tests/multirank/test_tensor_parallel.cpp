@@ -13,20 +13,14 @@
 #include <torch/optim/sgd.h>
 
 #include "helpers.h"
-#include "support/meshes.h"
 
 using namespace tessera;
+using tessera::test::clone_of;
 namespace nn = torch::nn;
 using tessera::test::full_matches;
 using tessera::test::matches;
 
 namespace {
-
-template <class Holder>
-Holder clone_of(const Holder& m) {
-  using Impl = typename Holder::ContainedType;
-  return Holder(std::dynamic_pointer_cast<Impl>(m->clone()));
-}
 
 // Rank r's piece of `full` along `dim` over `parts` ranks: torch.chunk's, or a given table.
 at::Tensor piece(const at::Tensor& full, int64_t dim, int64_t r, int64_t parts,
