@@ -46,4 +46,5 @@ grep -q "Tessera: NCCL path ON" "$BUILD_DIR/CMakeCache.txt" 2>/dev/null ||
   grep -q "TESSERA_WITH_NCCL" "$BUILD_DIR/build.ninja" ||
   echo "check-pip-torch: note: built without the NCCL path"
 cd "$BUILD_DIR"
-ctest --output-on-failure --timeout 1500 -LE gpu "$@"
+# In parallel, as scripts/test.sh.
+ctest --output-on-failure --timeout 1500 -j"${CTEST_JOBS:-$(nproc)}" -LE gpu "$@"

@@ -5,4 +5,6 @@ cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 bash scripts/build.sh
 cd build
-ctest --output-on-failure --timeout 1500 "$@"
+# In parallel (CTEST_JOBS, default: one per core); the tests that measure time or start several
+# processes run alone or take several processors (RUN_SERIAL / PROCESSORS in tests/).
+ctest --output-on-failure --timeout 1500 -j"${CTEST_JOBS:-$(nproc)}" "$@"

@@ -1,8 +1,18 @@
 #pragma once
-// Shared test helpers: building distributed tensors with any placements (Partial included)
-// and any shard tables from a full tensor, cutting a rank's block out of a full tensor,
-// and random layouts. Everything is deterministic from a seed, so all ranks agree.
+// The tests' helpers, the one header test files include: building distributed tensors with
+// any placements (Partial included) and any shard tables from a full tensor, cutting a rank's
+// block out of a full tensor, random layouts, meshes (support/meshes.h), comparisons
+// (support/compare.h), seeded cases (support/property.h), the small U-Net
+// (support/small_unet.h), errors expected on every rank, module copies, temporary folders.
+// Everything is deterministic from a seed, so all ranks agree.
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -12,7 +22,9 @@
 #include <gtest/gtest.h>
 
 #include "support/compare.h"
+#include "support/meshes.h"
 #include "support/property.h"
+#include "support/small_unet.h"
 #include "tessera/tessera.h"
 #include "tessera/testing/run_ranks.h"
 
@@ -152,6 +164,71 @@ inline void differential(const DeviceMesh& mesh, const std::vector<Operand>& ops
     ASSERT_TRUE(full_matches(dist[i].grad(), full[i].grad()))
         << what << " (gradient of operand " << i << ")";
   }
+}
+
+// Runs body(rank) on `world` ranks (collective timeout 10 s): every rank must throw a
+// c10::Error within `within` (well before a collective times out) whose message contains
+// every needle. Errors, not hangs.
+inline void expect_error_everywhere(int world, const std::function<void(int)>& body,
+                                    const std::vector<std::string>& needles,
+                                    std::chrono::seconds within = std::chrono::seconds(5)) {
+  std::atomic<int> threw{0};
+  std::mutex mu;
+  std::vector<std::string> messages(world);
+  tessera::testing::RunOptions quick;
+  quick.collective_timeout = std::chrono::seconds(10);
+  quick.timeout = std::chrono::seconds(40);
+  tessera::testing::run_ranks(
+      world,
+      [&](int rank) {
+        const auto start = std::chrono::steady_clock::now();
+        std::string msg;
+        try {
+          body(rank);
+          ADD_FAILURE() << "rank " << rank << ": no error";
+        } catch (const c10::Error& e) {
+          msg = e.what_without_backtrace();
+          ++threw;
+        } catch (const std::exception& e) {
+          ADD_FAILURE() << "rank " << rank << ": not a c10::Error: " << e.what();
+        }
+        EXPECT_LT(std::chrono::steady_clock::now() - start, within)
+            << "rank " << rank << " raised only after a collective timed out: " << msg;
+        std::lock_guard<std::mutex> lock(mu);
+        messages[rank] = msg;
+      },
+      quick);
+  EXPECT_EQ(threw.load(), world);
+  for (int r = 0; r < world; ++r) {
+    if (messages[r].empty()) continue;
+    for (const auto& n : needles)
+      EXPECT_NE(messages[r].find(n), std::string::npos)
+          << "rank " << r << "'s message lacks \"" << n << "\": " << messages[r];
+  }
+}
+
+// A copy of a module with its own parameters (module->clone()), as the holder or the
+// pointer it was given.
+template <class Holder>
+Holder clone_of(const Holder& m) {
+  using Impl = typename Holder::ContainedType;
+  return Holder(std::dynamic_pointer_cast<Impl>(m->clone()));
+}
+template <class Impl>
+std::shared_ptr<Impl> clone_of(const std::shared_ptr<Impl>& m) {
+  return std::dynamic_pointer_cast<Impl>(m->clone());
+}
+
+// A new empty directory under the system's temporary directory (made on the test thread, so
+// every rank gets the same path).
+inline std::string fresh_dir(const std::string& what) {
+  static std::atomic<int> counter{0};
+  const std::filesystem::path p =
+      std::filesystem::temp_directory_path() /
+      ("tessera-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter++) + "-" + what);
+  std::filesystem::remove_all(p);
+  std::filesystem::create_directories(p);
+  return p.string();
 }
 
 }  // namespace tessera::test

@@ -13,7 +13,6 @@
 #include <torch/cuda.h>
 
 #include "helpers.h"
-#include "support/meshes.h"
 
 namespace tessera::gpu_test {
 
@@ -67,9 +66,11 @@ inline std::optional<std::string> skip_reason(const GpuMesh& m) {
 }  // namespace tessera::gpu_test
 
 // GTEST_SKIP returns from the test body, so this is a macro.
-#define TESSERA_REQUIRE_GPU_MESH(m)                                             \
-  do {                                                                          \
-    if (auto why_ = ::tessera::gpu_test::skip_reason(m)) GTEST_SKIP() << *why_; \
+#define TESSERA_REQUIRE_GPU_MESH(m)                        \
+  do {                                                     \
+    if (auto why_ = ::tessera::gpu_test::skip_reason(m)) { \
+      GTEST_SKIP() << *why_;                               \
+    }                                                      \
   } while (0)
 
 namespace tessera::gpu_test {

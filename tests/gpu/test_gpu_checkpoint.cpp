@@ -12,20 +12,11 @@
 using namespace tessera;
 using namespace tessera::fsdp_test;
 using gpu_test::GpuMesh;
+using tessera::test::fresh_dir;
 namespace ckpt = tessera::checkpoint;
 namespace fs = std::filesystem;
 
 namespace {
-
-// A new empty directory (made on the test thread, so every rank gets the same path).
-std::string fresh_dir(const std::string& what) {
-  static std::atomic<int> counter{0};
-  const fs::path p = fs::temp_directory_path() / ("tessera-gpu-ckpt-" + std::to_string(::getpid()) +
-                                                  "-" + std::to_string(counter++) + "-" + what);
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p.string();
-}
 
 // The MLP on `mesh`'s device, fully sharded over it (plain on a default mesh).
 std::shared_ptr<MlpImpl> build(const std::shared_ptr<MlpImpl>& proto, const DeviceMesh& mesh,

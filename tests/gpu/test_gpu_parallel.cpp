@@ -53,9 +53,9 @@ void expect_values(MlpImpl& model, MlpImpl& ref, const std::string& ctx) {
   for (const auto& item : ref.named_parameters()) {
     const at::Tensor p = model.named_parameters()[item.key()];
     const at::Tensor expected = item.value().detach();
-    if (is_dtensor(p))
+    if (is_dtensor(p)) {
       ASSERT_TRUE(test::full_matches(p, expected, {1e-9, 1e-10})) << ctx << " " << item.key();
-    else
+    } else
       ASSERT_TRUE(test::matches(p.detach(), expected, {1e-9, 1e-10})) << ctx << " " << item.key();
   }
 }
@@ -111,8 +111,9 @@ TEST_P(GpuDataParallel, ReplicateWithPlainPerRankBatchesAveragesLikeTorchDDP) {
       }
       auto ddp = replicate(*model, mesh,
                            ReplicateOptions().local_batches(local_batches).bucket_cap_mb(0.001));
-      if (local_batches)
+      if (local_batches) {
         for (const auto& p : model->parameters()) ASSERT_FALSE(is_dtensor(p)) << what;
+      }
       const at::Tensor x = ref.x.to(mesh.device()).narrow(0, me * per_rank, per_rank);
       const at::Tensor y = ref.y.to(mesh.device()).narrow(0, me * per_rank, per_rank);
       auto opt = make_optimizer(Opt::Sgd, model->parameters());

@@ -13,6 +13,8 @@
 
 namespace tessera::fsdp_test {
 
+using tessera::test::clone_of;
+
 // Linears (16,15), (7,16), (17,7) and a head (2,17): uneven rows on 3 and 4 ranks, and the
 // head's 2 rows leave ranks 2 and 3 of 4 with empty shards.
 struct MlpImpl : torch::nn::Cloneable<MlpImpl> {
@@ -55,11 +57,6 @@ struct CnnImpl : torch::nn::Cloneable<CnnImpl> {
     return fc(at::relu(norm(conv(x))).mean(std::vector<int64_t>{2, 3}));
   }
 };
-
-template <class Impl>
-std::shared_ptr<Impl> clone_of(const std::shared_ptr<Impl>& m) {
-  return std::dynamic_pointer_cast<Impl>(m->clone());
-}
 
 // Built on the test thread (the global generator is not for rank threads), in float64.
 inline std::shared_ptr<MlpImpl> make_mlp() {

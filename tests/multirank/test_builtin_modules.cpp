@@ -535,7 +535,9 @@ void expect_same_step(const Case& c, torch::nn::Module& ref, torch::nn::Module& 
   const auto inputs = c.inputs();
   std::vector<at::Tensor> ref_in, dist_in;
   for (const auto& in : inputs) {
-    if (in.batch_dim >= 0) ASSERT_EQ(in.full.size(in.batch_dim), kBatch) << what;
+    if (in.batch_dim >= 0) {
+      ASSERT_EQ(in.full.size(in.batch_dim), kBatch) << what;
+    }
     const bool grad = in.requires_grad && at::isFloatingType(in.full.scalar_type());
     at::Tensor d = in.batch_dim < 0
                        ? distribute_tensor(in.full, mesh, {Replicate()}, std::nullopt)
@@ -561,9 +563,10 @@ void expect_same_step(const Case& c, torch::nn::Module& ref, torch::nn::Module& 
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!ref_in[i].requires_grad()) continue;
     ASSERT_EQ(dist_in[i].grad().defined(), ref_in[i].grad().defined()) << what << ": input " << i;
-    if (ref_in[i].grad().defined())
+    if (ref_in[i].grad().defined()) {
       ASSERT_TRUE(test::full_matches(dist_in[i].grad(), ref_in[i].grad(), kTol))
           << what << ": gradient of input " << i;
+    }
   }
   const auto ref_params = ref.named_parameters(), dist_params = dist.named_parameters();
   ASSERT_EQ(ref_params.size(), dist_params.size()) << what;
@@ -573,9 +576,10 @@ void expect_same_step(const Case& c, torch::nn::Module& ref, torch::nn::Module& 
         << what << ": parameter " << item.key() << " not distributed";
     const at::Tensor& g = item.value().grad();
     ASSERT_EQ(got->grad().defined(), g.defined()) << what << ": gradient of " << item.key();
-    if (g.defined())
+    if (g.defined()) {
       ASSERT_TRUE(test::full_matches(got->grad(), g, kTol))
           << what << ": gradient of " << item.key();
+    }
   }
 
   ref_opt.step();

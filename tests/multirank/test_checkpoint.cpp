@@ -16,21 +16,11 @@
 
 using namespace tessera;
 using namespace tessera::fsdp_test;
+using tessera::test::fresh_dir;
 namespace ckpt = tessera::checkpoint;
 namespace fs = std::filesystem;
 
 namespace {
-
-// A new empty directory under the system's temporary directory (made on the test thread, so
-// every rank gets the same path).
-std::string fresh_dir(const std::string& what) {
-  static std::atomic<int> counter{0};
-  const fs::path p = fs::temp_directory_path() / ("tessera-ckpt-" + std::to_string(::getpid()) +
-                                                  "-" + std::to_string(counter++) + "-" + what);
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p.string();
-}
 
 at::Tensor full_value(const at::Tensor& t) {
   return is_dtensor(t) ? full_tensor(t.detach()) : t.detach();
@@ -119,7 +109,9 @@ TEST(Checkpoint, SavedOnFourRanksLoadsOnOneToFourInOtherLayouts) {
       {std::chrono::seconds(120)});
   EXPECT_FALSE(saved.empty());
   for (const auto& e : ckpt::describe(dir))
-    if (e.kind == "tensor") EXPECT_TRUE(saved.count(e.name)) << e.name;
+    if (e.kind == "tensor") {
+      EXPECT_TRUE(saved.count(e.name)) << e.name;
+    }
 
   const std::vector<std::pair<int, Layout>> targets = {
       {1, Layout::Plain}, {2, Layout::Fsdp}, {3, Layout::Tp}, {4, Layout::Tp}};
@@ -138,8 +130,9 @@ TEST(Checkpoint, SavedOnFourRanksLoadsOnOneToFourInOtherLayouts) {
           EXPECT_EQ(state.integer("step"), 3) << what;
           EXPECT_EQ(std::get<std::string>(state.at("note")), "fsdp x tp") << what;
           for (const auto& [name, value] : state.items())
-            if (const auto* t = std::get_if<at::Tensor>(&value))
+            if (const auto* t = std::get_if<at::Tensor>(&value)) {
               EXPECT_TRUE(at::equal(full_value(*t), saved.at(name))) << what << ": " << name;
+            }
         },
         {std::chrono::seconds(120)});
   }
@@ -235,9 +228,9 @@ TEST(Checkpoint, RandomLayoutsReshardExactly) {
                                   s.insert("x", target);
                                   ckpt::load(s, dir);
                                   const at::Tensor got = full_tensor(target);
-                                  if (dtype == at::kLong)
+                                  if (dtype == at::kLong) {
                                     EXPECT_TRUE(at::equal(got, full)) << what;
-                                  else
+                                  } else
                                     EXPECT_TRUE(at::allclose(got, full, 1e-6, 1e-6)) << what;
                                 },
                                 {std::chrono::seconds(60)});

@@ -1,7 +1,6 @@
 // Creation and conversion against a one-device oracle: every rank builds the same full tensor
 // from a seeded generator, distributes it, and compares shards, full values and gradients
 // with what one device computes.
-#include "pch.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 
@@ -127,7 +126,9 @@ TEST(CreationDistribute, ShardSizesGivenUnevenAndZero) {
             for (std::optional<int> src : {std::optional<int>(0), std::optional<int>()}) {
               auto dt = distribute_tensor(full, mesh, pl, src, ShardSizes::Given(tables));
               for (size_t t = 0; t < shape.size(); ++t)
-                if (!tables[t].empty()) EXPECT_EQ(spec(dt).shard_table(t), tables[t]);
+                if (!tables[t].empty()) {
+                  EXPECT_EQ(spec(dt).shard_table(t), tables[t]);
+                }
               expect_holds(dt, full, ctx(pl, shape, dtype, src ? "given src 0" : "given local"));
             }
           }

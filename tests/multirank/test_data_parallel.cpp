@@ -14,7 +14,6 @@
 #include <torch/optim/sgd.h>
 
 #include "helpers.h"
-#include "support/small_unet.h"
 
 using namespace tessera;
 namespace F = torch::nn::functional;
@@ -125,10 +124,12 @@ void distributed_inputs_case(const std::vector<int64_t>& table, Opt opt, double 
         CommDebugMode mode;
         loss.backward();
         // Step 0 also agrees on the rebuilt bucket order (one broadcast).
-        if (n > 1)
+        if (n > 1) {
           ASSERT_EQ(all_reduces(mode), buckets) << what << " step " << s << "\n" << mode.table();
-        if (s > 0 && n > 1)
+        }
+        if (s > 0 && n > 1) {
           ASSERT_EQ(mode.get_total_counts(), buckets) << what << "\n" << mode.table();
+        }
       }
       o->step();
       ASSERT_NEAR(loss.item<double>(), expected[s], 1e-12 * (1 + std::abs(expected[s])))
@@ -220,7 +221,9 @@ TEST(DataParallel, LocalBatchesAverageLikeTorchDDP) {
         at::Tensor loss = at::mse_loss(model->forward(x), y);
         CommDebugMode mode;
         loss.backward();
-        if (n > 1) ASSERT_EQ(all_reduces(mode), buckets);
+        if (n > 1) {
+          ASSERT_EQ(all_reduces(mode), buckets);
+        }
         o->step();
         // The global loss is the mean of the ranks' losses.
         at::Tensor global =

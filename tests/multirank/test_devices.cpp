@@ -1,7 +1,7 @@
 // Devices and transports: which device a mesh keeps its tensors on, how its collectives
 // travel, and the collective layer's refusal of a tensor on another device (NOTE: [Devices on
 // the wire]). The CUDA paths themselves run in tests/gpu/ on a machine with a GPU.
-#include "pch.h"
+#include "helpers.h"
 
 using namespace tessera;
 
@@ -48,7 +48,9 @@ TEST(Devices, UnknownDeviceOrTransportIsAClearError) {
 }
 
 TEST(Devices, CudaMeshWithoutCudaSaysSo) {
-  if (at::hasCUDA()) GTEST_SKIP() << "this machine has CUDA: tests/gpu/ covers CUDA meshes";
+  if (at::hasCUDA()) {
+    GTEST_SKIP() << "this machine has CUDA: tests/gpu/ covers CUDA meshes";
+  }
   tessera::testing::run_ranks(2, [](int) {
     for (const char* type : {"cuda", "cuda:gloo"}) {
       auto msg = error_of([&] { init_device_mesh(type, {2}); });

@@ -10,7 +10,6 @@
 #include <torch/optim/adamw.h>
 
 #include "helpers.h"
-#include "support/meshes.h"
 #include "tessera/nn/neighborhood_attention.h"
 
 using namespace tessera;
@@ -123,7 +122,9 @@ int64_t check(const DeviceMesh& mesh, const NACase& c, uint64_t seed, const std:
   for (size_t m = 0; m < c.shard_dim.size(); ++m)
     for (size_t n = 0; n < m; ++n)
       nested = nested || (c.shard_dim[m] >= 0 && c.shard_dim[m] == c.shard_dim[n]);
-  if (!nested) EXPECT_EQ(spec(got).placements(), p) << desc << ": the output keeps q's layout";
+  if (!nested) {
+    EXPECT_EQ(spec(got).placements(), p) << desc << ": the output keeps q's layout";
+  }
   EXPECT_TRUE(test::full_matches(got, expected, kTol)) << desc << ": output";
 
   at::Tensor g = test::randn(expected.sizes(), seed + 9, at::kDouble);
@@ -133,8 +134,9 @@ int64_t check(const DeviceMesh& mesh, const NACase& c, uint64_t seed, const std:
   auto grad_ok = [&](const at::Tensor& d, const at::Tensor& full, const char* what) {
     if (!d.defined()) return;
     EXPECT_TRUE(d.grad().defined()) << desc << ": no gradient for " << what;
-    if (d.grad().defined())
+    if (d.grad().defined()) {
       EXPECT_TRUE(test::full_matches(d.grad(), full.grad(), kTol)) << desc << ": " << what;
+    }
   };
   grad_ok(dq, q, "query");
   grad_ok(dk, k, "key");

@@ -15,7 +15,6 @@
 #include <torch/optim/sgd.h>
 
 #include "helpers.h"
-#include "support/meshes.h"
 
 using namespace tessera;
 namespace nn = torch::nn;
@@ -163,7 +162,9 @@ void check(const DeviceMesh& mesh, const Case& c, const Placements& placements,
   ASSERT_TRUE(test::full_matches(got, expected, kTol)) << desc;
   if (c.stats != Stats::None) {
     ASSERT_EQ(is_dtensor(drm), c.stats == Stats::Replicated) << desc;
-    if (is_dtensor(drm)) ASSERT_TRUE(spec(drm).is_replicated()) << desc << ": " << spec(drm).str();
+    if (is_dtensor(drm)) {
+      ASSERT_TRUE(spec(drm).is_replicated()) << desc << ": " << spec(drm).str();
+    }
     ASSERT_TRUE(test::matches(whole(drm), rm, kTol)) << desc << ": running_mean";
     ASSERT_TRUE(test::matches(whole(drv), rv, kTol)) << desc << ": running_var";
   }

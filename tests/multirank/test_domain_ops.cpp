@@ -7,7 +7,6 @@
 #include <functional>
 
 #include "helpers.h"
-#include "support/meshes.h"
 
 using namespace tessera;
 

@@ -15,9 +15,9 @@
 #include <torch/optim/adam.h>
 
 #include "helpers.h"
-#include "support/small_unet.h"
 
 using namespace tessera;
+using tessera::test::clone_of;
 namespace nn = torch::nn;
 namespace F = torch::nn::functional;
 
@@ -25,10 +25,6 @@ namespace {
 
 using UNetImpl = test::SmallUNetImpl;
 using UNet = test::SmallUNet;
-
-std::shared_ptr<UNetImpl> clone_of(const UNet& m) {
-  return std::dynamic_pointer_cast<UNetImpl>(m->clone());
-}
 
 std::vector<double> train(UNetImpl& model, const at::Tensor& x, const at::Tensor& y, int steps) {
   torch::optim::Adam opt(model.parameters(), torch::optim::AdamOptions(0.01));

@@ -1,62 +1,19 @@
 // Errors, not hangs: every bad input raises a c10::Error on every rank, promptly, with a
 // message that names the function or op and the placements/shapes involved.
-#include "pch.h"
+#include "helpers.h"
 
 #include <atomic>
 #include <chrono>
 #include <mutex>
 
 using namespace tessera;
+using tessera::test::expect_error_everywhere;
 
 namespace {
 
 using Shape = std::vector<int64_t>;
 using Clock = std::chrono::steady_clock;
 using Needles = std::vector<std::string>;
-
-// Short limits: a rank stuck in a collective fails in seconds instead of minutes.
-tessera::testing::RunOptions quick() {
-  tessera::testing::RunOptions o;
-  o.collective_timeout = std::chrono::seconds(10);
-  o.timeout = std::chrono::seconds(40);
-  return o;
-}
-
-// Runs body(rank) on `world` ranks; every rank must throw a c10::Error well before the
-// collective timeout, whose message contains every needle.
-void expect_error_everywhere(int world, const std::function<void(int)>& body,
-                             const Needles& needles) {
-  std::atomic<int> threw{0};
-  std::mutex mu;
-  std::vector<std::string> messages(world);
-  tessera::testing::run_ranks(
-      world,
-      [&](int rank) {
-        const auto start = Clock::now();
-        std::string msg;
-        try {
-          body(rank);
-          ADD_FAILURE() << "rank " << rank << ": no error";
-        } catch (const c10::Error& e) {
-          msg = e.what_without_backtrace();
-          ++threw;
-        } catch (const std::exception& e) {
-          ADD_FAILURE() << "rank " << rank << ": not a c10::Error: " << e.what();
-        }
-        EXPECT_LT(Clock::now() - start, std::chrono::seconds(5))
-            << "rank " << rank << " raised only after a collective timed out: " << msg;
-        std::lock_guard<std::mutex> lock(mu);
-        messages[rank] = msg;
-      },
-      quick());
-  EXPECT_EQ(threw.load(), world);
-  for (int r = 0; r < world; ++r) {
-    if (messages[r].empty()) continue;
-    for (const auto& n : needles)
-      EXPECT_NE(messages[r].find(n), std::string::npos)
-          << "rank " << r << "'s message lacks \"" << n << "\": " << messages[r];
-  }
-}
 
 // Same, with a mesh of `mesh_shape` over the whole world made before the body runs.
 void on_mesh_fails(const Shape& mesh_shape, const std::function<void(int, const DeviceMesh&)>& body,

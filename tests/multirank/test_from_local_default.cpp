@@ -39,9 +39,9 @@ TEST(FromLocalDefault, UnevenLocalBatchesGiveTheGlobalValue) {
         ASSERT_EQ(x.sizes().vec(), (std::vector<int64_t>{total, 3})) << "rank " << rank;
         auto loss = (x * x).mean();
         const double got = full_tensor(loss).item<double>(), want = ref.item<double>();
-        if (total == 0)
+        if (total == 0) {
           EXPECT_TRUE(std::isnan(got) && std::isnan(want));  // an empty mean
-        else
+        } else
           EXPECT_NEAR(got, want, 1e-12);
         loss.backward();
         ASSERT_TRUE(local.grad().defined());

@@ -8,7 +8,6 @@
 // distribute_tensor without a source rank never talk, so they cannot see other ranks' inputs.
 // A failure prints the command that replays its case (support/property.h).
 #include "helpers.h"
-#include "support/meshes.h"
 
 using namespace tessera;
 using tessera::test::Rng;
@@ -719,7 +718,9 @@ TEST_P(FuzzLayout, ValidMatchesOneDevice) {
 TEST_P(FuzzLayout, InvalidFailsOnEveryRank) { sweep(GetParam(), 60, same_everywhere); }
 
 TEST_P(FuzzLayout, RankDependentFailsOnEveryRank) {
-  if (tessera::test::mesh_world(GetParam()) < 2) GTEST_SKIP() << "needs two ranks";
+  if (tessera::test::mesh_world(GetParam()) < 2) {
+    GTEST_SKIP() << "needs two ranks";
+  }
   sweep(GetParam(), 60, rank_dependent);
 }
 

@@ -19,6 +19,7 @@
 
 using namespace tessera;
 using tessera::fsdp_test::clone_of;
+using tessera::test::fresh_dir;
 
 namespace {
 
@@ -72,16 +73,6 @@ void expect_error(const std::function<void()>& call, const std::vector<std::stri
 // dist.barrier(): a tiny all-reduce over the mesh.
 void barrier(const DeviceMesh& mesh) {
   comm::all_reduce(mesh.mesh_group(), at::zeros({1}), PartialOp::Sum);
-}
-
-// A new empty directory (made on the test thread, so every rank gets the same path).
-std::string fresh_dir(const std::string& what) {
-  static std::atomic<int> counter{0};
-  const fs::path p = fs::temp_directory_path() / ("tessera-tutorial-" + std::to_string(::getpid()) +
-                                                  "-" + std::to_string(counter++) + "-" + what);
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p.string();
 }
 
 // Rank `me`'s rows of a global batch split over the ranks as `table`.

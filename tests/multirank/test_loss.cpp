@@ -3,14 +3,9 @@
 
 using namespace tessera;
 using tessera::test::differential;
+using tessera::test::on_meshes;
 
 namespace {
-
-void on_meshes(const std::function<void(const DeviceMesh&)>& body) {
-  for (int world : {1, 2, 3})
-    tessera::testing::run_ranks(world, [&](int) { body(init_device_mesh("cpu", {world})); });
-  tessera::testing::run_ranks(4, [&](int) { body(init_device_mesh("cpu", {2, 2})); });
-}
 
 Placements with(const DeviceMesh& mesh, Placement first, Placement rest = Replicate()) {
   Placements p(mesh.ndim(), rest);

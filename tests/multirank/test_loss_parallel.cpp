@@ -2,7 +2,6 @@
 // (at::cross_entropy_loss on the whole logits), value and logits gradient, with the
 // collectives counted: forward all-reduces as documented in loss_parallel.h, backward none.
 #include "helpers.h"
-#include "support/meshes.h"
 
 #include <atomic>
 #include <mutex>
@@ -12,6 +11,7 @@
 
 using namespace tessera;
 namespace F = torch::nn::functional;
+using tessera::test::expect_error_everywhere;
 using tessera::test::Rng;
 
 namespace {
@@ -199,35 +199,6 @@ std::vector<ShardTable> class_table(size_t ndim, ShardTable classes) {
 
 const int64_t kReductions[] = {at::Reduction::None, at::Reduction::Sum, at::Reduction::Mean};
 
-// Errors, not hangs: every rank raises a c10::Error containing every needle.
-void expect_error_everywhere(int world, const std::function<void(int)>& body,
-                             const std::vector<std::string>& needles) {
-  std::atomic<int> threw{0};
-  std::mutex mu;
-  std::vector<std::string> messages(world);
-  tessera::testing::RunOptions quick;
-  quick.collective_timeout = std::chrono::seconds(10);
-  quick.timeout = std::chrono::seconds(40);
-  tessera::testing::run_ranks(
-      world,
-      [&](int rank) {
-        try {
-          body(rank);
-          ADD_FAILURE() << "rank " << rank << ": no error";
-        } catch (const c10::Error& e) {
-          std::lock_guard<std::mutex> lock(mu);
-          messages[rank] = e.what_without_backtrace();
-          ++threw;
-        }
-      },
-      quick);
-  EXPECT_EQ(threw.load(), world);
-  for (int r = 0; r < world; ++r)
-    for (const auto& n : needles)
-      EXPECT_NE(messages[r].find(n), std::string::npos)
-          << "rank " << r << "'s message lacks \"" << n << "\": " << messages[r];
-}
-
 }  // namespace
 
 // Every reduction, 1-D to 4-D inputs, even and uneven class tables (4N + 1 classes; a rank
@@ -353,7 +324,9 @@ TEST(LossParallel, TwoDimMeshClassesAndBatch) {
             const Counts n = check_case(mesh, c, what);
             EXPECT_EQ(n.forward_all_reduce, red == at::Reduction::Mean ? 3 : 2) << what;
             EXPECT_EQ(n.forward_all_reduce, documented_all_reduces(c)) << what;
-            if (target_kind != 2) EXPECT_EQ(n.forward_total, n.forward_all_reduce) << what;
+            if (target_kind != 2) {
+              EXPECT_EQ(n.forward_total, n.forward_all_reduce) << what;
+            }
             EXPECT_EQ(n.backward_total, 0) << what;
           }
         }
@@ -604,7 +577,9 @@ TEST_P(LossParallelSweep, RandomCasesMatchOneDevice) {
       const std::string what = sweep.label(k) + ": " + describe(c);
       const Counts n = check_case(mesh, c, what);
       EXPECT_EQ(n.forward_all_reduce, documented_all_reduces(c)) << what;
-      if (target_kind != 2) EXPECT_EQ(n.forward_total, n.forward_all_reduce) << what;
+      if (target_kind != 2) {
+        EXPECT_EQ(n.forward_total, n.forward_all_reduce) << what;
+      }
       EXPECT_EQ(n.backward_total, 0) << what;
     });
   });

@@ -4,6 +4,7 @@
 
 using namespace tessera;
 using tessera::test::differential;
+using tessera::test::on_meshes;
 using tessera::test::Operand;
 
 namespace {
@@ -22,12 +23,6 @@ std::vector<Placements> layouts(int64_t mesh_ndim) {
     out = next;
   }
   return out;
-}
-
-void on_meshes(const std::function<void(const DeviceMesh&)>& body) {
-  for (int world : {1, 2, 3})
-    tessera::testing::run_ranks(world, [&](int) { body(init_device_mesh("cpu", {world})); });
-  tessera::testing::run_ranks(4, [&](int) { body(init_device_mesh("cpu", {2, 2})); });
 }
 
 }  // namespace

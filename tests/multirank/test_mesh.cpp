@@ -1,5 +1,5 @@
 // DeviceMesh: shapes, coordinates (row-major), per-dim groups, slicing and subset meshes.
-#include "pch.h"
+#include "helpers.h"
 
 #include <algorithm>
 

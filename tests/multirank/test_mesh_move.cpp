@@ -2,7 +2,6 @@
 // device's, forward and backward, on uneven shards and several 2-D mesh shapes; adding a
 // dim as a shard joins per-group tensors into one; unrelated meshes raise on every rank.
 #include "helpers.h"
-#include "support/meshes.h"
 
 using namespace tessera;
 

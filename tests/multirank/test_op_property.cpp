@@ -5,7 +5,6 @@
 #include <functional>
 
 #include "helpers.h"
-#include "support/meshes.h"
 
 using namespace tessera;
 using tessera::test::differential;

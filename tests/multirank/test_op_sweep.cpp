@@ -936,8 +936,9 @@ void check(const std::vector<OpCase>& cases) {
       }
       ADD_FAILURE() << c.name << " [" << o.variant << "]: " << o.message;
     }
-    if (may_fail && !errored && !may_work_on_this_libtorch(c.name))
+    if (may_fail && !errored && !may_work_on_this_libtorch(c.name)) {
       ADD_FAILURE() << c.name << " is on the expected-error list but now works everywhere";
+    }
   }
 }
 

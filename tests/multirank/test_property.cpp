@@ -3,7 +3,6 @@
 // step against the full tensor, plus the gradient through the whole chain.
 // A failure prints the command that replays its case (support/property.h).
 #include "helpers.h"
-#include "support/meshes.h"
 
 using namespace tessera;
 using tessera::test::make_dtensor_from_full;

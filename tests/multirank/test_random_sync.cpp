@@ -6,7 +6,6 @@
 #include <torch/nn/modules/dropout.h>
 
 #include "helpers.h"
-#include "support/meshes.h"
 
 using namespace tessera;
 

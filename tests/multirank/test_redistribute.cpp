@@ -154,7 +154,9 @@ void run_transitions(const std::vector<int64_t>& mesh_shape, at::ScalarType dtyp
         }
       }
     }
-    if (rank == 0) EXPECT_GT(checked, 0);
+    if (rank == 0) {
+      EXPECT_GT(checked, 0);
+    }
   });
 }
 

@@ -507,8 +507,9 @@ void expect_layout_and_value(const at::Tensor& got, Placement p, const at::Tenso
                              const std::string& what) {
   ASSERT_TRUE(is_dtensor(got)) << what;
   // On one rank every redistribution is free, and the first candidate layout wins ties.
-  if (spec(got).mesh().size() > 1)
+  if (spec(got).mesh().size() > 1) {
     EXPECT_EQ(placements(got)[0], p) << what << ": " << spec(got).str();
+  }
   EXPECT_TRUE(same_values(full_tensor(got), want)) << what;
 }
 

@@ -1,5 +1,4 @@
-#include "pch.h"
-#include "support/compare.h"
+#include "helpers.h"
 
 using namespace tessera;
 

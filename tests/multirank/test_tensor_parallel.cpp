@@ -13,20 +13,14 @@
 #include <torch/optim/sgd.h>
 
 #include "helpers.h"
-#include "support/meshes.h"
 
 using namespace tessera;
+using tessera::test::clone_of;
 namespace nn = torch::nn;
 using tessera::test::full_matches;
 using tessera::test::matches;
 
 namespace {
-
-template <class Holder>
-Holder clone_of(const Holder& m) {
-  using Impl = typename Holder::ContainedType;
-  return Holder(std::dynamic_pointer_cast<Impl>(m->clone()));
-}
 
 // Rank r's piece of `full` along `dim` over `parts` ranks: torch.chunk's, or a given table.
 at::Tensor piece(const at::Tensor& full, int64_t dim, int64_t r, int64_t parts,
@@ -38,8 +32,6 @@ at::Tensor piece(const at::Tensor& full, int64_t dim, int64_t r, int64_t parts,
 }
 
 const test::Tolerance kTol{1e-5, 1e-5};
-
-std::map<std::string, int64_t> counts(const CommDebugMode& m) { return m.get_comm_counts(); }
 
 int64_t count(const CommDebugMode& m, const char* kind) {
   auto c = m.get_comm_counts();
@@ -159,7 +151,9 @@ TEST(TensorParallel, RowwiseLinear) {
             EXPECT_EQ(fwd_calls, 1);
             EXPECT_EQ(fwd_counts.count(shard_out ? "reduce_scatter" : "all_reduce"), 1u);
             EXPECT_EQ(bwd_calls, shard_out ? 1 : 0);
-            if (shard_out) EXPECT_EQ(bwd_counts.count("all_gather"), 1u);
+            if (shard_out) {
+              EXPECT_EQ(bwd_counts.count("all_gather"), 1u);
+            }
           }
         });
       }
@@ -311,7 +305,9 @@ TEST(TensorParallel, MlpPlanTrainsLikeOneDevice) {
             full_matches(*m->named_parameters().find(item.key()), item.value().detach(), kTol))
             << item.key();
       // One all-reduce forward; none backward, the input needing no gradient (PyTorch: 1).
-      if (16 % world == 0) EXPECT_EQ(comms[1], (std::map<std::string, int64_t>{{"all_reduce", 1}}));
+      if (16 % world == 0) {
+        EXPECT_EQ(comms[1], (std::map<std::string, int64_t>{{"all_reduce", 1}}));
+      }
     });
   }
 }

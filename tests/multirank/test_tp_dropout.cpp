@@ -11,6 +11,7 @@
 #include "helpers.h"
 
 using namespace tessera;
+using tessera::test::clone_of;
 
 namespace {
 
@@ -24,10 +25,6 @@ torch::nn::Sequential mlp(int64_t hidden, double p, bool after) {
   if (after) m->push_back(torch::nn::Dropout(p));
   m->to(at::kDouble);
   return m;
-}
-
-torch::nn::Sequential copy_of(const torch::nn::Sequential& m) {
-  return std::dynamic_pointer_cast<torch::nn::SequentialImpl>(m->clone());
 }
 
 struct Result {
@@ -57,7 +54,7 @@ TEST(TpDropout, DropoutOnLocalShardsRaisesOnEveryRank) {
     const at::Tensor want_eval = ref->forward(x);
     tessera::testing::run_ranks(world, [&](int) {
       auto mesh = init_device_mesh("cpu", {world}, {"tp"});
-      auto m = copy_of(ref);
+      auto m = clone_of(ref);
       parallelize_module(m, mesh, {{"0", ColwiseParallel()}, {"3", RowwiseParallel()}});
       m->train();
       try {
@@ -83,13 +80,13 @@ TEST(TpDropout, DistributedOutputDrawsOneDevicesMask) {
     const int64_t hidden = 3 * world - 1;
     const at::Tensor x = test::randn({5, 8}, 32, at::kDouble);
     auto ref = mlp(hidden, 0.4, false);
-    auto init = copy_of(ref);
+    auto init = clone_of(ref);
     ref->train();
     at::manual_seed(77);
     const Result want = step(ref, x);
     tessera::testing::run_ranks(world, [&](int rank) {
       auto mesh = init_device_mesh("cpu", {world}, {"tp"});
-      auto m = copy_of(init);
+      auto m = clone_of(init);
       parallelize_module(
           m, mesh, {{"0", ColwiseParallel().use_local_output(false)}, {"3", RowwiseParallel()}});
       m->train();
@@ -110,16 +107,16 @@ TEST(TpDropout, DropoutOutsideTheShardedRegionPasses) {
   const auto with_after = mlp(6, 0.3, true), p_zero = mlp(6, 0.0, false);
   tessera::testing::run_ranks(2, [&](int) {
     auto mesh = init_device_mesh("cpu", {2}, {"tp"});
-    auto after = copy_of(with_after);
+    auto after = clone_of(with_after);
     parallelize_module(after, mesh, {{"0", ColwiseParallel()}, {"3", RowwiseParallel()}});
     after->train();
     EXPECT_NO_THROW((void)after->forward(x));
-    auto zero = copy_of(p_zero);
+    auto zero = clone_of(p_zero);
     parallelize_module(zero, mesh, {{"0", ColwiseParallel()}, {"3", RowwiseParallel()}});
     zero->train();
     EXPECT_NO_THROW((void)zero->forward(x));
     // The next forward's first module closes the window a Colwise-only model left open.
-    auto colwise = copy_of(p_zero);
+    auto colwise = clone_of(p_zero);
     parallelize_module(colwise, mesh, {{"0", ColwiseParallel()}});
     auto first = colwise[0]->as<torch::nn::Linear>();
     (void)first->forward(x);

@@ -6,9 +6,9 @@
 #include <torch/nn/modules/embedding.h>
 
 #include "helpers.h"
-#include "support/meshes.h"
 
 using namespace tessera;
+using tessera::test::clone_of;
 
 namespace {
 
@@ -20,10 +20,6 @@ torch::nn::Embedding embedding() {
   torch::nn::Embedding e(kVocab, 6);
   e->to(at::kDouble);
   return e;
-}
-
-torch::nn::Embedding copy_of(const torch::nn::Embedding& e) {
-  return torch::nn::Embedding(std::dynamic_pointer_cast<torch::nn::EmbeddingImpl>(e->clone()));
 }
 
 // Group g's ids: g + 3 rows (uneven across groups), drawn from their own generator.
@@ -42,7 +38,7 @@ TEST(TpSliceInputs, PerGroupPlainIdsRaiseOnEveryRank) {
   for (const auto& shape : kShapes) {
     tessera::testing::run_ranks(test::mesh_world(shape), [&](int) {
       auto mesh = init_device_mesh("cpu", shape, {"dp", "tp"});
-      auto m = copy_of(ref);
+      auto m = clone_of(ref);
       parallelize_module(m, mesh["tp"], RowwiseParallel().input_layouts(Replicate()));
       try {
         (void)m(group_ids(mesh.coordinate()[0]));
@@ -60,14 +56,14 @@ TEST(TpSliceInputs, PerGroupPlainIdsRaiseOnEveryRank) {
 // The same plain ids on every rank: one device's forward and gradient.
 TEST(TpSliceInputs, SamePlainIdsEverywhereEqualOneDevice) {
   auto ref = embedding();
-  const auto init = copy_of(ref);
+  const auto init = clone_of(ref);
   const at::Tensor ids = group_ids(0);
   const at::Tensor want = ref(ids);
   want.pow(2).sum().backward();
   for (const auto& shape : kShapes) {
     tessera::testing::run_ranks(test::mesh_world(shape), [&](int) {
       auto mesh = init_device_mesh("cpu", shape, {"dp", "tp"});
-      auto m = copy_of(init);
+      auto m = clone_of(init);
       parallelize_module(m, mesh["tp"], RowwiseParallel().input_layouts(Replicate()));
       const at::Tensor y = m(ids);
       ASSERT_TRUE(test::matches(y, want.detach(), kTol)) << mesh.str();
@@ -82,14 +78,14 @@ TEST(TpSliceInputs, SamePlainIdsEverywhereEqualOneDevice) {
 TEST(TpSliceInputs, PerGroupBatchesSplitOverDpEqualOneDevice) {
   const auto init = embedding();
   for (const auto& shape : kShapes) {
-    auto ref = copy_of(init);
+    auto ref = clone_of(init);
     std::vector<at::Tensor> all;
     for (int64_t g = 0; g < shape[0]; ++g) all.push_back(group_ids(g));
     const at::Tensor want = ref(at::cat(all));
     want.pow(2).sum().backward();
     tessera::testing::run_ranks(test::mesh_world(shape), [&](int) {
       auto mesh = init_device_mesh("cpu", shape, {"dp", "tp"});
-      auto m = copy_of(init);
+      auto m = clone_of(init);
       parallelize_module(m, mesh["tp"], RowwiseParallel().input_layouts(Replicate()));
       const int64_t g = mesh.coordinate()[0];
       const at::Tensor ids = from_local(group_ids(g), mesh, {Shard(0), Replicate()});

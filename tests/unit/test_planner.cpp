@@ -4,7 +4,6 @@
 #include <map>
 
 #include "helpers.h"
-#include "support/meshes.h"
 
 using namespace tessera;
 using tessera::test::Rng;

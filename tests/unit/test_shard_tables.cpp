@@ -2,7 +2,6 @@
 // ATen: torch.chunk for chunk layouts, reshape + sum for marginals, reshape + index for the
 // row-major table index. No ranks: meshes are detached (support/meshes.h).
 #include "helpers.h"
-#include "support/meshes.h"
 
 using namespace tessera;
 using tessera::test::Rng;

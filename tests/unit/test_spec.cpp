@@ -2,7 +2,6 @@
 // coordinate, replicate_where) against references written from the nesting rule of
 // NOTE: [Shard tables], on detached meshes (no ranks).
 #include "helpers.h"
-#include "support/meshes.h"
 
 using namespace tessera;
 using tessera::test::Rng;

@@ -126,184 +126,220 @@ NodeLink::~NodeLink() {
 
 int NodeLink::rendezvous(int interrupt_fd) {
   const auto until = Clock::now() + seconds(cfg_.rdzv_timeout);
-  const std::string where = cfg_.master_addr + ":" + std::to_string(cfg_.master_port);
-
   if (cfg_.node_rank == 0) {
-    listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (listen_fd_ < 0) throw RendezvousError("socket: " + errno_text());
-    int one = 1;
-    ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(cfg_.master_port));
-    addr.sin_addr.s_addr = htonl(INADDR_ANY);
-    if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-        ::listen(listen_fd_, 128) != 0)
-      throw RendezvousError("node 0 cannot listen on port " + std::to_string(cfg_.master_port) +
-                            ": " + errno_text() +
-                            " (is another job using it? pick another "
-                            "--master-port)");
-    set_nonblocking(listen_fd_);
-
-    std::vector<Peer> pending;
-    std::vector<bool> joined(static_cast<std::size_t>(cfg_.nnodes), false);
-    int n_joined = 0;
-    while (n_joined < cfg_.nnodes - 1) {
-      if (Clock::now() >= until) {
-        std::string missing;
-        for (int k = 1; k < cfg_.nnodes; ++k)
-          if (!joined[static_cast<std::size_t>(k)])
-            missing += (missing.empty() ? "" : ", ") + std::to_string(k);
-        throw RendezvousError("rendezvous timed out after " + seconds_text(cfg_.rdzv_timeout) +
-                              ": node(s) " + missing + " of " + std::to_string(cfg_.nnodes) +
-                              " did not join. Start tessera-run "
-                              "on each with --nnodes " +
-                              std::to_string(cfg_.nnodes) +
-                              " --node-rank K "
-                              "--master-addr " +
-                              cfg_.master_addr + " --master-port " +
-                              std::to_string(cfg_.master_port) +
-                              " (and check that this port is open to them)");
-      }
-      std::vector<pollfd> fds{{listen_fd_, POLLIN, 0}, {interrupt_fd, POLLIN, 0}};
-      for (const Peer& p : pending) fds.push_back({p.fd, POLLIN, 0});
-      if (::poll(fds.data(), fds.size(), static_cast<int>(std::min<long>(ms_left(until), 1000))) <
-              0 &&
-          errno != EINTR)
-        throw RendezvousError("poll: " + errno_text());
-      if (interrupted(interrupt_fd, fds[1].revents)) return -1;
-      if (fds[0].revents & POLLIN) {
-        for (;;) {
-          const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-          if (fd < 0) break;
-          set_nodelay(fd);
-          Peer p;
-          p.fd = fd;
-          pending.push_back(std::move(p));
-        }
-      }
-      // Every pending peer is read (non-blocking: nothing to read costs one EAGAIN), which
-      // keeps no index between `fds` and `pending` while entries are erased below.
-      for (std::size_t i = 0; i < pending.size();) {
-        Peer& p = pending[i];
-        bool drop = false;
-        const bool alive = read_into(p.fd, p.in);
-        std::string line;
-        if (pop_line(p.in, line)) {
-          std::istringstream in(line);
-          std::string word;
-          int version = 0, node = -1, nnodes = 0, nproc = 0;
-          if (!(in >> word >> version >> node >> nnodes >> nproc) || word != "HELLO") {
-            drop = true;  // not a launcher (a stray client): ignore it
-          } else {
-            std::string why;
-            if (version != kProtocol)
-              why = "protocol version " + std::to_string(version) + " (this launcher speaks " +
-                    std::to_string(kProtocol) + "): use the same tessera-run on every node";
-            else if (nnodes != cfg_.nnodes || nproc != cfg_.nproc)
-              why = "it was started with --nnodes " + std::to_string(nnodes) +
-                    " --nproc-per-node " + std::to_string(nproc) + ", node 0 with --nnodes " +
-                    std::to_string(cfg_.nnodes) + " --nproc-per-node " + std::to_string(cfg_.nproc);
-            else if (node < 1 || node >= cfg_.nnodes)
-              why = "--node-rank " + std::to_string(node) + " is out of range [1, " +
-                    std::to_string(cfg_.nnodes - 1) + "]";
-            else if (joined[static_cast<std::size_t>(node)])
-              why = "node " + std::to_string(node) +
-                    " joined twice (two launchers were given "
-                    "--node-rank " +
-                    std::to_string(node) + ")";
-            if (!why.empty()) {
-              write_line_blocking(p.fd, "ERROR " + one_line(why) + "\n", 1000);
-              throw RendezvousError("a launcher could not join: " + why);
-            }
-            joined[static_cast<std::size_t>(node)] = true;
-            ++n_joined;
-            p.node = node;
-            p.heard = Clock::now();
-            peers_.push_back(std::move(p));
-            pending.erase(pending.begin() + static_cast<long>(i));
-            continue;
-          }
-        } else if (!alive) {
-          drop = true;
-        }
-        if (drop) {
-          ::close(p.fd);
-          pending.erase(pending.begin() + static_cast<long>(i));
-          continue;
-        }
-        ++i;
-      }
-    }
-    for (Peer& p : pending) ::close(p.fd);
-    ::close(listen_fd_);  // nobody else may join
-    listen_fd_ = -1;
-    int store_port = 0;
-    try {
-      store_port = pick_free_port(/*any_interface=*/true);  // rank 0 serves the store on it
-    } catch (const std::runtime_error& e) {
-      throw RendezvousError(std::string("the ranks' store: ") + e.what());
-    }
-    for (Peer& p : peers_) send(p, "START " + std::to_string(store_port));
-    flush(std::chrono::milliseconds(2000));
-    next_ping_ = Clock::now();
-    return store_port;
+    listen_on_master_port();
+    if (!admit_launchers(until, interrupt_fd)) return -1;
+    return start_job();
   }
+  const int fd = connect_to_node0(until, interrupt_fd);
+  if (fd < 0) return -1;
+  return await_start(fd, until, interrupt_fd);
+}
 
-  // Node K > 0: connect to node 0, retrying until the rendezvous deadline.
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
+// ---- the rendezvous on node 0
+
+void NodeLink::listen_on_master_port() {
+  listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (listen_fd_ < 0) throw RendezvousError("socket: " + errno_text());
+  int one = 1;
+  ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(cfg_.master_port));
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::listen(listen_fd_, 128) != 0)
+    throw RendezvousError("node 0 cannot listen on port " + std::to_string(cfg_.master_port) +
+                          ": " + errno_text() +
+                          " (is another job using it? pick another "
+                          "--master-port)");
+  set_nonblocking(listen_fd_);
+}
+
+bool NodeLink::admit_launchers(Clock::time_point until, int interrupt_fd) {
+  std::vector<Peer> pending;  // connected, HELLO not read yet
+  std::vector<bool> joined(static_cast<std::size_t>(cfg_.nnodes), false);
+  int n_joined = 0;
+  while (n_joined < cfg_.nnodes - 1) {
+    if (Clock::now() >= until) throw nodes_missing_error(joined);
+    std::vector<pollfd> fds{{listen_fd_, POLLIN, 0}, {interrupt_fd, POLLIN, 0}};
+    for (const Peer& p : pending) fds.push_back({p.fd, POLLIN, 0});
+    if (::poll(fds.data(), fds.size(), static_cast<int>(std::min<long>(ms_left(until), 1000))) <
+            0 &&
+        errno != EINTR)
+      throw RendezvousError("poll: " + errno_text());
+    if (interrupted(interrupt_fd, fds[1].revents)) return false;
+    if (fds[0].revents & POLLIN) accept_pending(pending);
+    // Every pending peer is read (non-blocking: nothing to read costs one EAGAIN), which
+    // keeps no index between `fds` and `pending` while entries are erased below.
+    for (std::size_t i = 0; i < pending.size();) {
+      Peer& p = pending[i];
+      switch (read_hello(p, joined)) {
+        case Hello::Waiting: ++i; continue;
+        case Hello::Joined:
+          ++n_joined;
+          peers_.push_back(std::move(p));
+          break;
+        case Hello::Dropped: ::close(p.fd); break;
+      }
+      pending.erase(pending.begin() + static_cast<long>(i));
+    }
+  }
+  for (Peer& p : pending) ::close(p.fd);
+  return true;
+}
+
+RendezvousError NodeLink::nodes_missing_error(const std::vector<bool>& joined) const {
+  std::string missing;
+  for (int k = 1; k < cfg_.nnodes; ++k)
+    if (!joined[static_cast<std::size_t>(k)])
+      missing += (missing.empty() ? "" : ", ") + std::to_string(k);
+  return RendezvousError("rendezvous timed out after " + seconds_text(cfg_.rdzv_timeout) +
+                         ": node(s) " + missing + " of " + std::to_string(cfg_.nnodes) +
+                         " did not join. Start tessera-run "
+                         "on each with --nnodes " +
+                         std::to_string(cfg_.nnodes) +
+                         " --node-rank K "
+                         "--master-addr " +
+                         cfg_.master_addr + " --master-port " + std::to_string(cfg_.master_port) +
+                         " (and check that this port is open to them)");
+}
+
+void NodeLink::accept_pending(std::vector<Peer>& pending) {
+  for (;;) {
+    const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) break;
+    set_nodelay(fd);
+    Peer p;
+    p.fd = fd;
+    pending.push_back(std::move(p));
+  }
+}
+
+NodeLink::Hello NodeLink::read_hello(Peer& p, std::vector<bool>& joined) {
+  const bool alive = read_into(p.fd, p.in);
+  std::string line;
+  if (!pop_line(p.in, line)) return alive ? Hello::Waiting : Hello::Dropped;
+  std::istringstream in(line);
+  std::string word;
+  int version = 0, node = -1, nnodes = 0, nproc = 0;
+  if (!(in >> word >> version >> node >> nnodes >> nproc) || word != "HELLO")
+    return Hello::Dropped;  // not a launcher (a stray client): ignore it
+  const std::string why = hello_problem(version, node, nnodes, nproc, joined);
+  if (!why.empty()) {
+    write_line_blocking(p.fd, "ERROR " + one_line(why) + "\n", 1000);
+    throw RendezvousError("a launcher could not join: " + why);
+  }
+  joined[static_cast<std::size_t>(node)] = true;
+  p.node = node;
+  p.heard = Clock::now();
+  return Hello::Joined;
+}
+
+std::string NodeLink::hello_problem(int version, int node, int nnodes, int nproc,
+                                    const std::vector<bool>& joined) const {
+  if (version != kProtocol)
+    return "protocol version " + std::to_string(version) + " (this launcher speaks " +
+           std::to_string(kProtocol) + "): use the same tessera-run on every node";
+  if (nnodes != cfg_.nnodes || nproc != cfg_.nproc)
+    return "it was started with --nnodes " + std::to_string(nnodes) + " --nproc-per-node " +
+           std::to_string(nproc) + ", node 0 with --nnodes " + std::to_string(cfg_.nnodes) +
+           " --nproc-per-node " + std::to_string(cfg_.nproc);
+  if (node < 1 || node >= cfg_.nnodes)
+    return "--node-rank " + std::to_string(node) + " is out of range [1, " +
+           std::to_string(cfg_.nnodes - 1) + "]";
+  if (joined[static_cast<std::size_t>(node)])
+    return "node " + std::to_string(node) +
+           " joined twice (two launchers were given "
+           "--node-rank " +
+           std::to_string(node) + ")";
+  return "";
+}
+
+int NodeLink::start_job() {
+  ::close(listen_fd_);  // nobody else may join
+  listen_fd_ = -1;
+  int store_port = 0;
+  try {
+    store_port = pick_free_port(/*any_interface=*/true);  // rank 0 serves the store on it
+  } catch (const std::runtime_error& e) {
+    throw RendezvousError(std::string("the ranks' store: ") + e.what());
+  }
+  for (Peer& p : peers_) send(p, "START " + std::to_string(store_port));
+  flush(std::chrono::milliseconds(2000));
+  next_ping_ = Clock::now();
+  return store_port;
+}
+
+// ---- the rendezvous on node K > 0
+
+std::string NodeLink::master_text() const {
+  return cfg_.master_addr + ":" + std::to_string(cfg_.master_port);
+}
+
+int NodeLink::connect_to_node0(Clock::time_point until, int interrupt_fd) {
   std::string last_error = "no attempt made";
-  int fd = -1;
-  while (fd < 0) {
+  for (;;) {
     if (Clock::now() >= until)
-      throw RendezvousError("cannot reach node 0's launcher at " + where + " within " +
+      throw RendezvousError("cannot reach node 0's launcher at " + master_text() + " within " +
                             seconds_text(cfg_.rdzv_timeout) + " (last error: " + last_error +
                             "). Check that "
                             "tessera-run runs there with --node-rank 0 and --master-port " +
                             std::to_string(cfg_.master_port) + ", that " + cfg_.master_addr +
                             " is its address "
                             "as seen from this host, and that no firewall blocks the port");
-    addrinfo* found = nullptr;
-    const int gai = ::getaddrinfo(cfg_.master_addr.c_str(),
-                                  std::to_string(cfg_.master_port).c_str(), &hints, &found);
-    if (gai != 0) {
-      last_error = std::string("cannot resolve ") + cfg_.master_addr + ": " + ::gai_strerror(gai);
-    } else {
-      for (addrinfo* ai = found; ai && fd < 0; ai = ai->ai_next) {
-        const int s = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-        if (s < 0) continue;
-        int err = 0;
-        if (::connect(s, ai->ai_addr, ai->ai_addrlen) != 0) {
-          err = errno;
-          if (err == EINPROGRESS) {
-            pollfd p{s, POLLOUT, 0};
-            const int r = ::poll(&p, 1, static_cast<int>(std::min<long>(ms_left(until), 2000)));
-            socklen_t len = sizeof err;
-            if (r <= 0)
-              err = ETIMEDOUT;
-            else if (::getsockopt(s, SOL_SOCKET, SO_ERROR, &err, &len) != 0)
-              err = errno;
-          }
-        }
-        if (err == 0) {
-          fd = s;
-        } else {
-          last_error = errno_text(err);
-          ::close(s);
-        }
-      }
-      ::freeaddrinfo(found);
+    const int fd = try_connect(until, last_error);
+    if (fd >= 0) {
+      set_nodelay(fd);
+      return fd;
     }
-    if (fd < 0) {
-      pollfd p{interrupt_fd, POLLIN, 0};
-      if (::poll(&p, 1, static_cast<int>(std::min<long>(ms_left(until), 250))) > 0 &&
-          interrupted(interrupt_fd, p.revents))
-        return -1;
+    pollfd p{interrupt_fd, POLLIN, 0};
+    if (::poll(&p, 1, static_cast<int>(std::min<long>(ms_left(until), 250))) > 0 &&
+        interrupted(interrupt_fd, p.revents))
+      return -1;
+  }
+}
+
+int NodeLink::try_connect(Clock::time_point until, std::string& last_error) const {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int gai = ::getaddrinfo(cfg_.master_addr.c_str(), std::to_string(cfg_.master_port).c_str(),
+                                &hints, &found);
+  if (gai != 0) {
+    last_error = std::string("cannot resolve ") + cfg_.master_addr + ": " + ::gai_strerror(gai);
+    return -1;
+  }
+  int fd = -1;
+  for (addrinfo* ai = found; ai && fd < 0; ai = ai->ai_next) {
+    const int s = ::socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (s < 0) continue;
+    int err = 0;
+    if (::connect(s, ai->ai_addr, ai->ai_addrlen) != 0) {
+      err = errno;
+      if (err == EINPROGRESS) {
+        pollfd p{s, POLLOUT, 0};
+        const int r = ::poll(&p, 1, static_cast<int>(std::min<long>(ms_left(until), 2000)));
+        socklen_t len = sizeof err;
+        if (r <= 0)
+          err = ETIMEDOUT;
+        else if (::getsockopt(s, SOL_SOCKET, SO_ERROR, &err, &len) != 0)
+          err = errno;
+      }
+    }
+    if (err == 0) {
+      fd = s;
+    } else {
+      last_error = errno_text(err);
+      ::close(s);
     }
   }
-  set_nodelay(fd);
+  ::freeaddrinfo(found);
+  return fd;
+}
+
+int NodeLink::await_start(int fd, Clock::time_point until, int interrupt_fd) {
   Peer master;
   master.fd = fd;
   master.node = 0;
@@ -331,7 +367,7 @@ int NodeLink::rendezvous(int interrupt_fd) {
       continue;  // nothing else is sent before START
     }
     if (Clock::now() >= until)
-      throw RendezvousError("node 0's launcher at " + where +
+      throw RendezvousError("node 0's launcher at " + master_text() +
                             " accepted this node but did not "
                             "start the job within " +
                             seconds_text(cfg_.rdzv_timeout) + ": some other node did not join");
@@ -343,7 +379,7 @@ int NodeLink::rendezvous(int interrupt_fd) {
     if (interrupted(interrupt_fd, fds[1].revents)) return -1;
     if (fds[0].revents != 0 && !read_into(fd, master.in) &&
         master.in.find('\n') == std::string::npos)
-      throw RendezvousError("node 0's launcher at " + where +
+      throw RendezvousError("node 0's launcher at " + master_text() +
                             " closed the connection during "
                             "the rendezvous (it stopped: see its output)");
   }

@@ -105,6 +105,24 @@ class NodeLink {
     bool lost = false;
   };
 
+  // The rendezvous, step by step. Node 0: listen, admit every other node's launcher (false:
+  // interrupted), then hand out the store's port.
+  enum class Hello { Waiting, Joined, Dropped };
+  void listen_on_master_port();
+  bool admit_launchers(Clock::time_point until, int interrupt_fd);
+  void accept_pending(std::vector<Peer>& pending);
+  Hello read_hello(Peer& p, std::vector<bool>& joined);
+  std::string hello_problem(int version, int node, int nnodes, int nproc,
+                            const std::vector<bool>& joined) const;  // "" when it may join
+  RendezvousError nodes_missing_error(const std::vector<bool>& joined) const;
+  int start_job();
+  // Node K > 0: connect to node 0 (retrying until the deadline; -1: interrupted), say HELLO
+  // and wait for START.
+  int connect_to_node0(Clock::time_point until, int interrupt_fd);
+  int try_connect(Clock::time_point until, std::string& last_error) const;
+  int await_start(int fd, Clock::time_point until, int interrupt_fd);
+  std::string master_text() const;  // "addr:port"
+
   void send(Peer& p, const std::string& line);
   void lose(Peer& p, const std::string& why);
   void on_line(Peer& p, const std::string& line);
