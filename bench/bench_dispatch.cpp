@@ -2,8 +2,8 @@
 // wrapper, fallback and rule work, no communication) vs the same plain ATen op.
 //   ./build/bench/bench_dispatch --benchmark_min_time=0.5
 // Instructions per op (repeatable on a noisy machine), see bench/count_instructions.sh:
-//   valgrind --tool=callgrind --toggle-collect='*measured_loop*' \
-//       ./build/bench/bench_dispatch --count dtensor_add 2000
+//   valgrind --tool=callgrind --toggle-collect='*measured_loop*'
+//       ./build/bench/bench_dispatch --count dtensor_add 2000        (one command line)
 #include <cstring>
 #include <functional>
 #include <iostream>

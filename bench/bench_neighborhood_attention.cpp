@@ -171,8 +171,6 @@ void local_part(Shape na_shape, int64_t dense_size, int warmup, int reps) {
       warmup);
   std::printf("%-34s %10s %12s %14s %10s\n", "variant", "field", "ms / step", "peak MiB",
               "max |Δ|");
-  Shape dense_shape = na_shape;
-  dense_shape.size = dense_size;
   std::vector<int64_t> sizes = {dense_size};
   if (na_shape.size != dense_size) sizes.push_back(na_shape.size);
   LocalResult dense;
