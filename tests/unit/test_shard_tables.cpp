@@ -74,7 +74,7 @@ TEST(ShardTables, TableIndexIsRowMajorOverTheShardingDims) {
     }
     at::Tensor index = at::arange(c10::multiply_integers(levels)).reshape(levels);
     for (auto m : dims) index = index.select(0, coord[m]);
-    EXPECT_EQ(detail::table_index(mesh, dims, coord), index.item<int64_t>())
+    EXPECT_EQ(tessera::detail::table_index(mesh, dims, coord), index.item<int64_t>())
         << "mesh " << shape_str(mesh_shape) << " dims " << shape_str(dims) << " coord "
         << shape_str(coord);
   });
@@ -92,7 +92,7 @@ TEST(ShardTables, MarginalizeSumsTheInnerLevels) {
     std::vector<int64_t> inner;
     for (size_t i = keep; i < levels.size(); ++i) inner.push_back(static_cast<int64_t>(i));
     if (!inner.empty()) t = t.sum(inner);
-    EXPECT_EQ(detail::marginalize(table, levels, keep), to_vec(t.reshape(-1)))
+    EXPECT_EQ(tessera::detail::marginalize(table, levels, keep), to_vec(t.reshape(-1)))
         << "table " << shape_str(table) << " levels " << shape_str(levels) << " keep " << keep;
   });
 }
