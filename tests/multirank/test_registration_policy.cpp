@@ -48,97 +48,20 @@ const std::set<std::string> kOtherVersionsOnly = {
 // clang-format on
 
 // Ops whose out= overloads (a written kwarg-only tensor: out, values, grad_input) have no
-// rule yet; the fallback refuses them on non-replicated inputs.
+// rule: every other out= form of a ruled op borrows its functional sibling's rule (NOTE: [out=
+// forms]). The fallback refuses these on non-replicated inputs.
 // clang-format off
 const std::set<std::string> kOutFormsWithoutRule = {
-    // TODO(conv.cpp): out= forms.
-    "aten::convolution", "aten::convolution_backward",
-    // TODO(scans.cpp, reorder.cpp, sorting.cpp, triangular.cpp): out= forms.
-    "aten::cumsum", "aten::flip", "aten::logcumsumexp", "aten::roll", "aten::sort", "aten::tril",
-    "aten::triu",
-    // TODO(index.cpp): out= forms.
-    "aten::embedding", "aten::embedding_dense_backward", "aten::gather", "aten::index_add",
-    "aten::index_select", "aten::scatter", "aten::scatter_add",
-    // TODO(like.cpp): out= forms.
-    "aten::_to_copy", "aten::clone", "aten::conj_physical", "aten::empty_like", "aten::fill",
-    "aten::full_like", "aten::ones_like", "aten::zeros_like",
-    // TODO(loss.cpp): out= forms.
-    "aten::_log_softmax", "aten::_log_softmax_backward_data", "aten::_softmax",
-    "aten::_softmax_backward_data", "aten::huber_loss", "aten::huber_loss_backward",
-    "aten::mse_loss", "aten::mse_loss_backward", "aten::nll_loss2d_backward",
-    "aten::nll_loss2d_forward", "aten::nll_loss_backward", "aten::nll_loss_forward",
-    "aten::smooth_l1_loss", "aten::smooth_l1_loss_backward", "aten::soft_margin_loss",
-    "aten::soft_margin_loss_backward",
-    // TODO(matrix.cpp): out= forms.
-    "aten::baddbmm", "aten::dot", "aten::mv",
-    // TODO(norm.cpp): out= forms (the underscored ones are 2.x only).
-    "aten::native_batch_norm", "aten::native_batch_norm_backward", "aten::native_group_norm",
-    "aten::native_group_norm_backward", "aten::native_layer_norm",
-    "aten::native_layer_norm_backward", "aten::_batch_norm_no_update",
-    "aten::_batch_norm_with_update", "aten::_native_batch_norm_legit",
-    "aten::_native_batch_norm_legit_no_training",
-    // TODO(pad.cpp): out= forms.
-    "aten::constant_pad_nd", "aten::reflection_pad1d", "aten::reflection_pad1d_backward",
-    "aten::reflection_pad2d", "aten::reflection_pad2d_backward", "aten::reflection_pad3d",
-    "aten::reflection_pad3d_backward", "aten::replication_pad1d",
-    "aten::replication_pad1d_backward", "aten::replication_pad2d",
-    "aten::replication_pad2d_backward", "aten::replication_pad3d",
-    "aten::replication_pad3d_backward",
-    // TODO(pool.cpp): out= forms.
-    "aten::_adaptive_avg_pool2d", "aten::_adaptive_avg_pool2d_backward",
-    "aten::_adaptive_avg_pool3d", "aten::_adaptive_avg_pool3d_backward", "aten::avg_pool2d",
-    "aten::avg_pool2d_backward", "aten::avg_pool3d", "aten::avg_pool3d_backward",
-    "aten::max_pool2d_with_indices", "aten::max_pool2d_with_indices_backward",
-    "aten::max_pool3d_with_indices", "aten::max_pool3d_with_indices_backward",
-    // TODO(random.cpp): out= forms.
-    "aten::rand_like", "aten::randn_like", "aten::randint_like",
-    // TODO(reduction.cpp): out= forms.
-    "aten::amax", "aten::amin", "aten::argmax", "aten::argmin", "aten::linalg_vector_norm",
-    "aten::max", "aten::mean", "aten::min", "aten::norm", "aten::prod", "aten::std",
-    "aten::std_mean", "aten::sum", "aten::var", "aten::var_mean",
-    // TODO(tensor/rule_registry.cpp): out= forms.
-    "aten::_unique", "aten::_unique2", "aten::masked_select", "aten::nonzero",
-    "aten::unique_consecutive", "aten::unique_dim",
-    // TODO(tensor.cpp): out= forms.
-    "aten::cat", "aten::narrow_copy", "aten::select_backward", "aten::slice_backward",
-    "aten::stack", "aten::unsafe_split", "aten::unsafe_split_with_sizes",
-    // TODO(upsample.cpp): out= forms.
-    "aten::upsample_bilinear2d", "aten::upsample_bilinear2d_backward", "aten::upsample_linear1d",
-    "aten::upsample_linear1d_backward", "aten::upsample_nearest1d",
-    "aten::upsample_nearest1d_backward", "aten::upsample_nearest2d",
-    "aten::upsample_nearest2d_backward", "aten::upsample_nearest3d",
-    "aten::upsample_nearest3d_backward", "aten::upsample_trilinear3d",
-    "aten::upsample_trilinear3d_backward",
-    // TODO(scans.cpp, sorting.cpp, reorder.cpp, vector_ops.cpp, diagonal.cpp, unfold.cpp,
-    // window/im2col.cpp, reduction_collective.cpp, distance.cpp, advanced_index.cpp,
-    // pointwise.cpp (prelu), loss_binary.cpp, matrix_vector.cpp, window/pool.cpp): out= forms.
-    "aten::_cdist_backward", "aten::_cdist_forward", "aten::_euclidean_dist",
-    "aten::adaptive_max_pool2d", "aten::adaptive_max_pool2d_backward",
-    "aten::adaptive_max_pool3d", "aten::adaptive_max_pool3d_backward", "aten::all",
-    "aten::aminmax", "aten::any", "aten::argsort", "aten::binary_cross_entropy",
-    "aten::binary_cross_entropy_backward", "aten::binary_cross_entropy_with_logits",
-    "aten::channel_shuffle", "aten::col2im", "aten::count_nonzero", "aten::cummax",
-    "aten::cummin", "aten::cumprod", "aten::diag", "aten::diagonal_backward",
-    "aten::diagonal_copy", "aten::glu", "aten::glu_backward", "aten::im2col", "aten::kthvalue",
-    "aten::linalg_cross", "aten::logsumexp", "aten::masked_scatter", "aten::median",
-    "aten::mode", "aten::nanmedian", "aten::pixel_shuffle", "aten::pixel_unshuffle",
-    "aten::prelu", "aten::prelu_backward", "aten::repeat", "aten::topk", "aten::trace",
-    "aten::unfold_backward",
-    // TODO(trilinear.cpp): out= forms.
-    "aten::_trilinear",
-    // TODO(loss_margin.cpp): out= forms.
-    "aten::multi_margin_loss", "aten::multi_margin_loss_backward",
-    // TODO(fractional_pool.cpp): out= forms.
-    "aten::fractional_max_pool2d", "aten::fractional_max_pool2d_backward",
-    "aten::fractional_max_pool3d", "aten::fractional_max_pool3d_backward",
-    // TODO(embedding_bag.cpp): out= forms.
-    "aten::_embedding_bag", "aten::_embedding_bag_dense_backward",
-    "aten::_embedding_bag_forward_only", "aten::_embedding_bag_per_sample_weights_backward",
-    // TODO(mkldnn_rnn.cpp, 2.x only): out= forms.
-    "aten::mkldnn_rnn_layer", "aten::mkldnn_rnn_layer_backward",
-    // TODO(view.cpp): out= forms.
-    "aten::_unsafe_view", "aten::new_empty", "aten::new_empty_strided", "aten::new_full",
-    "aten::new_ones", "aten::new_zeros",
+    // The functional form takes dtype / layout / device options that the out= form does not
+    // (the out tensor carries them), so no schema matches.
+    "aten::_to_copy", "aten::empty_like", "aten::full_like", "aten::ones_like",
+    "aten::zeros_like", "aten::rand_like", "aten::randn_like", "aten::randint_like",
+    "aten::new_empty", "aten::new_empty_strided", "aten::new_full", "aten::new_ones",
+    "aten::new_zeros",
+    // The functional sibling has no rule either (kUnruledOverloads).
+    "aten::scatter.reduce_out", "aten::scatter.value_reduce_out", "aten::fill.Tensor_out",
+    // A Tensor[] out.
+    "aten::unsafe_split.Tensor_out", "aten::unsafe_split_with_sizes.out",
 };
 // clang-format on
 
@@ -243,7 +166,52 @@ const std::set<std::string> kSeededWithoutRule = {
 // Entries of the lists above that only some LibTorch versions need (the others' dispatchers
 // lack the op, or rule it differently); every other entry must match something everywhere.
 const std::set<std::string> kVersionSpecific = {
-    // VERSION_SPECIFIC_PLACEHOLDER
+    // Newer LibTorch only (the 2.15 wheel): products with an output dtype, squeeze of
+    // several dims, randint_like with a tensor bound.
+    "aten::addmm.dtype",
+    "aten::addmm.dtype_out",
+    "aten::baddbmm.dtype",
+    "aten::baddbmm.dtype_out",
+    "aten::bmm.dtype",
+    "aten::bmm.dtype_out",
+    "aten::mm.dtype",
+    "aten::mm.dtype_out",
+    "aten::randint_like.Tensor",
+    "aten::randint_like.Tensor_generator",
+    "aten::squeeze.dims",
+    // 2.x only: attention and RNN kernels with dropout, the random fills' .generator and
+    // .Tensor out= forms, rrelu's functional form.
+    "aten::_cudnn_attention_backward",
+    "aten::_cudnn_attention_forward",
+    "aten::_cudnn_attention_forward_no_dropout_inplace",
+    "aten::_cudnn_init_dropout_state",
+    "aten::_cudnn_rnn",
+    "aten::_efficient_attention_forward",
+    "aten::_fill_mem_eff_dropout_mask_",
+    "aten::_flash_attention_forward",
+    "aten::_flash_attention_forward_no_dropout_inplace",
+    "aten::_fused_sdp_choice",
+    "aten::_lstm_mps",
+    "aten::_nested_tensor_softmax_with_shape",
+    "aten::_scaled_dot_product_attention_math_for_mps",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_cudnn_attention_backward",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_efficient_attention_backward",
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_fused_attention_overrideable",
+    "aten::_triton_scaled_dot_attention",
+    "aten::miopen_rnn",
+    "aten::rand_like.generator_out",
+    "aten::randint_like.Tensor",
+    "aten::randint_like.Tensor_generator",
+    "aten::randint_like.Tensor_generator_out",
+    "aten::randint_like.Tensor_out",
+    "aten::randint_like.generator_out",
+    "aten::randint_like.low_generator_dtype_out",
+    "aten::randn_like.generator_out",
+    "aten::rrelu_with_noise_functional",
 };
 
 std::string qualified(const c10::OperatorName& n) {
