@@ -2,17 +2,17 @@
 // One handle for every communication left in flight (an all-reduce of a gradient bucket,
 // fully_shard's prefetching all-gather, a halo exchange): start it, compute, then wait().
 #include <functional>
-#include <optional>
+#include <memory>
 #include <utility>
-
-#include <c10/util/Exception.h>
 
 namespace tessera::comm {
 
-// A result still arriving. wait() finishes the transfer once and returns the result (again
-// on later calls). The transport writes into buffers the handle owns until then, so a handle
-// is never dropped in flight: the destructor and assigning over it finish the transfer first
-// (the destructor swallows its errors; the assignment raises them).
+// A result still arriving. wait() finishes the transfer and hands the result over; the handle
+// keeps nothing (a prefetched layer's parameters must not outlive their use), so a later
+// wait() returns an empty Result. The transport writes into buffers the handle owns until the
+// transfer finishes, so a handle is never dropped in flight: the destructor and assigning
+// over it finish the transfer first (the destructor swallows its errors; the assignment
+// raises them).
 template <class Result>
 class Pending {
  public:
@@ -20,18 +20,15 @@ class Pending {
 
   Pending() = default;
   explicit Pending(Finish finish) : finish_(std::move(finish)) {}
+  // A result that needed no transfer (one member, nothing to send).
   static Pending ready(Result result) {
-    Pending p;
-    p.result_ = std::move(result);
-    return p;
+    return Pending([r = std::make_shared<Result>(std::move(result))] { return std::move(*r); });
   }
-  Pending(Pending&& o) noexcept
-      : finish_(std::exchange(o.finish_, nullptr)), result_(std::move(o.result_)) {}
+  Pending(Pending&& o) noexcept : finish_(std::exchange(o.finish_, nullptr)) {}
   Pending& operator=(Pending&& o) {
     if (this != &o) {
       if (finish_) (void)wait();
       finish_ = std::exchange(o.finish_, nullptr);
-      result_ = std::move(o.result_);
     }
     return *this;
   }
@@ -49,14 +46,12 @@ class Pending {
   bool pending() const { return static_cast<bool>(finish_); }
 
   Result wait() {
-    if (finish_) result_ = std::exchange(finish_, nullptr)();
-    TORCH_CHECK(result_.has_value(), "tessera: wait() on an empty pending transfer");
-    return *result_;
+    if (!finish_) return Result();
+    return std::exchange(finish_, nullptr)();
   }
 
  private:
   Finish finish_;
-  std::optional<Result> result_;
 };
 
 }  // namespace tessera::comm
