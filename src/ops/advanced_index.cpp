@@ -218,15 +218,16 @@ void index_put_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t nargs = schema.arguments().size(), base = stack->size() - nargs;
   torch::jit::Stack args(stack->begin() + base, stack->end());
   stack->resize(base);
-  const at::Tensor self = args[0].toTensor();
-  const at::Tensor values = args[2].toTensor();
+  KernelCall in(op, args);
+  const at::Tensor self = in.tensor("self");
+  const at::Tensor values = in.tensor("values");
   const bool inplace = writes_self(schema);
   const std::string name = schema.name();
   TORCH_CHECK(is_dtensor(self), "tessera: ", name, ": writing distributed values into a plain ",
               "tensor; distribute the tensor first");
   const auto* impl = dtensor_impl(self);
   const DeviceMesh& mesh = impl->spec().mesh();
-  const Index ix = read_index(args[1], self.dim(), name + "(" + impl->spec().str() + ")");
+  const Index ix = read_index(in.arg("indices"), self.dim(), name + "(" + impl->spec().str() + ")");
   SpecPtr lay = impl->spec_ptr();
   if (is_dtensor(values) && !(inplace && self.is_view()))
     lay = adopt_shards(lay, dtensor_impl(values)->spec(), ix);
@@ -278,18 +279,19 @@ void index_put_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     }
   }
   torch::jit::Stack local_args = args;
-  local_args[0] = local;
+  KernelCall k(op, local_args);
+  k.set("self", local);
   c10::List<c10::optional<at::Tensor>> l;
   for (const auto& e : entries) l.push_back(e);
-  local_args[1] = l;
-  local_args[2] = vals;
-  op.callBoxed(&local_args);
+  k.set("indices", l);
+  k.set("values", vals);
+  k.call_op();
   if (inplace) {
     if (lay != impl->spec_ptr() || !local.is_same(impl->local()))
       dtensor_impl(self)->set_local_and_spec(local, lay);
     stack->push_back(self);
   } else {
-    const at::Tensor out = local_args[0].toTensor();
+    const at::Tensor out = only_result(k).toTensor();
     stack->emplace_back(make_dtensor(out, with_dtype(*lay, out.scalar_type())));
   }
 }

@@ -180,4 +180,47 @@ std::vector<int64_t> last_sizes(const DTensorSpec& s, int64_t k) {
   return std::vector<int64_t>(s.sizes().end() - k, s.sizes().end());
 }
 
+ReducedDims reduced_dims_arg(const OpCall& call, int64_t nd) {
+  ReducedDims r;
+  r.dims.assign(nd, true);
+  if (call.has("keepdim")) r.keepdim = call.arg<bool>("keepdim");
+  if (!call.has("dim") || nd == 0) return r;
+  const c10::IValue& v = call.arg("dim");
+  std::vector<int64_t> dims;
+  if (v.isInt())
+    dims.push_back(v.toInt());
+  else if (v.isIntList())
+    dims = v.toIntVector();
+  if (dims.empty()) return r;
+  r.dims.assign(nd, false);
+  for (int64_t d : dims) {
+    TORCH_CHECK(d >= -nd && d < nd, "tessera: ", call.describe(), ": dim ", d,
+                " is out of range for a ", nd, "-dim tensor");
+    r.dims[d < 0 ? d + nd : d] = true;
+  }
+  return r;
+}
+
+std::vector<int64_t> ReducedDims::list() const {
+  std::vector<int64_t> out;
+  for (size_t t = 0; t < dims.size(); ++t)
+    if (dims[t]) out.push_back(static_cast<int64_t>(t));
+  return out;
+}
+
+c10::IValue& result_named(KernelCall& k, const char* name) {
+  const auto& returns = k.op().schema().returns();
+  TORCH_INTERNAL_ASSERT(k.stack().size() == returns.size(), k.op().schema().name(),
+                        ": results read before call_op()");
+  for (size_t i = 0; i < returns.size(); ++i)
+    if (returns[i].name() == name) return k.stack()[i];
+  TORCH_INTERNAL_ASSERT(false, k.op().schema().name(), " has no result named ", name);
+}
+
+c10::IValue& only_result(KernelCall& k) {
+  TORCH_INTERNAL_ASSERT(k.op().schema().returns().size() == 1 && k.stack().size() == 1,
+                        k.op().schema().name(), ": one result expected, after call_op()");
+  return k.stack()[0];
+}
+
 }  // namespace tessera::ops

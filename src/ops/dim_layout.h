@@ -30,6 +30,21 @@ at::Tensor local_as(const at::Tensor& t, const DTensorSpec& target);
 std::vector<int64_t> broadcast_shapes(const std::vector<int64_t>& a, const std::vector<int64_t>& b,
                                       const std::string& who);
 
+// An op's results after KernelCall::call_op(), read by the schema's return names (nll_loss's
+// "total_weight"), or the only result of a single-result op. (Ops whose schema names none
+// read KernelCall::stack() in order, saying which is which.)
+c10::IValue& result_named(KernelCall& k, const char* name);
+c10::IValue& only_result(KernelCall& k);
+
+// The dims a reduction's `dim` argument names (int, int[] or optional; absent, None or an
+// empty list: every dim), one flag per dim of an `nd`-dim input, and its `keepdim` flag.
+struct ReducedDims {
+  std::vector<bool> dims;
+  bool keepdim = false;
+  std::vector<int64_t> list() const;
+};
+ReducedDims reduced_dims_arg(const OpCall& call, int64_t nd);
+
 // ---- dim-wise rules (NOTE: [Dim-wise ops]) ----------------------------------------------
 
 inline int64_t wrap_dim(int64_t d, int64_t nd) { return c10::maybe_wrap_dim(d, nd); }

@@ -32,6 +32,7 @@
 #include <c10/util/Exception.h>
 
 #include "tessera/tensor/rule.h"
+#include "dim_layout.h"
 
 namespace tessera::ops {
 
@@ -209,11 +210,11 @@ OpPlan embedding_bag_rule(const OpCall& call) {
     }
     k.set("offsets", local_offsets(my_bags, length, last, offsets.options()));
     k.call_op();
-    auto& st = k.stack();
-    const size_t base = st.size() - 4;
-    at::Tensor offset2bag = st[base + 1].toTensor();
-    k.finish({st[base].toTensor(), offset2bag.numel() > 0 ? offset2bag + first_bag : offset2bag,
-              st[base + 2].toTensor(), st[base + 3].toTensor()});
+    // The schema names no results: (output, offset2bag, bag_size, max_indices).
+    auto& r = k.stack();
+    at::Tensor offset2bag = r.at(1).toTensor();
+    k.finish({r.at(0).toTensor(), offset2bag.numel() > 0 ? offset2bag + first_bag : offset2bag,
+              r.at(2).toTensor(), r.at(3).toTensor()});
   };
   return plan;
 }

@@ -15,6 +15,7 @@
 #include "tessera/comm/collectives.h"
 #include "loss_mean.h"
 #include "tessera/tensor/rule.h"
+#include "dim_layout.h"
 
 namespace tessera::ops {
 
@@ -135,9 +136,8 @@ OpPlan nll_rule(const OpCall& call) {
     plan.distributed_kernel = [dims](KernelCall& k, const DeviceMesh& mesh) {
       k.set("reduction", int64_t{at::Reduction::Sum});
       k.call_op();
-      // The op's results, in schema order: (output, total_weight).
-      const at::Tensor output = k.stack()[0].toTensor();
-      at::Tensor total = k.stack()[1].toTensor();
+      const at::Tensor output = result_named(k, "output").toTensor();
+      at::Tensor total = result_named(k, "total_weight").toTensor();
       for (auto d : dims) total = comm::all_reduce(mesh.group(d), total, PartialOp::Sum);
       k.finish({output.div(total), total});
     };

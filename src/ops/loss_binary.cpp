@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 
 #include "tessera/tensor/rule.h"
+#include "dim_layout.h"
 
 namespace tessera::ops {
 
@@ -40,7 +41,7 @@ OpPlan binary_loss_rule(const OpCall& call) {
     plan.local_kernel = [count](KernelCall& k) {
       k.set("reduction", c10::IValue(kSum));
       k.call_op();
-      k.stack().back() = k.stack().back().toTensor().div(count);
+      only_result(k) = only_result(k).toTensor().div(count);
     };
   }
   return plan;

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "tessera/tensor/rule.h"
+#include "dim_layout.h"
 
 namespace tessera::ops {
 
@@ -12,7 +13,7 @@ inline LocalKernel sum_then_divide_by(double count) {
   return [count](KernelCall& k) {
     k.set("reduction", int64_t{at::Reduction::Sum});
     k.call_op();
-    const at::Tensor sum = k.stack().back().toTensor();
+    const at::Tensor sum = only_result(k).toTensor();
     k.finish({sum.div(count)});
   };
 }

@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 
 #include "tessera/tensor/rule.h"
+#include "dim_layout.h"
 
 namespace tessera::ops {
 
@@ -58,7 +59,8 @@ std::pair<int64_t, c10::ScalarType> workspace_of(const OpCall& call, int64_t bat
   zeros("hx_", 0);
   zeros("cx_", 0);
   k.call_op();
-  const at::Tensor ws = stack.back().toTensor();
+  // The schema names no results: (output, hy, cy, workspace).
+  const at::Tensor ws = k.stack().back().toTensor();
   return {ws.numel(), ws.scalar_type()};
 }
 

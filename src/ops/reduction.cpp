@@ -39,6 +39,7 @@
 #include <torch/library.h>
 
 #include "tessera/tensor/rule.h"
+#include "dim_layout.h"
 #include "reduction_identity.h"
 
 namespace tessera::ops {
@@ -50,33 +51,8 @@ enum class Kind { Sum, NanSum, Max, Min, Whole };
 
 const DTensorSpec& self_spec(const OpCall& call);
 
-struct Dims {
-  std::vector<bool> reduced;  // per input tensor dim
-  bool keepdim = false;
-};
-
-// The reduced dims from the op's `dim` argument (int, int[] or optional; absent, None or an
-// empty list mean every dim) and its `keepdim` flag.
-Dims parse_dims(const OpCall& call) {
-  const int64_t nd = self_spec(call).ndim();
-  Dims d;
-  d.reduced.assign(nd, true);
-  if (call.has("keepdim")) d.keepdim = call.arg<bool>("keepdim");
-  if (!call.has("dim") || nd == 0) return d;
-  const c10::IValue& v = call.arg("dim");
-  std::vector<int64_t> dims;
-  if (v.isInt())
-    dims.push_back(v.toInt());
-  else if (v.isIntList())
-    dims = v.toIntVector();
-  if (dims.empty()) return d;
-  d.reduced.assign(nd, false);
-  for (int64_t x : dims) {
-    TORCH_CHECK(x >= -nd && x < nd, "tessera: ", call.describe(), ": dim ", x,
-                " is out of range for a ", nd, "-dim tensor");
-    d.reduced[x < 0 ? x + nd : x] = true;
-  }
-  return d;
+ReducedDims parse_dims(const OpCall& call) {
+  return reduced_dims_arg(call, self_spec(call).ndim());
 }
 
 PartialOp partial_of(Kind k) {
@@ -99,19 +75,19 @@ const DTensorSpec& self_spec(const OpCall& call) {
 
 // The result's layout when the input has layout `in`: unreduced shards keep their tables
 // (renumbered without keepdim), reduced shards become Partial, Partial mesh dims stay.
-SpecPtr output_layout(const DTensorSpec& in, const Dims& d, Kind kind) {
+SpecPtr output_layout(const DTensorSpec& in, const ReducedDims& d, Kind kind) {
   std::vector<int64_t> new_index(in.ndim(), -1), out_sizes;
   for (int64_t t = 0; t < in.ndim(); ++t) {
-    if (d.reduced[t] && !d.keepdim) continue;
+    if (d.dims[t] && !d.keepdim) continue;
     new_index[t] = static_cast<int64_t>(out_sizes.size());
-    out_sizes.push_back(d.reduced[t] ? 1 : in.sizes()[t]);
+    out_sizes.push_back(d.dims[t] ? 1 : in.sizes()[t]);
   }
   Placements p = in.placements();
   std::vector<ShardTable> tables(out_sizes.size());
   for (auto& x : p) {
     if (!x.is_shard()) continue;
     const int64_t t = x.dim();
-    if (d.reduced[t]) {
+    if (d.dims[t]) {
       TORCH_INTERNAL_ASSERT(kind != Kind::Whole, "whole-dim reduction over a sharded dim");
       x = Partial(partial_of(kind));
     } else {
@@ -164,20 +140,20 @@ std::vector<SpecPtr> input_targets(const DTensorSpec& in, const std::vector<bool
 }
 
 // The plan of a reduction with `n_outputs` results of one layout (values/indices, var/mean).
-OpPlan plan_reduction(const OpCall& call, const Dims& d, Kind kind, size_t n_outputs = 1) {
+OpPlan plan_reduction(const OpCall& call, const ReducedDims& d, Kind kind, size_t n_outputs = 1) {
   const auto& in = self_spec(call);
   std::vector<bool> move(in.mesh().ndim(), false), may_take(in.ndim(), true);
   for (int64_t m = 0; m < in.mesh().ndim(); ++m) {
     const auto& x = in.placement(m);
     if (x.is_partial()) move[m] = !passes(kind, x.reduce_op());
-    if (x.is_shard()) move[m] = kind == Kind::Whole && d.reduced[x.dim()];
+    if (x.is_shard()) move[m] = kind == Kind::Whole && d.dims[x.dim()];
   }
   if (kind == Kind::Whole)
-    for (int64_t t = 0; t < in.ndim(); ++t) may_take[t] = !d.reduced[t];
+    for (int64_t t = 0; t < in.ndim(); ++t) may_take[t] = !d.dims[t];
   std::vector<int64_t> order;
   for (int pass = 0; pass < 2; ++pass)
     for (int64_t t = 0; t < in.ndim(); ++t)
-      if (d.reduced[t] == (pass == 1)) order.push_back(t);
+      if (d.dims[t] == (pass == 1)) order.push_back(t);
   std::vector<Strategy> candidates;
   for (auto& target : input_targets(in, move, may_take, order)) {
     Strategy s;
@@ -199,13 +175,13 @@ OpPlan nansum_rule(const OpCall& call) {
 }
 
 OpPlan mean_rule(const OpCall& call) {
-  const Dims d = parse_dims(call);
+  const ReducedDims d = parse_dims(call);
   OpPlan plan = plan_reduction(call, d, Kind::Sum);
   const auto& in = self_spec(call);
   int64_t count = 1;
   std::vector<int64_t> dims;
   for (int64_t t = 0; t < in.ndim(); ++t) {
-    if (!d.reduced[t]) continue;
+    if (!d.dims[t]) continue;
     count *= in.sizes()[t];
     dims.push_back(t);
   }
@@ -230,7 +206,7 @@ OpPlan mean_rule(const OpCall& call) {
 // Runs the op locally, except where a reduced dim's shard is empty (max of nothing is an
 // error in ATen): that shard contributes the identity of the Partial(max/min) it becomes.
 OpPlan extremum(const OpCall& call, Kind kind) {
-  const Dims d = parse_dims(call);
+  const ReducedDims d = parse_dims(call);
   OpPlan plan = plan_reduction(call, d, kind);
   const bool is_max = kind == Kind::Max;
   plan.local_kernel = [d, is_max](KernelCall& k) {
@@ -238,8 +214,8 @@ OpPlan extremum(const OpCall& call, Kind kind) {
     std::vector<int64_t> out_shape;
     bool empty = false;
     for (int64_t t = 0; t < x.dim(); ++t) {
-      if (d.reduced[t]) empty = empty || x.size(t) == 0;
-      if (!d.reduced[t])
+      if (d.dims[t]) empty = empty || x.size(t) == 0;
+      if (!d.dims[t])
         out_shape.push_back(x.size(t));
       else if (d.keepdim)
         out_shape.push_back(1);

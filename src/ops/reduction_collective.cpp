@@ -24,44 +24,17 @@
 
 #include "tessera/comm/collectives.h"
 #include "tessera/tensor/rule.h"
+#include "dim_layout.h"
 #include "reduction_identity.h"
 
 namespace tessera::ops {
 
 namespace {
 
-struct Reduced {
-  std::vector<bool> dims;  // per input dim
-  bool keepdim = false;
-  std::vector<int64_t> list() const {
-    std::vector<int64_t> out;
-    for (size_t t = 0; t < dims.size(); ++t)
-      if (dims[t]) out.push_back(static_cast<int64_t>(t));
-    return out;
-  }
-};
+using Reduced = ReducedDims;
 
-// The reduced dims from `dim` (int, int[], or optional; absent, None or empty: every dim).
 Reduced reduced_dims(const OpCall& call, const DTensorSpec& in) {
-  const int64_t nd = in.ndim();
-  Reduced r;
-  r.dims.assign(nd, true);
-  if (call.has("keepdim")) r.keepdim = call.arg<bool>("keepdim");
-  if (!call.has("dim") || nd == 0) return r;
-  const c10::IValue& v = call.arg("dim");
-  std::vector<int64_t> dims;
-  if (v.isInt())
-    dims.push_back(v.toInt());
-  else if (v.isIntList())
-    dims = v.toIntVector();
-  if (dims.empty()) return r;
-  r.dims.assign(nd, false);
-  for (int64_t d : dims) {
-    TORCH_CHECK(d >= -nd && d < nd, "tessera: ", call.describe(), ": dim ", d,
-                " is out of range for a ", nd, "-dim tensor");
-    r.dims[d < 0 ? d + nd : d] = true;
-  }
-  return r;
+  return reduced_dims_arg(call, in.ndim());
 }
 
 // Mesh dims that shard a reduced dim.
@@ -162,7 +135,7 @@ OpPlan any_all_rule(const OpCall& call, bool is_any) {
   if (across.empty()) return plan;
   plan.distributed_kernel = [across, is_any](KernelCall& k, const DeviceMesh& mesh) {
     k.call_op();  // any of nothing is false, all of nothing is true: empty shards are neutral
-    const at::Tensor local = k.stack()[0].toTensor();
+    const at::Tensor local = only_result(k).toTensor();
     at::Tensor bytes = local.to(at::kByte);
     for (auto md : across)
       bytes = comm::all_reduce(mesh.group(md), bytes, is_any ? PartialOp::Max : PartialOp::Min);
@@ -219,7 +192,7 @@ OpPlan whole_bool_rule(const OpCall& call) {
   if (across.empty()) return plan;
   plan.distributed_kernel = [across](KernelCall& k, const DeviceMesh& mesh) {
     k.call_op();
-    at::Tensor agree = at::scalar_tensor(k.stack()[0].toBool() ? 1 : 0,
+    at::Tensor agree = at::scalar_tensor(only_result(k).toBool() ? 1 : 0,
                                          at::TensorOptions(at::kByte).device(mesh.device()));
     for (auto md : across) agree = comm::all_reduce(mesh.group(md), agree, PartialOp::Min);
     k.finish({c10::IValue(agree.item<uint8_t>() != 0)});

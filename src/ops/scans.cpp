@@ -57,7 +57,7 @@ at::Tensor last_or(const at::Tensor& x, int64_t dim, double identity) {
 
 void scan_kernel(KernelCall& k, const DeviceMesh& mesh, const ScanPlace& s, Scan kind) {
   k.call_op();
-  const at::Tensor local = k.stack()[0].toTensor();
+  const at::Tensor local = only_result(k).toTensor();
   const double inf = std::numeric_limits<double>::infinity();
   const double identity = kind == Scan::Sum ? 0 : kind == Scan::Prod ? 1 : -inf;
   const at::Tensor before =
@@ -81,8 +81,8 @@ at::Tensor takes_over(const at::Tensor& v, const at::Tensor& pv, const at::Tenso
 
 void cum_extremum_kernel(KernelCall& k, const DeviceMesh& mesh, const ScanPlace& s, bool is_max) {
   k.call_op();
-  at::Tensor values = k.stack()[0].toTensor();
-  at::Tensor indices = k.stack()[1].toTensor() + s.offset;
+  at::Tensor values = result_named(k, "values").toTensor();
+  at::Tensor indices = result_named(k, "indices").toTensor() + s.offset;
   const int64_t n = values.size(s.dim);
   auto slice_shape = values.sizes().vec();
   slice_shape[s.dim] = 1;
