@@ -104,7 +104,10 @@ DTensorSpec::DTensorSpec(DeviceMesh mesh, Placements placements, std::vector<int
                 shape_str(sizes_), ", placements ", to_string(placements_), ")");
     tables_[t] = std::move(tab);
   }
-  size_t h = std::hash<const void*>()(mesh_.id());
+  // The same on every rank (the mesh by its shape, not its address): redistribute's agreement
+  // ledger keys on it (NOTE: [Agreed signatures]); caches compare the meshes on a hit.
+  size_t h = 0;
+  for (auto m : mesh_.shape()) h = detail::hash_mix(h, static_cast<size_t>(m));
   for (auto& p : placements_)
     h = detail::hash_mix(h, (static_cast<size_t>(p.kind()) << 16) ^
                                 (static_cast<size_t>(p.dim()) << 4) ^

@@ -18,6 +18,7 @@
 #include <c10/util/hash.h>
 
 #include "tessera/redistribute/redistribute.h"
+#include "redistribute/agreement_ledger.h"
 
 namespace tessera {
 
@@ -139,13 +140,21 @@ std::shared_ptr<RedistributePlan> build_plan(const SpecPtr& from, const SpecPtr&
 }
 
 // Plans live in the mesh's cache slot (they die with the mesh) and refer to it unowned.
+// What the mesh's cache slot holds: the plans, and the agreement ledger of redistribute's entry.
 struct PlanCache {
   struct Entry {
     SpecPtr from, to;
     std::shared_ptr<const RedistributePlan> plan;
   };
   std::unordered_map<size_t, std::vector<Entry>> map;
+  detail::AgreementLedger ledger;
 };
+
+PlanCache& cache_of(const DeviceMesh& mesh) {  // the caller holds the mesh's cache mutex
+  auto& slot = detail::mesh_cache_slot(mesh);
+  if (!slot) slot = std::make_shared<PlanCache>();
+  return *static_cast<PlanCache*>(slot.get());
+}
 
 SpecPtr unowned_copy(const DTensorSpec& s) {
   return std::make_shared<DTensorSpec>(s.mesh().unowned(), s.placements(), s.sizes(), s.dtype(),
@@ -216,9 +225,7 @@ std::shared_ptr<const RedistributePlan> plan_redistribute(const SpecPtr& from, c
   const DeviceMesh& mesh = from->mesh();
   const size_t key = c10::hash_combine(from->hash(), to->hash());
   std::lock_guard<std::mutex> lock(detail::mesh_cache_mutex(mesh));
-  auto& slot = detail::mesh_cache_slot(mesh);
-  if (!slot) slot = std::make_shared<PlanCache>();
-  auto& bucket = static_cast<PlanCache*>(slot.get())->map[key];
+  auto& bucket = cache_of(mesh).map[key];
   for (auto& e : bucket)
     if (*e.from == *from && *e.to == *to) return e.plan;
   auto plan = build_plan(unowned_copy(*from), unowned_copy(*to));
@@ -228,6 +235,12 @@ std::shared_ptr<const RedistributePlan> plan_redistribute(const SpecPtr& from, c
   }
   bucket.push_back({unowned_copy(*from), unowned_copy(*to), plan});
   return plan;
+}
+
+void detail::with_agreement_ledger(const DeviceMesh& mesh,
+                                   const std::function<void(AgreementLedger&)>& f) {
+  std::lock_guard<std::mutex> lock(detail::mesh_cache_mutex(mesh));
+  f(cache_of(mesh).ledger);
 }
 
 }  // namespace tessera

@@ -731,21 +731,57 @@ INSTANTIATE_TEST_SUITE_P(Fuzz, FuzzLayout,
                                            std::vector<int64_t>{2, 1, 2}),
                          [](const auto& info) { return tessera::test::mesh_name(info.param); });
 
-// The agreement costs redistribute one metadata all-gather per call; TESSERA_CHECK_ARGUMENTS=0
-// skips it for loops known to be consistent, with the same result.
-TEST(FuzzLayoutAgreement, OneMetadataExchangeUnlessSwitchedOff) {
+// redistribute exchanges its arguments once per signature and at least every
+// TESSERA_CHECK_ARGUMENTS-th call (NOTE: [Agreed signatures] in src/tensor/api.cpp); 0 never
+// exchanges, 1 on every call. The results are the same.
+TEST(FuzzLayoutAgreement, OneExchangePerSignature) {
   const auto full = tessera::test::randn({7, 4}, 3);
-  for (bool off : {false, true}) {
-    if (off) ::setenv("TESSERA_CHECK_ARGUMENTS", "0", 1);  // before any rank thread starts
-    tessera::testing::run_ranks(2, [&](int) {
-      auto mesh = init_device_mesh("cpu", {2});
-      auto x = distribute_tensor(full, mesh, {Replicate()}, std::nullopt);
-      CommDebugMode comm;
-      auto y = redistribute(x, {Shard(0)});
-      EXPECT_EQ(comm.stats(comm::CollectiveKind::Metadata).calls, off ? 0 : 1) << comm.table();
-      EXPECT_EQ(comm.get_total_counts(), 0) << comm.table();  // R -> S(0) is a local slice
-      EXPECT_TRUE(at::equal(full_tensor(y), full));
-    });
+  // Six calls: S(0), S(0), S(1), S(0), S(1), S(0); the exchanges each makes, per setting.
+  const std::vector<std::pair<const char*, std::vector<int64_t>>> modes = {
+      {nullptr, {1, 0, 1, 0, 0, 0}},
+      {"0", {0, 0, 0, 0, 0, 0}},
+      {"1", {1, 1, 1, 1, 1, 1}},
+      {"3", {1, 0, 1, 0, 0, 1}}};
+  for (const auto& [env, expected] : modes) {
+    if (env) ::setenv("TESSERA_CHECK_ARGUMENTS", env, 1);  // before any rank thread starts
+    for (int world : {2, 3}) {
+      tessera::testing::run_ranks(world, [&](int) {
+        auto mesh = init_device_mesh("cpu", {world});
+        auto x = distribute_tensor(full, mesh, {Replicate()}, std::nullopt);
+        for (size_t i = 0; i < expected.size(); ++i) {
+          const int64_t dim = i == 2 || i == 4 ? 1 : 0;
+          CommDebugMode comm;
+          auto y = redistribute(x, {Shard(dim)});
+          const std::string what = std::string("TESSERA_CHECK_ARGUMENTS=") + (env ? env : "") +
+                                   ", call " + std::to_string(i);
+          EXPECT_EQ(comm.stats(comm::CollectiveKind::Metadata).calls, expected[i]) << what << "\n"
+                                                                                   << comm.table();
+          EXPECT_EQ(comm.get_total_counts(), 0) << what;  // R -> S is a local slice
+          EXPECT_TRUE(at::equal(full_tensor(y), full)) << what;
+        }
+      });
+    }
     ::unsetenv("TESSERA_CHECK_ARGUMENTS");
   }
+}
+
+// Ranks that pass different signatures, each agreed before, are trusted without an exchange;
+// the next exchange compares what they took on trust and raises on every rank.
+TEST(FuzzLayoutAgreement, TrustedCallsThatDifferFailAtTheNextExchange) {
+  const auto full = tessera::test::randn({6, 5}, 4);
+  ::setenv("TESSERA_CHECK_ARGUMENTS", "4", 1);
+  tessera::test::expect_error_everywhere(
+      2,
+      [&](int rank) {
+        auto mesh = init_device_mesh("cpu", {2});
+        auto x = distribute_tensor(full, mesh, {Replicate()}, std::nullopt);
+        (void)redistribute(x, {Shard(0)});
+        (void)redistribute(x, {Shard(1)});                  // both signatures agreed
+        (void)redistribute(x, {Shard(rank == 0 ? 0 : 1)});  // the slip: trusted, unseen
+        (void)redistribute(x, {Shard(0)});
+        (void)redistribute(x, {Shard(0)});
+        (void)redistribute(x, {Shard(0)});  // the 4th call: exchanged, and the digests differ
+      },
+      {"redistribute", "disagree", "3 calls taken on trust"});
+  ::unsetenv("TESSERA_CHECK_ARGUMENTS");
 }
