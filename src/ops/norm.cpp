@@ -11,12 +11,14 @@
 // batch dim and on any spatial dim (domain parallelism: uneven and empty shards included).
 // Their statistics span dims that are sharded, so the local kernels compute local moments
 // and combine them over the mesh dims that shard those dims, dividing by *global* counts:
-//   group_norm: per (n, group) over channels-in-group x spatial: every shard's (count, mean,
-//     variance) all-gathered over the mesh dims sharding spatial dims (a sample's statistics
-//     never cross batch shards), one collective per dim, combined locally.
-//   batch_norm: per channel over batch x spatial: all-reduce over the mesh dims sharding the
-//     batch or a spatial dim.
-// Mean first, then the sum of squared deviations about it (as accurate as one device).
+//   group_norm: per (n, group) over channels-in-group x spatial, over the mesh dims sharding
+//     spatial dims (a sample's statistics never cross batch shards);
+//   batch_norm: per channel over batch x spatial, over the mesh dims sharding the batch or a
+//     spatial dim.
+// Both send every shard's (count, mean, variance) in one all-gather per mesh dim (latency
+// bound: one collective, not a sum of means followed by a sum of deviations) and combine them
+// exactly: the global mean first, then every shard's squared deviations about it
+// (combine_moments).
 // The backward all-reduces the two per-statistic gradient sums in one message; weight/bias
 // gradients come out of those sums already reduced (Replicate) where the input gradient
 // needed them, and as local Partial(sum) terms otherwise. Partial inputs and a sharded
@@ -123,6 +125,32 @@ at::Tensor sum_over(const DeviceMesh& mesh, const std::vector<int64_t>& dims, at
   return t;
 }
 
+// The global mean and sum of squared deviations (M2) of statistics of which this shard holds
+// `local` elements with mean `lmean` and population variance `lvar` (any shape, the same on
+// every shard), over the shards of the mesh dims `dims`, `count` elements in all. Float at
+// least (a half count would overflow past 65504 elements).
+std::pair<at::Tensor, at::Tensor> combine_moments(const DeviceMesh& mesh,
+                                                  const std::vector<int64_t>& dims, int64_t local,
+                                                  const at::Tensor& lmean, const at::Tensor& lvar,
+                                                  double count) {
+  at::Tensor moments = at::stack({at::full_like(lmean, static_cast<double>(local)), lmean, lvar});
+  if (moments.scalar_type() == at::kHalf || moments.scalar_type() == at::kBFloat16)
+    moments = moments.to(at::kFloat);
+  int64_t shards = 1;
+  for (auto d : dims) {
+    const std::vector<int64_t> one_each(mesh.size(d), 1);
+    moments = comm::all_gather(mesh.group(d), moments.unsqueeze(0), 0, one_each);
+    shards *= mesh.size(d);
+  }
+  auto shape = lmean.sizes().vec();
+  shape.insert(shape.begin(), {shards, 3});
+  moments = moments.reshape(shape);
+  const at::Tensor elements = moments.select(1, 0), means = moments.select(1, 1);
+  const at::Tensor mean = (elements * means).sum(0).div(count);
+  const at::Tensor m2 = (elements * (moments.select(1, 2) + (means - mean).pow(2))).sum(0);
+  return {mean, m2};
+}
+
 at::Tensor tensor_or_undefined(const c10::IValue& v) {
   return v.isTensor() ? v.toTensor() : at::Tensor();
 }
@@ -177,10 +205,7 @@ OpPlan group_norm_rule(const OpCall& call) {
     const double eps = kc.arg<double>("eps");
     const int64_t n = x.size(0), c = x.size(1), d = c / group;
     const int64_t local = d * spatial_numel(x.sizes());  // elements per (sample, group) here
-    // One pass for the local moments. Every shard's (elements, mean, variance) then travels
-    // in one all-gather per spatial mesh dim (latency-bound: one collective instead of a sum
-    // of means followed by a sum of deviations), and the shards combine exactly here: the
-    // global mean first, then every shard's squared deviations about it.
+    // One pass for the local moments, then one all-gather per spatial mesh dim.
     at::Tensor lmean, lvar;
     if (local > 0 && n > 0) {
       // ATen's own group-norm kernel gives the local moments several times faster than
@@ -194,20 +219,7 @@ OpPlan group_norm_rule(const OpCall& call) {
       lmean = at::zeros({n, group}, x.options());
       lvar = at::zeros({n, group}, x.options());
     }
-    // (float at least: a half count would overflow past 65504 elements)
-    const bool reduced = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
-    at::Tensor moments = at::stack({at::full_like(lmean, static_cast<double>(local)), lmean, lvar});
-    if (reduced) moments = moments.to(at::kFloat);
-    int64_t shards = 1;
-    for (auto d : dims) {
-      const std::vector<int64_t> one_each(mesh.size(d), 1);
-      moments = comm::all_gather(mesh.group(d), moments.unsqueeze(0), 0, one_each);
-      shards *= mesh.size(d);
-    }
-    moments = moments.reshape({shards, 3, n, group});
-    const at::Tensor elements = moments.select(1, 0), means = moments.select(1, 1);
-    const at::Tensor global_mean = (elements * means).sum(0).div(count);
-    const at::Tensor m2 = (elements * (moments.select(1, 2) + (means - global_mean).pow(2))).sum(0);
+    const auto [global_mean, m2] = combine_moments(mesh, dims, local, lmean, lvar, count);
     const at::Tensor mean = global_mean.to(x.scalar_type());
     const at::Tensor rstd = (m2.div(count).clamp_min(0) + eps).rsqrt().to(x.scalar_type());
     // out = x * scale + shift with one scale and shift per (sample, channel): one pass.
@@ -364,10 +376,18 @@ OpPlan batch_norm_plan(const OpCall& call, bool fixed_training) {
     for (int64_t t = 2; t < x.dim(); ++t) reduce.push_back(t);
     at::Tensor mean, invstd, save_mean, save_invstd;
     if (training) {
-      mean = sum_over(mesh, dims, x.sum(reduce)).div(count);
-      const at::Tensor xc = x - per_channel_view(mean, x.dim());
-      const at::Tensor var_sum = sum_over(mesh, dims, (xc * xc).sum(reduce));
-      invstd = (var_sum / count + eps).rsqrt();
+      // Local moments per channel, then one all-gather per mesh dim (combine_moments).
+      const int64_t channels = x.size(1), local = channels ? x.numel() / channels : 0;
+      const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+      at::Tensor lmean =
+          at::zeros({channels}, x.options().dtype(half ? at::kFloat : x.scalar_type()));
+      at::Tensor lvar = at::zeros_like(lmean);
+      if (local > 0)
+        std::tie(lvar, lmean) =
+            at::var_mean(half ? x.to(at::kFloat) : x, reduce, /*unbiased=*/false);
+      const auto [global_mean, var_sum] = combine_moments(mesh, dims, local, lmean, lvar, count);
+      mean = global_mean.to(x.scalar_type());
+      invstd = (var_sum / count + eps).rsqrt().to(x.scalar_type());
       save_mean = mean;
       save_invstd = invstd;
       // As one device: the running variance is unbiased over the global count.
