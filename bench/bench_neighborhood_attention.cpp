@@ -122,8 +122,9 @@ at::Tensor na_attention(const at::Tensor& q, const at::Tensor& k, const at::Tens
 }
 
 struct LocalResult {
-  double seconds = 0;  // median of the reps, forward + backward
-  int64_t peak = 0;    // bytes allocated above the inputs during one step, at its peak
+  double seconds = 0;          // median of the reps, forward + backward
+  double forward_seconds = 0;  // median of the reps, forward alone (autograd recording)
+  int64_t peak = 0;            // bytes allocated above the inputs during one step, at its peak
   at::Tensor out, dq, dk, dv;
 };
 
@@ -138,6 +139,13 @@ LocalResult time_local(Inputs& in, F&& attention, int warmup, int reps) {
     if (i >= warmup) t.push_back(seconds_since(t0));
   }
   r.seconds = median(t);
+  t.clear();
+  for (int i = 0; i < warmup + reps; ++i) {
+    const auto t0 = Clock::now();
+    (void)attention(in.q, in.k, in.v);
+    if (i >= warmup) t.push_back(seconds_since(t0));
+  }
+  r.forward_seconds = median(t);
   clear_grads(in);
   const int64_t base = g_bytes.live.load();
   g_bytes.reset_peak();
@@ -169,8 +177,8 @@ void local_part(Shape na_shape, int64_t dense_size, int warmup, int reps) {
       "peak = bytes allocated above q, k, v and g during one step\n",
       (long long)na_shape.heads, (long long)na_shape.head_dim, (long long)na_shape.kernel, reps,
       warmup);
-  std::printf("%-34s %10s %12s %14s %10s\n", "variant", "field", "ms / step", "peak MiB",
-              "max |Δ|");
+  std::printf("%-34s %10s %12s %12s %14s %10s\n", "variant", "field", "fwd ms", "ms / step",
+              "peak MiB", "max |Δ|");
   std::vector<int64_t> sizes = {dense_size};
   if (na_shape.size != dense_size) sizes.push_back(na_shape.size);
   LocalResult dense;
@@ -186,20 +194,26 @@ void local_part(Shape na_shape, int64_t dense_size, int warmup, int reps) {
       dense = time_local(
           in, [&](auto& q, auto& k, auto& v) { return dense_attention(q, k, v, bias); }, warmup,
           reps);
-      std::printf("%-34s %4lldx%-5lld %12.1f %14.2f %10s\n", "dense masked (matmul, softmax)",
-                  (long long)size, (long long)size, 1e3 * dense.seconds, mib(dense.peak), "");
-      std::printf("%-34s %4lldx%-5lld %12.1f %14.2f %10.1e\n", "na2d", (long long)size,
-                  (long long)size, 1e3 * na.seconds, mib(na.peak), max_diff(na, dense));
-      std::printf("%-34s %10s %11.1fx %13.1fx\n", "  dense / na2d", "", dense.seconds / na.seconds,
+      std::printf("%-34s %4lldx%-5lld %12.1f %12.1f %14.2f %10s\n",
+                  "dense masked (matmul, softmax)", (long long)size, (long long)size,
+                  1e3 * dense.forward_seconds, 1e3 * dense.seconds, mib(dense.peak), "");
+      std::printf("%-34s %4lldx%-5lld %12.1f %12.1f %14.2f %10.1e\n", "na2d", (long long)size,
+                  (long long)size, 1e3 * na.forward_seconds, 1e3 * na.seconds, mib(na.peak),
+                  max_diff(na, dense));
+      std::printf("%-34s %10s %11.1fx %11.1fx %13.1fx\n", "  dense / na2d", "",
+                  dense.forward_seconds / na.forward_seconds, dense.seconds / na.seconds,
                   double(dense.peak) / double(na.peak));
     } else {
-      std::printf("%-34s %4lldx%-5lld %12.1f %14.2f %10s\n", "na2d", (long long)size,
-                  (long long)size, 1e3 * na.seconds, mib(na.peak), "");
+      std::printf("%-34s %4lldx%-5lld %12.1f %12.1f %14.2f %10s\n", "na2d", (long long)size,
+                  (long long)size, 1e3 * na.forward_seconds, 1e3 * na.seconds, mib(na.peak), "");
       const double scale = std::pow(double(size) / double(dense_size), 4);  // N^2
-      std::printf("%-34s %4lldx%-5lld %12.0f %14.0f %10s   (dense x (N/N_dense)^2, not run)\n",
-                  "dense masked, extrapolated", (long long)size, (long long)size,
-                  1e3 * dense.seconds * scale, mib(dense.peak) * scale, "");
-      std::printf("%-34s %10s %11.0fx %13.0fx\n", "  dense (extrapolated) / na2d", "",
+      std::printf(
+          "%-34s %4lldx%-5lld %12.0f %12.0f %14.0f %10s   (dense x (N/N_dense)^2, not run)\n",
+          "dense masked, extrapolated", (long long)size, (long long)size,
+          1e3 * dense.forward_seconds * scale, 1e3 * dense.seconds * scale, mib(dense.peak) * scale,
+          "");
+      std::printf("%-34s %10s %11.0fx %11.0fx %13.0fx\n", "  dense (extrapolated) / na2d", "",
+                  dense.forward_seconds * scale / na.forward_seconds,
                   dense.seconds * scale / na.seconds, mib(dense.peak) * scale / mib(na.peak));
     }
     std::fflush(stdout);

@@ -6,6 +6,7 @@
 #include "na_local.h"
 
 #include <algorithm>
+#include <array>
 #include <limits>
 #include <sstream>
 
@@ -216,6 +217,9 @@ void check_tensors(const char* op, const at::Tensor& q, const at::Tensor& k, con
 
 namespace {
 
+// Dims of the [B, Nq, H_kv, G, X] products that the tap loops sum over.
+const std::array<int64_t, 1> kLastDim{-1}, kGroupDim{3}, kBatchDim{0};
+
 at::ScalarType compute_type(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
 }
@@ -224,7 +228,9 @@ at::ScalarType compute_type(at::ScalarType t) {
 // tap tau of every query reads window position key[q] with bias rpb[:, rel[q]].
 class Taps {
  public:
-  Taps(const std::vector<TapTable>& tables, at::IntArrayRef kv_spatial, const at::Device& device)
+  // `with_rel`: the bias indices too (only where there is a bias).
+  Taps(const std::vector<TapTable>& tables, at::IntArrayRef kv_spatial, const at::Device& device,
+       bool with_rel)
       : nd_(static_cast<int64_t>(tables.size())) {
     int64_t kv_stride = 1, rel_stride = 1;
     kv_stride_.assign(nd_, 0);
@@ -247,6 +253,24 @@ class Taps {
       valid_.push_back(all_valid ? at::Tensor() : tb.valid.to(device));
       count_ *= kernel_.back();
     }
+    // Every tap's indices once, [T, Nq]: the loops over taps then only take views (a tap's
+    // [Nq] index tensors are large enough at 256^2 queries that building them per tap and
+    // pass showed in the profile).
+    std::vector<at::Tensor> keys, rels, valids;
+    for (int64_t tau = 0; tau < count_; ++tau) {
+      Tap t = build(tau);
+      keys.push_back(t.key);
+      if (with_rel) rels.push_back(t.rel);
+      valids.push_back(t.valid);
+      any_invalid_ = any_invalid_ || t.valid.defined();
+    }
+    keys_ = at::stack(keys);
+    if (with_rel) rels_ = at::stack(rels);
+    if (any_invalid_) {
+      for (auto& v : valids)  // taps every query has: an all-true row
+        if (!v.defined()) v = at::ones_like(keys[0], at::kBool);
+      valid_rows_ = at::stack(valids);
+    }
   }
 
   int64_t count() const { return count_; }
@@ -255,7 +279,20 @@ class Taps {
     at::Tensor key, rel, valid;  // [Nq] each; valid undefined when every query has the tap
   };
 
+  // Tap tau: views of the precomputed rows (rel only when asked for).
   Tap tap(int64_t tau, bool with_rel) const {
+    Tap r;
+    r.key = keys_[tau];
+    if (with_rel) {
+      TORCH_INTERNAL_ASSERT(rels_.defined(), "Taps built without bias indices");
+      r.rel = rels_[tau];
+    }
+    if (any_invalid_) r.valid = valid_rows_[tau];
+    return r;
+  }
+
+ private:
+  Tap build(int64_t tau) const {
     std::vector<int64_t> t(nd_);
     for (int64_t a = nd_ - 1; a >= 0; --a) {
       t[a] = tau % kernel_[a];
@@ -265,10 +302,8 @@ class Taps {
     for (int64_t a = 0; a < nd_; ++a) {
       at::Tensor key = idx_[a].select(1, t[a]).mul(kv_stride_[a]).view(views_[a]);
       r.key = r.key.defined() ? r.key + key : key;
-      if (with_rel) {
-        at::Tensor rel = rel_[a].select(1, t[a]).mul(rel_stride_[a]).view(views_[a]);
-        r.rel = r.rel.defined() ? r.rel + rel : rel;
-      }
+      at::Tensor rel = rel_[a].select(1, t[a]).mul(rel_stride_[a]).view(views_[a]);
+      r.rel = r.rel.defined() ? r.rel + rel : rel;
       if (valid_[a].defined()) {
         at::Tensor ok = valid_[a].select(1, t[a]).view(views_[a]);
         r.valid = r.valid.defined() ? r.valid.logical_and(ok) : ok;
@@ -277,13 +312,14 @@ class Taps {
     std::vector<int64_t> sq;
     for (int64_t a = 0; a < nd_; ++a) sq.push_back(views_[a][a]);
     r.key = r.key.expand(sq).reshape(-1);
-    if (r.rel.defined()) r.rel = r.rel.expand(sq).reshape(-1);
+    r.rel = r.rel.expand(sq).reshape(-1);
     if (r.valid.defined()) r.valid = r.valid.expand(sq).reshape(-1);
     return r;
   }
 
- private:
   int64_t nd_, count_ = 1;
+  at::Tensor keys_, rels_, valid_rows_;  // [T, Nq]
+  bool any_invalid_ = false;
   std::vector<int64_t> kernel_, kv_stride_, rel_stride_;
   std::vector<std::vector<int64_t>> views_;
   std::vector<at::Tensor> idx_, rel_, valid_;
@@ -305,7 +341,7 @@ struct Problem {
           const at::Tensor& extra_k, const at::Tensor& extra_v)
       : nd(static_cast<int64_t>(tables.size())),
         scale(scale_),
-        taps(tables, k_win.sizes().slice(1, tables.size()), q.device()) {
+        taps(tables, k_win.sizes().slice(1, tables.size()), q.device(), rpb.defined()) {
     TORCH_INTERNAL_ASSERT(q.dim() == nd + 3 && k_win.dim() == nd + 3 && v_win.dim() == nd + 3);
     B = q.size(0);
     H = q.size(nd + 1);
@@ -346,11 +382,17 @@ struct Problem {
   at::Tensor logits() const {
     const int64_t T = taps.count();
     at::Tensor s = at::empty({B, Nq, Hkv, G, T + Ne}, qf.options());
+    // One tap's keys, products and dot products, reused by every tap: no allocation per tap.
+    at::Tensor kt = at::empty({B, Nq, Hkv, D}, kf.options());
+    at::Tensor prod = at::empty({B, Nq, Hkv, G, D}, qf.options());
+    at::Tensor dot = at::empty({B, Nq, Hkv, G}, qf.options());
     for (int64_t tau = 0; tau < T; ++tau) {
       const auto tap = taps.tap(tau, rpbf.defined());
       at::Tensor st = s.select(-1, tau);
-      at::Tensor kt = kf.index_select(1, tap.key);  // [B, Nq, H_kv, D]
-      st.copy_((qf * kt.unsqueeze(3)).sum(-1).mul_(scale));
+      at::index_select_out(kt, kf, 1, tap.key);
+      at::mul_out(prod, qf, kt.unsqueeze(3));
+      at::sum_out(dot, prod, kLastDim);
+      st.copy_(dot.mul_(scale));
       if (rpbf.defined()) st.add_(rpbf.index_select(1, tap.rel).t().reshape({1, Nq, Hkv, G}));
       if (tap.valid.defined())
         st.masked_fill_(tap.valid.logical_not().view({1, Nq, 1, 1}),
@@ -388,9 +430,10 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
   at::Tensor lse = (m + l.log()).squeeze(-1);  // [B, Nq, H_kv, G]
 
   at::Tensor o = at::zeros({p.B, p.Nq, p.Hkv, p.G, p.Dv}, p.qf.options());
+  at::Tensor vt = at::empty({p.B, p.Nq, p.Hkv, p.Dv}, p.vf.options());  // reused per tap
   for (int64_t tau = 0; tau < T; ++tau) {
     const auto tap = p.taps.tap(tau, false);
-    at::Tensor vt = p.vf.index_select(1, tap.key);  // [B, Nq, H_kv, Dv]
+    at::index_select_out(vt, p.vf, 1, tap.key);
     o.addcmul_(prob.select(-1, tau).unsqueeze(-1), vt.unsqueeze(3));
   }
   if (p.Ne > 0) {
@@ -418,16 +461,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor dk = at::zeros(p.kf.sizes(), p.kf.options());
   at::Tensor dv = at::zeros(p.vf.sizes(), p.vf.options());
   at::Tensor drpb = p.rpbf.defined() ? at::zeros(p.rpbf.sizes(), p.rpbf.options()) : at::Tensor();
+  // Per-tap buffers, reused: a tap's keys and values, the [B, Nq, H_kv, G, D or Dv] products
+  // and their sums over G or D.
+  at::Tensor kt = at::empty({p.B, p.Nq, p.Hkv, p.D}, p.kf.options());
+  at::Tensor vt = at::empty({p.B, p.Nq, p.Hkv, p.Dv}, p.vf.options());
+  at::Tensor prod_v = at::empty({p.B, p.Nq, p.Hkv, p.G, p.Dv}, p.qf.options());
+  at::Tensor prod_q = at::empty({p.B, p.Nq, p.Hkv, p.G, p.D}, p.qf.options());
+  at::Tensor sum_v = at::empty({p.B, p.Nq, p.Hkv, p.Dv}, p.qf.options());
+  at::Tensor sum_k = at::empty({p.B, p.Nq, p.Hkv, p.D}, p.qf.options());
+  at::Tensor ds = at::empty({p.B, p.Nq, p.Hkv, p.G}, p.qf.options());
+  at::Tensor ds_b = drpb.defined() ? at::empty({p.Nq, p.Hkv, p.G}, p.qf.options()) : at::Tensor();
   for (int64_t tau = 0; tau < T; ++tau) {
     const auto tap = p.taps.tap(tau, drpb.defined());
     const at::Tensor pt = prob.select(-1, tau);  // [B, Nq, H_kv, G]
-    const at::Tensor vt = p.vf.index_select(1, tap.key);
-    dv.index_add_(1, tap.key, (pt.unsqueeze(-1) * dof).sum(3));
-    const at::Tensor ds = pt * ((dof * vt.unsqueeze(3)).sum(-1) - delta);
-    const at::Tensor kt = p.kf.index_select(1, tap.key);
+    at::index_select_out(vt, p.vf, 1, tap.key);
+    at::mul_out(prod_v, dof, pt.unsqueeze(-1));
+    at::sum_out(sum_v, prod_v, kGroupDim);
+    dv.index_add_(1, tap.key, sum_v);
+    // ds = pt * (<dout, v> - delta)
+    at::mul_out(prod_v, dof, vt.unsqueeze(3));
+    at::sum_out(ds, prod_v, kLastDim);
+    ds.sub_(delta).mul_(pt);
+    at::index_select_out(kt, p.kf, 1, tap.key);
     dq.addcmul_(ds.unsqueeze(-1), kt.unsqueeze(3));
-    dk.index_add_(1, tap.key, (ds.unsqueeze(-1) * p.qf).sum(3).mul_(scale));
-    if (drpb.defined()) drpb.index_add_(1, tap.rel, ds.sum(0).reshape({p.Nq, p.H}).t());
+    at::mul_out(prod_q, p.qf, ds.unsqueeze(-1));
+    at::sum_out(sum_k, prod_q, kGroupDim);
+    dk.index_add_(1, tap.key, sum_k.mul_(scale));
+    if (drpb.defined()) {
+      at::sum_out(ds_b, ds, kBatchDim);
+      drpb.index_add_(1, tap.rel, ds_b.view({p.Nq, p.H}).t());
+    }
   }
   at::Tensor dek, dev;
   if (p.Ne > 0) {
