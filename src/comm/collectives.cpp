@@ -209,7 +209,28 @@ at::Tensor all_gather_wire(const Group& pg, const at::Tensor& x, int64_t dim,
     for (auto& b : out[0]) blocks.push_back(b.view(x.scalar_type()).view(block_shape));
     return at::cat(blocks, dim);
   }
-  // Uneven: one all-to-all-v where every member sends its whole shard to everyone.
+  // Uneven. Shards close in size: padded to the largest, one flat all-gather, the padding cut
+  // off (as DTensor does): one collective that moves at most half again the bytes, faster than
+  // the all-to-all-v's per-peer messages (BENCHMARKS.md, "Uneven all-gathers"); CommDebugMode
+  // records the padded bytes, which is what moves.
+  const int64_t largest = *std::max_element(sizes.begin(), sizes.end());
+  if (2 * n * largest <= 3 * total) {
+    auto padded_shape = x.sizes().vec();
+    padded_shape[dim] = largest;
+    at::Tensor padded = x;
+    if (sizes[me] != largest) {
+      padded = at::empty(padded_shape, x.options());
+      padded.narrow(dim, 0, sizes[me]).copy_(x);
+    }
+    const at::Tensor all =
+        all_gather_wire(pg, padded, dim, std::vector<int64_t>(static_cast<size_t>(n), largest));
+    std::vector<at::Tensor> blocks;
+    for (int i = 0; i < n; ++i) blocks.push_back(all.narrow(dim, i * largest, sizes[i]));
+    if (leading_dims_trivial(shape, dim)) return contiguous_concat(blocks, dim);
+    return at::cat(blocks, dim);
+  }
+  // Far apart (an empty shard among full ones): one all-to-all-v where every member sends its
+  // whole shard to everyone.
   std::vector<at::Tensor> send(n, x.contiguous());
   std::vector<std::vector<int64_t>> recv_shapes(n, x.sizes().vec());
   for (int i = 0; i < n; ++i) recv_shapes[i][dim] = sizes[i];

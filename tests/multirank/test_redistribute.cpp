@@ -59,6 +59,14 @@ std::vector<ShardTable> tables_for(Layout layout, const DeviceMesh& mesh, const 
   return tables;
 }
 
+// Bytes of one slice along the dim `a`'s only mesh dim shards (a 1-D mesh: the other dims whole).
+int64_t full_row_bytes(const DTensorSpec& a, int64_t item) {
+  int64_t e = item;
+  for (int64_t t = 0; t < a.ndim(); ++t)
+    if (t != a.placement(0).dim()) e *= a.sizes()[t];
+  return e;
+}
+
 // Bytes the cheapest schedule must move for a single-mesh-dim transition.
 std::pair<int64_t, int64_t> min_bytes_1d(const DTensorSpec& a, const DTensorSpec& b, int64_t item) {
   const auto& mesh = a.mesh();
@@ -81,8 +89,20 @@ std::pair<int64_t, int64_t> min_bytes_1d(const DTensorSpec& a, const DTensorSpec
   };
   if (pa == pb && a == b) return {0, 0};
   if (pa.is_shard() && pb.is_replicate()) {
-    int64_t recv = 0;
-    for (int64_t c = 0; c < n; ++c) recv += c == me ? 0 : bytes_at(a, c);
+    int64_t recv = 0, largest = 0, total = 0;
+    const auto& table = a.shard_table(pa.dim());
+    for (int64_t c = 0; c < n; ++c) {
+      recv += c == me ? 0 : bytes_at(a, c);
+      largest = std::max(largest, table[c]);
+      total += table[c];
+    }
+    // Uneven shards within half again of even go padded (comm/collectives.cpp): every member
+    // sends and receives the largest shard's bytes.
+    const bool even = largest * n == total;
+    if (!even && 2 * n * largest <= 3 * total) {
+      const int64_t row = total == 0 ? 0 : full_row_bytes(a, item);
+      return {(n - 1) * largest * row, (n - 1) * largest * row};
+    }
     return {n == 1 ? 0 : (n - 1) * bytes_at(a, me), recv};
   }
   if (pa.is_shard() && pb.is_shard()) {
