@@ -183,13 +183,17 @@ TEST(RandomSync, AtManualSeedRestartsTheDrawsAsOnOneDevice) {
   const auto want_9 = one_device(9, 1), want_11 = one_device(11, 1);
   for (const auto& shape : kMeshes) {
     const auto ls = layouts(shape);
-    // Rank threads share ATen's default generator: they re-seed it with the same seed, and
-    // draws() ends with collectives, so no rank seeds the next round before rank 0 copied.
+    // Rank threads share ATen's default generator (processes would not): every rank seeds it
+    // between two barriers, so that no rank re-seeds while another is still drawing, or after
+    // another started drawing. (Fully replicated layouts draw without any collective.)
     tessera::testing::run_ranks(test::mesh_world(shape), [&](int) {
       auto mesh = init_device_mesh("cpu", shape);
+      auto barrier = [&] { (void)comm::all_gather_ints(mesh.mesh_group(), {0}); };
       for (const auto& l : ls) {
         for (uint64_t seed : {9, 9, 11, 9}) {
+          barrier();
           at::manual_seed(seed);
+          barrier();
           const auto got = draws([&](const at::Tensor& t) { return distribute(t, mesh, l); });
           expect_equal(
               got, seed == 9 ? want_9[0] : want_11[0],
