@@ -29,7 +29,9 @@ namespace {
 // exchange (a new signature, or at the latest the TESSERA_CHECK_ARGUMENTS-th call) carries the
 // digest and count, so ranks that took different agreed signatures on trust raise there, on
 // every rank. Ledgers change only after an exchange, so they are the same on every rank.
-// What no ledger can see: one rank's signature is new while another's was agreed; the first
+// Until that exchange such ranks compute on layouts that differ (a window of up to n calls
+// in which a rank-dependent choice between two agreed targets is not yet an error; n = 1
+// closes it). What no ledger can see: one rank's signature is new while another's was agreed; the first
 // waits in an exchange the others skipped, and both fail within the collective timeout (the
 // stuck-rank report names who waited where) instead of raising the disagreement at once.
 constexpr int64_t kDefaultExchangePeriod = 10000;
