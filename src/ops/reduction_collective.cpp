@@ -31,14 +31,8 @@ namespace tessera::ops {
 
 namespace {
 
-using Reduced = ReducedDims;
-
-Reduced reduced_dims(const OpCall& call, const DTensorSpec& in) {
-  return reduced_dims_arg(call, in.ndim());
-}
-
 // Mesh dims that shard a reduced dim.
-std::vector<int64_t> reducing_mesh_dims(const DTensorSpec& in, const Reduced& r) {
+std::vector<int64_t> reducing_mesh_dims(const DTensorSpec& in, const ReducedDims& r) {
   std::vector<int64_t> out;
   for (int64_t m = 0; m < in.mesh().ndim(); ++m)
     if (in.placement(m).is_shard() && r.dims[in.placement(m).dim()]) out.push_back(m);
@@ -46,7 +40,7 @@ std::vector<int64_t> reducing_mesh_dims(const DTensorSpec& in, const Reduced& r)
 }
 
 // The result's layout: reduced dims gone (or size 1), their mesh dims `across`.
-SpecPtr result_layout(const DTensorSpec& in, const Reduced& r, Placement across) {
+SpecPtr result_layout(const DTensorSpec& in, const ReducedDims& r, Placement across) {
   std::vector<int64_t> index(in.ndim(), -1), sizes;
   for (int64_t t = 0; t < in.ndim(); ++t) {
     if (r.dims[t] && !r.keepdim) continue;
@@ -98,7 +92,7 @@ SpecPtr whole_terms(const OpCall& call) {
 
 OpPlan logsumexp_rule(const OpCall& call) {
   const SpecPtr in = whole_terms(call);
-  const Reduced r = reduced_dims(call, *in);
+  const ReducedDims r = reduced_dims_arg(call, in->ndim());
   OpPlan plan(call);
   plan.input("self", in).output(result_layout(*in, r, Replicate()));
   const auto across = reducing_mesh_dims(*in, r);
@@ -128,7 +122,7 @@ OpPlan logsumexp_rule(const OpCall& call) {
 
 OpPlan any_all_rule(const OpCall& call, bool is_any) {
   const SpecPtr in = whole_terms(call);
-  const Reduced r = reduced_dims(call, *in);
+  const ReducedDims r = reduced_dims_arg(call, in->ndim());
   OpPlan plan(call);
   plan.input("self", in).output(result_layout(*in, r, Replicate()));
   const auto across = reducing_mesh_dims(*in, r);
@@ -147,7 +141,7 @@ OpPlan any_all_rule(const OpCall& call, bool is_any) {
 OpPlan count_nonzero_rule(const OpCall& call) {
   const SpecPtr in = whole_terms(call);
   OpPlan plan(call);
-  plan.input("self", in).output(result_layout(*in, reduced_dims(call, *in), Partial()));
+  plan.input("self", in).output(result_layout(*in, reduced_dims_arg(call, in->ndim()), Partial()));
   return plan;
 }
 
@@ -155,7 +149,7 @@ OpPlan count_nonzero_rule(const OpCall& call) {
 
 OpPlan aminmax_rule(const OpCall& call) {
   const SpecPtr in = whole_terms(call);
-  const Reduced r = reduced_dims(call, *in);
+  const ReducedDims r = reduced_dims_arg(call, in->ndim());
   OpPlan plan(call);
   plan.input("self", in)
       .output(result_layout(*in, r, Partial(PartialOp::Min)))
