@@ -44,6 +44,7 @@ namespace {
 // Keyed by address, with a weak handle that tells a live entry from a reused address.
 struct ModuleEntry {
   std::weak_ptr<const torch::nn::Module> alive;
+  bool by_address = false;  // not held by a shared_ptr (a module on the stack)
   BoundaryPtr boundary;
   std::shared_ptr<const ModuleInput> input;
   std::vector<Convert> outputs;
@@ -75,15 +76,31 @@ std::weak_ptr<const torch::nn::Module> weak_of(const torch::nn::Module& m) {
   }
 }
 
+// A module known only by its address whose parameter style tagged parameters it no longer
+// holds is another module at a reused address (the first one went out of scope).
+bool lost_its_parameters(const Tables& t, const ModuleEntry& e, const torch::nn::Module& m) {
+  if (!e.by_address || !e.boundary || !e.boundary->has_param_style) return false;
+  const auto own = m.parameters(/*recurse=*/false);
+  if (own.empty()) return false;
+  for (const auto& p : own) {
+    auto it = t.params.find(p.unsafeGetTensorImpl());
+    if (it != t.params.end() && it->second.live() && it->second.boundary == e.boundary)
+      return false;
+  }
+  return true;
+}
+
 ModuleEntry& entry_locked(Tables& t, const torch::nn::Module& m) {
   auto it = t.modules.find(&m);
   if (it != t.modules.end()) {
-    const bool stale = it->second.alive.expired() && !weak_of(m).expired();
+    const bool stale = (it->second.alive.expired() && !weak_of(m).expired()) ||
+                       lost_its_parameters(t, it->second, m);
     if (!stale) return it->second;
     t.modules.erase(it);
   }
   auto& e = t.modules[&m];
   e.alive = weak_of(m);
+  e.by_address = e.alive.expired();
   return e;
 }
 
