@@ -446,6 +446,33 @@ at::Tensor broadcast_wire(const Group& pg, const at::Tensor& x, int root) {
 
 }  // namespace
 
+PendingReduceScatter reduce_scatter_start(const Group& pg, at::Tensor blocks) {
+  const int n = pg->getSize();
+  const int me = pg->getRank();
+  TORCH_INTERNAL_ASSERT(blocks.dim() == 1 && blocks.is_contiguous() && blocks.numel() % n == 0);
+  const int64_t block = blocks.numel() / n;
+  if (n == 1 || block == 0) return PendingReduceScatter::ready(blocks.narrow(0, me * block, block));
+  at::Tensor wire = to_wire(pg, blocks, "reduce_scatter_start");
+  if (flat_reducible(wire.scalar_type())) {
+    auto out = at::empty({block}, wire.options());
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    decltype(pg->_reduce_scatter_base(out, wire, opts)) work;
+    if (try_flat(pg, FlatOp::ReduceScatter,
+                 [&] { work = pg->_reduce_scatter_base(out, wire, opts); })) {
+      const int64_t b = nbytes(out);
+      record({CollectiveKind::ReduceScatter, (n - 1) * b, (n - 1) * b, n});
+      // The work holds `wire` (the backend reads it until done) and `out`.
+      return PendingReduceScatter([work, out, home = blocks.device()]() {
+        detail::wait(work, "reduce_scatter");
+        return out.device() == home ? out : out.to(home);
+      });
+    }
+  }
+  return PendingReduceScatter::ready(
+      reduce_scatter(pg, blocks, 0, std::vector<int64_t>(n, block), PartialOp::Sum));
+}
+
 at::Tensor reduce_scatter(const Group& pg, const at::Tensor& x, int64_t dim,
                           const std::vector<int64_t>& sizes, PartialOp op) {
   return to_home(reduce_scatter_wire(pg, to_wire(pg, x, "reduce_scatter"), dim, sizes, op), x);

@@ -104,6 +104,7 @@ void on_freed_storage(c10::ArrayRef<at::Tensor> locals) {
   for (const auto& g : touched) any_sharded = any_sharded || !g->unsharded();
   if (!any_sharded) return;
   const bool backward = in_backward();
+  if (backward) touched.front()->context().advance();  // NOTE: [Gradient reduction]
   // A group left unsharded across an optimizer step (kept after a forward that no backward
   // followed, or with reshard_after_backward off) would feed forward old values: drop it so
   // its next use gathers the new ones.
@@ -203,6 +204,7 @@ void FsdpContext::finish_backward() {
   auto all = live();
   for (const auto& g : all)
     if (g->any_ready()) g->finish_gradients();
+  drain();
   for (const auto& g : all)
     if ((g->unsharded() || g->gathering()) && g->reshard_after_backward) g->reshard();
   forward_.roll();
@@ -285,6 +287,16 @@ void FsdpGroup::unshard_start() {
   if (unsharded_ || gathering_) return;
   at::NoGradGuard no_grad;
   const int64_t n = root_.size(shard_dim_);
+  if (n == 1) {  // this rank holds every row: a copy (and cast), no buffer in between
+    for (auto& p : params) {
+      const at::Tensor& u = local_of(p.unsharded);
+      allocate(storage_of(p.unsharded), static_cast<size_t>(u.numel()) * u.element_size());
+      u.copy_(local_of(p.sharded));
+      p.gathered_version = version_of(p);
+    }
+    unsharded_ = true;
+    return;
+  }
   // One flat byte buffer per rank: its rows of every parameter, in the compute dtype. Rank
   // r's piece is sum_j rows_j[r] * row_bytes_j long. The unsharded storage stays empty until
   // the all-gather is finished, so a touch in between still comes here to wait for it.
@@ -362,30 +374,43 @@ void FsdpGroup::finish_gradients() {
     params[i].ready = false;
   }
   ready_ = 0;
-  // No sync: the unsharded gradients stay and keep accumulating (torch's no_sync).
-  if (requires_gradient_sync && !ready.empty()) reduce(ready);
+  // The parameters go first: their memory is free before the reduce-scatter buffer is taken.
   if (reshard_after_backward) reshard();
+  // No sync: the unsharded gradients stay and keep accumulating (torch's no_sync).
+  if (requires_gradient_sync && !ready.empty()) context_->stage(stage_reduction(ready));
 }
-
-namespace {
 
 // One gradient on its way to the sharded parameter.
 struct ReduceItem {
-  size_t index;
-  at::Tensor full;        // local, reduce dtype, flat
-  at::Tensor shard;       // this rank's rows, flat
-  Placements placements;  // as reduced: Partial where summed (or averaged)
-  int64_t replicas;       // ranks whose replicated gradients are averaged
+  size_t index = 0;
+  at::Tensor grad;         // local, as autograd left it (any strides); dropped once staged
+  Placements placements;   // as reduced: Partial where summed (or averaged)
+  int64_t replicas = 1;    // ranks whose replicated gradients are averaged
+  bool scattered = false;  // part of the reduce-scatter buffer (else `shard` is set at staging)
+  int64_t offset = 0;      // in this rank's block of the buffer
+  at::Tensor shard;        // this rank's rows, reduce dtype (flat once reduced)
 };
 
+// See NOTE: [Gradient reduction].
+struct GradientReduction {
+  std::weak_ptr<FsdpGroup> group;
+  std::vector<ReduceItem> items;
+  at::Tensor blocks;  // staged: n blocks, block r = rank r's rows of every scattered gradient
+  comm::PendingReduceScatter scatter;
+  bool started = false;
+
+  void start();
+  void finish();
+};
+
+namespace {
+
 // The gradient of each: Partial(sum) or Replicate on every root dim (anything else, e.g. a
-// rule that left it sharded, is redistributed to Replicate first), flat in the reduce dtype.
+// rule that left it sharded, is redistributed to Replicate first). No copies.
 std::vector<ReduceItem> gradients_to_reduce(const std::vector<FsdpParam>& params,
                                             const std::vector<size_t>& ready,
-                                            const DeviceMesh& root,
-                                            std::optional<c10::ScalarType> reduce_dtype_option) {
+                                            const DeviceMesh& root) {
   std::vector<ReduceItem> items;
-  c10::ScalarType reduce_dtype = c10::ScalarType::Undefined;
   for (size_t i : ready) {
     at::Tensor g = params[i].unsharded.grad();
     const auto& s = spec(g);
@@ -401,15 +426,16 @@ std::vector<ReduceItem> gradients_to_reduce(const std::vector<FsdpParam>& params
     auto target_spec = std::make_shared<const DTensorSpec>(root, target, like.sizes(),
                                                            g.scalar_type(), like.shard_tables());
     if (s != *target_spec) g = redistribute(g, target_spec);
-    reduce_dtype = reduce_dtype == c10::ScalarType::Undefined
-                       ? g.scalar_type()
-                       : at::promote_types(reduce_dtype, g.scalar_type());
-    items.push_back({i, local_of(g), {}, target, 1});
+    ReduceItem item;
+    item.index = i;
+    item.grad = local_of(g);
+    item.placements = target;
+    items.push_back(std::move(item));
     // NOTE: [Replicated gradients are averaged] (data_parallel.cpp), as replicate does: a
     // gradient replicated over a data-parallel dim is one value everywhere (a replicated
     // batch) or each rank's own (plain per-rank batches, FSDP2's habit); the mean over the dim
-    // is right in both, and is FSDP2's average in the second. So it is reduced as a sum of
-    // 1/size shares.
+    // is right in both, and is FSDP2's average in the second. So it is reduced as a sum and
+    // divided by the number of replicas.
     for (int64_t d = 0; d < root.ndim(); ++d) {
       if (root.size(d) == 1 || !target[d].is_replicate() || !like.placement(d).is_replicate())
         continue;
@@ -417,45 +443,12 @@ std::vector<ReduceItem> gradients_to_reduce(const std::vector<FsdpParam>& params
       items.back().replicas *= root.size(d);
     }
   }
-  reduce_dtype = reduce_dtype_option.value_or(reduce_dtype);
-  for (auto& it : items) {
-    it.full = it.full.to(reduce_dtype).contiguous().view({-1});
-    if (it.replicas > 1) it.full = it.full.div(static_cast<double>(it.replicas));
-  }
   return items;
 }
 
-// Shard dim: one reduce-scatter of the gradients that are sums there; rank r's segment is
-// its rows of each, back to back. Sets every item's shard.
-void reduce_scatter_rows(std::vector<ReduceItem>& items, const std::vector<FsdpParam>& params,
-                         const DeviceMesh& root, int64_t shard_dim) {
-  const int64_t n = root.size(shard_dim);
-  const int64_t me = root.local_rank(shard_dim);
-  auto rows_of = [&](const ReduceItem& it, int64_t r) {
-    const auto& p = params[it.index];
-    return it.full.narrow(0, p.row_offsets[r] * p.row_numel, p.rows[r] * p.row_numel);
-  };
-  std::vector<at::Tensor> to_scatter;
-  std::vector<int64_t> segment(n, 0);
-  for (int64_t r = 0; r < n; ++r)
-    for (auto& it : items) {
-      if (n == 1 || !it.placements[shard_dim].is_partial()) continue;
-      to_scatter.push_back(rows_of(it, r));
-      segment[r] += to_scatter.back().numel();
-    }
-  at::Tensor scattered;
-  if (!to_scatter.empty())
-    scattered = comm::reduce_scatter(root.group(shard_dim), at::cat(to_scatter), 0, segment,
-                                     PartialOp::Sum);
-  int64_t pos = 0;
-  for (auto& it : items) {
-    if (n > 1 && it.placements[shard_dim].is_partial()) {
-      it.shard = scattered.narrow(0, pos, rows_of(it, me).numel());
-      pos += it.shard.numel();
-    } else {
-      it.shard = rows_of(it, me);
-    }
-  }
+// Rows [offset, offset + rows) of a local gradient (dim 0), any strides.
+at::Tensor rows_of(const at::Tensor& grad, const FsdpParam& p, int64_t r) {
+  return grad.narrow(0, p.row_offsets[r], p.rows[r]);
 }
 
 // Every other dim where the gradient is a sum (HSDP's replicate dim, domain dims): one
@@ -469,7 +462,7 @@ void all_reduce_other_dims(std::vector<ReduceItem>& items, const DeviceMesh& roo
       if (it.placements[d].is_partial()) partial.push_back(&it);
     if (partial.empty()) continue;
     std::vector<at::Tensor> parts;
-    for (auto* it : partial) parts.push_back(it->shard);
+    for (auto* it : partial) parts.push_back(it->shard.reshape({-1}));
     at::Tensor summed = comm::all_reduce(root.group(d), at::cat(parts), PartialOp::Sum);
     int64_t off = 0;
     for (auto* it : partial) {
@@ -485,14 +478,17 @@ void accumulate_sharded_gradients(const std::vector<ReduceItem>& items,
   for (const auto& it : items) {
     auto& p = params[it.index];
     const DTensorImpl* sharded = dtensor_impl(p.sharded);
-    at::Tensor local = it.shard.to(sharded->local().scalar_type()).view(sharded->local().sizes());
-    at::Tensor grad = make_dtensor(local.clone(at::MemoryFormat::Contiguous), sharded->spec_ptr());
+    at::Tensor local =
+        it.shard.to(sharded->local().scalar_type()).reshape(sharded->local().sizes());
+    // Its own storage: a shard may be a view of the whole reduce-scatter block.
+    if (local.storage().nbytes() != local.nbytes())
+      local = local.clone(at::MemoryFormat::Contiguous);
+    at::Tensor grad = make_dtensor(local, sharded->spec_ptr());
     detail::drop_gradient_the_user_dropped(p.sharded.unsafeGetTensorImpl());
     if (p.sharded.grad().defined())
       p.sharded.mutable_grad().add_(grad);
     else
       p.sharded.mutable_grad() = grad;
-    p.unsharded.mutable_grad() = at::Tensor();
     // An optimizer built before fully_shard steps the original objects (now this rank's rows).
     detail::hand_gradient_to_user(p.sharded.unsafeGetTensorImpl());
   }
@@ -500,12 +496,115 @@ void accumulate_sharded_gradients(const std::vector<ReduceItem>& items,
 
 }  // namespace
 
-void FsdpGroup::reduce(const std::vector<size_t>& ready) {
+// NOTE: [Gradient reduction]
+// A group's gradients are ready inside the post-hook of its last gradient accumulator, where
+// the autograd engine still holds that gradient. Staging (in the hook) copies every ready
+// gradient's rows straight into one reduce-scatter buffer (rank r's rows of each parameter,
+// back to back, block r; the copy reads any strides and converts to the reduce dtype: one
+// copy, no contiguous() or cat in between) and drops the unsharded gradients. The reduce-
+// scatter starts at the next event of this backward (another group's hook, a gather, the
+// engine's final callback), once the engine has let the gradient go, so a group's gradient and
+// the backend's copy of the buffer are never alive together; it then runs on the backend's
+// threads while the following groups compute. At most one runs at a time: starting one
+// finishes the one before (summing over the other mesh dims and adding the shards to the
+// sharded parameters' gradients). The final callback finishes all, before backward returns.
+// Every rank stages and starts in the same order (the same hooks fire everywhere).
+void GradientReduction::start() {
+  started = true;
+  auto g = group.lock();
+  if (!g || !blocks.defined()) return;
+  scatter = comm::reduce_scatter_start(g->root().group(g->shard_dim()), std::move(blocks));
+}
+
+void GradientReduction::finish() {
+  auto g = group.lock();
+  if (!g) return;
   at::NoGradGuard no_grad;
-  auto items = gradients_to_reduce(params, ready, root_, options.mp_policy().reduce_dtype);
-  reduce_scatter_rows(items, params, root_, shard_dim_);
-  all_reduce_other_dims(items, root_, shard_dim_);
-  accumulate_sharded_gradients(items, params);
+  if (scatter.pending()) {
+    const at::Tensor mine = scatter.wait();
+    const int64_t me = g->root().local_rank(g->shard_dim());
+    for (auto& it : items) {
+      const auto& p = g->params[it.index];
+      if (it.scattered) it.shard = mine.narrow(0, it.offset, p.rows[me] * p.row_numel);
+    }
+  }
+  for (auto& it : items)
+    if (it.replicas > 1) it.shard = it.shard.div(static_cast<double>(it.replicas));
+  all_reduce_other_dims(items, g->root(), g->shard_dim());
+  accumulate_sharded_gradients(items, g->params);
+}
+
+std::unique_ptr<GradientReduction> FsdpGroup::stage_reduction(const std::vector<size_t>& ready) {
+  at::NoGradGuard no_grad;
+  auto job = std::make_unique<GradientReduction>();
+  job->group = weak_from_this();
+  job->items = gradients_to_reduce(params, ready, root_);
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  for (const auto& it : job->items)
+    dtype = dtype == c10::ScalarType::Undefined ? it.grad.scalar_type()
+                                                : at::promote_types(dtype, it.grad.scalar_type());
+  dtype = options.mp_policy().reduce_dtype.value_or(dtype);
+  const int64_t n = root_.size(shard_dim_);
+  const int64_t me = root_.local_rank(shard_dim_);
+  // Block r holds rank r's rows of every gradient summed over the shard dim; blocks are padded
+  // to the largest (rows differ by at most one per parameter).
+  int64_t block = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    int64_t len = 0;
+    for (auto& it : job->items) {
+      it.scattered = n > 1 && it.placements[shard_dim_].is_partial();
+      if (it.scattered) len += params[it.index].rows[r] * params[it.index].row_numel;
+    }
+    block = std::max(block, len);
+  }
+  if (block > 0) {
+    job->blocks = at::empty({n * block}, job->items.front().grad.options().dtype(dtype));
+    for (int64_t r = 0; r < n; ++r) {
+      int64_t pos = r * block;
+      for (auto& it : job->items) {
+        if (!it.scattered) continue;
+        const auto& p = params[it.index];
+        at::Tensor src = rows_of(it.grad, p, r);
+        if (r == me) it.offset = pos - r * block;
+        job->blocks.narrow(0, pos, src.numel()).view(src.sizes()).copy_(src);
+        pos += src.numel();
+      }
+      job->blocks.narrow(0, pos, (r + 1) * block - pos).zero_();  // no stale bytes on the wire
+    }
+  }
+  for (auto& it : job->items) {
+    if (!it.scattered) it.shard = rows_of(it.grad, params[it.index], me).to(dtype);  // no copy
+    it.grad = at::Tensor();
+    params[it.index].unsharded.mutable_grad() = at::Tensor();
+  }
+  return job;
+}
+
+FsdpContext::FsdpContext() = default;
+FsdpContext::~FsdpContext() = default;
+
+void FsdpContext::stage(std::unique_ptr<GradientReduction> reduction) {
+  advance();
+  reductions_.push_back(std::move(reduction));
+}
+
+void FsdpContext::advance() {
+  if (reductions_.empty() || reductions_.back()->started) return;
+  while (reductions_.front()->started) {
+    auto done = std::move(reductions_.front());
+    reductions_.pop_front();
+    done->finish();
+  }
+  reductions_.front()->start();
+}
+
+void FsdpContext::drain() {
+  while (!reductions_.empty()) {
+    auto r = std::move(reductions_.front());
+    reductions_.pop_front();
+    if (!r->started) r->start();
+    r->finish();
+  }
 }
 
 }  // namespace tessera::detail

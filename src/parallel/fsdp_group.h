@@ -1,6 +1,7 @@
 #pragma once
 // One fully_shard parameter group (internal). See NOTE: [Gather on first touch] in
 // fsdp_group.cpp.
+#include <deque>
 #include <memory>
 #include <optional>
 #include <string>
@@ -33,8 +34,9 @@ struct FsdpParam {
 };
 
 class FsdpContext;
+struct GradientReduction;
 
-class FsdpGroup {
+class FsdpGroup : public std::enable_shared_from_this<FsdpGroup> {
  public:
   FsdpGroup(const torch::nn::Module& module, DeviceMesh mesh, FullyShardOptions options,
             std::shared_ptr<FsdpContext> context);
@@ -53,7 +55,8 @@ class FsdpGroup {
 
   // The grad-accumulator hook of params[index].
   void on_grad_ready(size_t index);
-  // Reduces the gradients accumulated so far (sync on), resets readiness, reshards if set.
+  // Hands the gradients accumulated so far to a reduction (sync on; see NOTE: [Gradient
+  // reduction]), resets readiness, reshards if set.
   void finish_gradients();
   bool any_ready() const { return ready_ > 0; }
 
@@ -67,6 +70,7 @@ class FsdpGroup {
   const std::string& module_name() const { return module_name_; }
   const DeviceMesh& mesh() const { return mesh_; }
   const DeviceMesh& root() const { return root_; }
+  int64_t shard_dim() const { return shard_dim_; }  // in the root mesh
   FsdpContext& context() const { return *context_; }
 
   std::vector<FsdpParam> params;
@@ -79,7 +83,8 @@ class FsdpGroup {
   FullyShardOptions options;
 
  private:
-  void reduce(const std::vector<size_t>& ready);
+  // The ready gradients copied into one reduce-scatter buffer, the unsharded ones dropped.
+  std::unique_ptr<GradientReduction> stage_reduction(const std::vector<size_t>& ready);
   c10::ScalarType compute_dtype(const at::Tensor& original) const;
 
   const torch::nn::Module* module_;
@@ -105,6 +110,8 @@ class FsdpGroup {
 // Every group of this rank on one root mesh, in creation (bottom-up) order.
 class FsdpContext {
  public:
+  FsdpContext();
+  ~FsdpContext();
   std::vector<std::weak_ptr<FsdpGroup>> groups;
   std::vector<std::shared_ptr<FsdpGroup>> live() const;
   // Once per backward, on its first gradient: the engine's final callback (finish_backward).
@@ -112,6 +119,11 @@ class FsdpContext {
   void finish_backward();
   // A touch gathered `g` (forward or backward): record the order, start the prefetches.
   void on_gathered(const std::shared_ptr<FsdpGroup>& g, bool backward);
+  // NOTE: [Gradient reduction]: queue a staged reduction; start the one staged before (its
+  // gradients are gone by now), after finishing the one in flight; finish every one.
+  void stage(std::unique_ptr<GradientReduction> reduction);
+  void advance();
+  void drain();
 
  private:
   // The order groups were gathered in, this pass and the previous one, per direction.
@@ -124,6 +136,7 @@ class FsdpContext {
   };
   Order forward_, backward_;
   bool callback_queued_ = false;
+  std::deque<std::unique_ptr<GradientReduction>> reductions_;  // in flight first, then staged
 };
 
 // The context of `root` on this rank (created on first use).

@@ -53,6 +53,14 @@ using PendingAllGather = Pending<std::vector<at::Tensor>>;
 PendingAllGather all_gather_start(const Group& pg, const at::Tensor& x,
                                   const std::vector<int64_t>& sizes);
 
+// The sum over members of `blocks`, 1-D and contiguous, n equal blocks (block i goes to member
+// i; pad uneven pieces with zeros), left running on the backend's own threads; wait() returns
+// this member's block (fully_shard's gradients: one group's reduction runs while the next
+// group's backward computes). Sends and receives (n-1) blocks, accounted when started.
+// Backends without a flat reduce-scatter (LibTorch 1.13's Gloo) reduce before returning.
+using PendingReduceScatter = Pending<at::Tensor>;
+PendingReduceScatter reduce_scatter_start(const Group& pg, at::Tensor blocks);
+
 // Member i gets piece i (sizes[i] along `dim`) of op over every member's x.
 // Sends B - own piece; receives (n-1) * own piece. One all-to-all-v + a local reduction.
 at::Tensor reduce_scatter(const Group& pg, const at::Tensor& x, int64_t dim,
