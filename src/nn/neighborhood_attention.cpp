@@ -45,6 +45,9 @@ constexpr const char* kBackwardOp = "tessera::neighborhood_attention_backward";
 
 Tensor value_or_undefined(const OptTensor& t) { return t.has_value() ? *t : Tensor(); }
 OptTensor optional_if_defined(const Tensor& t) { return t.defined() ? OptTensor(t) : c10::nullopt; }
+bool requires_grad(const OptTensor& t) {
+  return t.has_value() && t->defined() && t->requires_grad();
+}
 
 std::vector<bool> to_vector(const BoolList& l) {
   std::vector<bool> r;
@@ -169,16 +172,24 @@ struct NeighborhoodAttentionFunction
                                const Tensor& v, std::vector<int64_t> kernel_size,
                                std::vector<int64_t> stride, std::vector<int64_t> dilation,
                                BoolList is_causal, BoolList circular, double scale,
-                               const OptTensor& rpb, const OptTensor& ek, const OptTensor& ev) {
+                               const OptTensor& rpb, const OptTensor& ek, const OptTensor& ev,
+                               bool keep_windows) {
     // (Absent tensors are passed as nullopt: autograd skips them as inputs.)
     Tensor out, lse;
+    detail::KVWindows windows;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
+      // NOTE: [K/V windows kept for backward] (ops/window/na_local.h)
+      detail::KeepWindows keep(keep_windows ? &windows : nullptr);
       std::tie(out, lse) = forward_op().call(q, k, v, kernel_size, stride, dilation, is_causal,
                                              circular, scale, rpb, ek, ev);
     }
     ctx->save_for_backward({q, k, v, out, lse, value_or_undefined(rpb), value_or_undefined(ek),
                             value_or_undefined(ev)});
+    if (windows.k.defined() && windows.v.defined()) {
+      ctx->saved_data["k_window"] = windows.k;
+      ctx->saved_data["v_window"] = windows.v;
+    }
     ctx->saved_data["kernel_size"] = kernel_size;
     ctx->saved_data["stride"] = stride;
     ctx->saved_data["dilation"] = dilation;
@@ -192,12 +203,18 @@ struct NeighborhoodAttentionFunction
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const Tensor& grad_out = grads[0];
-    variable_list result(12);
+    variable_list result(13);
     if (!grad_out.defined()) return result;  // only the lse was used
     TORCH_CHECK(!at::GradMode::is_enabled(), kOp,
                 ": double backward is not supported (backward was called with create_graph)");
     const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
     const Tensor &rpb = saved[5], &ek = saved[6], &ev = saved[7];
+    detail::KVWindows windows;
+    if (ctx->saved_data.count("k_window") != 0) {
+      windows.k = ctx->saved_data["k_window"].toTensor();
+      windows.v = ctx->saved_data["v_window"].toTensor();
+    }
+    detail::OfferWindows offer(&windows);
     auto r = backward_op().call(
         grad_out, q, k, v, out, lse, ctx->saved_data["kernel_size"].toIntVector(),
         ctx->saved_data["stride"].toIntVector(), ctx->saved_data["dilation"].toIntVector(),
@@ -223,7 +240,9 @@ std::tuple<Tensor, Tensor> na_forward_autograd(const Tensor& q, const Tensor& k,
   auto r = NeighborhoodAttentionFunction::apply(
       q, k, v, kernel_size.vec(), stride.vec(), dilation.vec(), is_causal, circular, scale,
       optional_if_defined(value_or_undefined(rpb)), optional_if_defined(value_or_undefined(ek)),
-      optional_if_defined(value_or_undefined(ev)));
+      optional_if_defined(value_or_undefined(ev)),
+      at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                                     requires_grad(rpb) || requires_grad(ek) || requires_grad(ev)));
   return {r[0], r[1]};
 }
 

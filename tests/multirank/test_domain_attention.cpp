@@ -73,9 +73,13 @@ Shape with(Shape spatial, int64_t b, int64_t h, int64_t d) {
 
 const test::Tolerance kTol{1e-10, 1e-11};
 
-// The op sharded and on full tensors; out and every gradient compared. Returns the bytes this
-// rank received in the forward op.
-int64_t check(const DeviceMesh& mesh, const NACase& c, uint64_t seed, const std::string& desc) {
+// Bytes this rank moved: received in the forward op, sent in its backward.
+struct NABytes {
+  int64_t forward_received = 0, backward_sent = 0;
+};
+
+// The op sharded and on full tensors; out and every gradient compared.
+NABytes check(const DeviceMesh& mesh, const NACase& c, uint64_t seed, const std::string& desc) {
   const int64_t nd = c.nd(), heads_dim = nd + 1;
   const Shape qs = with(c.spatial, c.batch, c.heads, c.dim),
               ks = with(c.spatial, c.batch, c.kv_heads, c.dim),
@@ -129,8 +133,12 @@ int64_t check(const DeviceMesh& mesh, const NACase& c, uint64_t seed, const std:
 
   at::Tensor g = test::randn(expected.sizes(), seed + 9, at::kDouble);
   expected.backward(g);
-  got.backward(distribute_tensor(g, mesh, spec(got).partial_as_replicate().placements(),
-                                 std::nullopt, ShardSizes::Given(spec(got).shard_tables())));
+  const at::Tensor dg =
+      distribute_tensor(g, mesh, spec(got).partial_as_replicate().placements(), std::nullopt,
+                        ShardSizes::Given(spec(got).shard_tables()));
+  CommDebugMode backward_comm;
+  got.backward(dg);
+  const int64_t backward_sent = backward_comm.total_bytes_sent();
   auto grad_ok = [&](const at::Tensor& d, const at::Tensor& full, const char* what) {
     if (!d.defined()) return;
     EXPECT_TRUE(d.grad().defined()) << desc << ": no gradient for " << what;
@@ -144,7 +152,7 @@ int64_t check(const DeviceMesh& mesh, const NACase& c, uint64_t seed, const std:
   grad_ok(drpb, rpb, "rpb");
   grad_ok(dek, ek, "additional_keys");
   grad_ok(dev, ev, "additional_values");
-  return received;
+  return {received, backward_sent};
 }
 
 // ---- the reference's shard tables ------------------------------------------------------------
@@ -204,13 +212,17 @@ TEST(DomainAttention, ReferenceShardTablesMatchOneDeviceWithExactHalos) {
         const std::string desc = c.str();
         tessera::testing::run_ranks(world, [&](int rank) {
           auto mesh = init_device_mesh("cpu", {world});
-          const int64_t got = check(mesh, c, 11, desc);
+          const NABytes got = check(mesh, c, 11, desc);
           // K and V rows: (left + right) rows of the cut axis, times the rest of a row.
           const auto [left, right] = r.halos[rank];
           int64_t row = c.batch * c.kv_heads * (c.dim + c.vdim) * 8;
           for (int64_t i = 0; i < nd; ++i)
             if (i != cut) row *= c.spatial[i];
-          EXPECT_EQ(got, (left + right) * row) << desc << " rank " << rank;
+          EXPECT_EQ(got.forward_received, (left + right) * row) << desc << " rank " << rank;
+          // Backward sends the same rows' K and V gradients home and fetches nothing: it
+          // reuses the forward's windows.
+          EXPECT_EQ(got.backward_sent, (left + right) * row)
+              << desc << " rank " << rank << ": backward moved more than the window gradients";
         });
       }
     }
@@ -251,7 +263,11 @@ TEST(DomainAttention, TwoByTwoMeshMatchesOneDevice) {
   cases.push_back(three);
   for (const auto& c : cases) {
     const std::string desc = c.str();
-    test::on_mesh({2, 2}, [&](const DeviceMesh& mesh) { check(mesh, c, 5, desc); });
+    test::on_mesh({2, 2}, [&](const DeviceMesh& mesh) {
+      const NABytes b = check(mesh, c, 5, desc);
+      // Backward sends each fetched row's gradient home once and fetches nothing again.
+      EXPECT_EQ(b.backward_sent, b.forward_received) << desc;
+    });
   }
 }
 

@@ -514,4 +514,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
           dev};
 }
 
+// NOTE: [K/V windows kept for backward] (na_local.h).
+namespace {
+thread_local KVWindows* t_keep = nullptr;
+thread_local const KVWindows* t_offer = nullptr;
+}  // namespace
+
+KeepWindows::KeepWindows(KVWindows* into) : previous_(t_keep) { t_keep = into; }
+KeepWindows::~KeepWindows() { t_keep = previous_; }
+OfferWindows::OfferWindows(const KVWindows* windows) : previous_(t_offer) { t_offer = windows; }
+OfferWindows::~OfferWindows() { t_offer = previous_; }
+
+KVWindows* windows_to_keep() { return t_keep; }
+
+const KVWindows* take_offered_windows() {
+  const KVWindows* w = t_offer;
+  t_offer = nullptr;
+  return w != nullptr && w->k.defined() && w->v.defined() ? w : nullptr;
+}
+
 }  // namespace tessera::nn::detail

@@ -103,4 +103,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const std::vector<TapTable>& tables, double scale, const at::Tensor& rpb,
     const at::Tensor& extra_k, const at::Tensor& extra_v);
 
+// NOTE: [K/V windows kept for backward]
+// The sharded forward fetches this rank's K/V windows (its rows plus the halo); backward reads
+// the same windows. Fetching them again would move twice the forward's halo, so the autograd
+// kernel, when a gradient will be taken, opens a KeepWindows scope around the forward call:
+// the sharded kernel leaves its windows there and the autograd node saves them (memory: one
+// more K/V window per op until backward). Around the backward call an OfferWindows scope hands
+// them back, and the sharded backward kernel uses them instead of fetching. Both scopes are
+// thread-local and span one synchronous dispatcher call, so no other op sees them; outside
+// them (no gradient, the backward op called directly) the kernels fetch as before.
+struct KVWindows {
+  at::Tensor k, v;
+};
+class KeepWindows {
+ public:
+  explicit KeepWindows(KVWindows* into);
+  ~KeepWindows();
+  KeepWindows(const KeepWindows&) = delete;
+  KeepWindows& operator=(const KeepWindows&) = delete;
+
+ private:
+  KVWindows* previous_;
+};
+class OfferWindows {
+ public:
+  explicit OfferWindows(const KVWindows* windows);
+  ~OfferWindows();
+  OfferWindows(const OfferWindows&) = delete;
+  OfferWindows& operator=(const OfferWindows&) = delete;
+
+ private:
+  const KVWindows* previous_;
+};
+// Inside a KeepWindows scope: where the sharded forward leaves its windows (else nullptr).
+KVWindows* windows_to_keep();
+// Inside an OfferWindows scope with windows: the forward's windows (else nullptr). Taken once:
+// a second sharded backward in the same scope fetches.
+const KVWindows* take_offered_windows();
+
 }  // namespace tessera::nn::detail

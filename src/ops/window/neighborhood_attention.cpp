@@ -10,8 +10,9 @@
 // up to (k-1)*d rows from one side, possibly from several thin neighbours; a causal axis
 // needs none on the right. The local kernel builds its tap tables from the same global
 // positions, offset by the window's first row, and so computes exactly what one device does
-// for those queries. Backward fetches the K/V windows again (2x the forward halo, no state
-// kept between the two ops), and sends the window gradients of K and V home; the gradients
+// for those queries. Backward reuses the forward's K/V windows (NOTE: [K/V windows kept for
+// backward] in na_local.h; fetched again only without them), and sends the window gradients
+// of K and V home, so each pass moves the forward's halo once; the gradients
 // of rpb and of the extra keys/values are Partial(sum) over the mesh dims that shard batch or
 // space, and Shard(0) / Shard(2) where heads are sharded.
 // Bytes per cut spatial dim and direction: halo rows x other local extents x H_kv x (D + Dv).
@@ -266,6 +267,8 @@ std::pair<at::Tensor, at::Tensor> fetch_kv(KernelCall& kc, const DeviceMesh& mes
 void na_forward_kernel(KernelCall& kc, const DeviceMesh& mesh, const NALayout& l) {
   const bool periodic = any_circular(l.axes);
   auto [kw, vw] = fetch_kv(kc, mesh, l.cuts, periodic);
+  // NOTE: [K/V windows kept for backward] (na_local.h)
+  if (nn::detail::KVWindows* keep = nn::detail::windows_to_keep()) *keep = {kw, vw};
   const at::Tensor q = kc.tensor("query");
   bool empty = false;
   const auto tables = rank_tables(l.cuts, l.axes, &empty);
@@ -284,9 +287,25 @@ void na_forward_kernel(KernelCall& kc, const DeviceMesh& mesh, const NALayout& l
   kc.finish({out, lse});
 }
 
+// The forward's windows when the autograd kernel offers them and they fit this call's layout,
+// else fetched again.
+std::pair<at::Tensor, at::Tensor> backward_kv(KernelCall& kc, const DeviceMesh& mesh,
+                                              const NALayout& l, bool periodic) {
+  if (const nn::detail::KVWindows* w = nn::detail::take_offered_windows()) {
+    const at::Tensor k = kc.tensor("key"), v = kc.tensor("value");
+    auto fits = [](const at::Tensor& win, const at::Tensor& local) {
+      return win.dim() == local.dim() && win.size(0) == local.size(0) &&
+             win.size(-1) == local.size(-1) && win.size(-2) == local.size(-2) &&
+             win.scalar_type() == local.scalar_type() && win.device() == local.device();
+    };
+    if (fits(w->k, k) && fits(w->v, v)) return {w->k, w->v};
+  }
+  return fetch_kv(kc, mesh, l.cuts, periodic);
+}
+
 void na_backward_kernel(KernelCall& kc, const DeviceMesh& mesh, const NALayout& l) {
   const bool periodic = any_circular(l.axes);
-  auto [kw, vw] = fetch_kv(kc, mesh, l.cuts, periodic);
+  auto [kw, vw] = backward_kv(kc, mesh, l, periodic);
   const at::Tensor q = kc.tensor("query");
   const at::Tensor rpb = optional_tensor(kc.arg("rpb"));
   const at::Tensor ek = optional_tensor(kc.arg("additional_keys"));
