@@ -180,6 +180,9 @@ void FsdpGroup::activate(const std::shared_ptr<FsdpGroup>& group) {
   }
   group->unsharded_ = true;
   group->reshard();
+  // Forward computes in param_dtype: inputs meeting these parameters are cast to it.
+  if (const auto dtype = group->options.mp_policy().param_dtype)
+    for (const auto& p : group->params) register_compute_dtype(p.unsharded, *dtype);
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   for (const auto& p : group->params) r.by_storage[storage_of(p.unsharded)] = group;
@@ -252,6 +255,9 @@ FsdpGroup::FsdpGroup(const torch::nn::Module& module, DeviceMesh mesh, FullyShar
 }
 
 FsdpGroup::~FsdpGroup() {
+  if (options.mp_policy().param_dtype)
+    for (const auto& p : params)
+      if (p.unsharded.defined()) unregister_compute_dtype(p.unsharded);
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   for (const auto& p : params) {

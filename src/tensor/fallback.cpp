@@ -246,6 +246,7 @@ struct Frame {
   c10::SmallVector<Holds, 8> holds;
   ops::OpCall call;
   bool lists = false;  // a Tensor[] / Tensor?[] argument holds a distributed tensor
+  bool cast = false;   // arguments cast to a compute dtype (NOTE: [Compute dtype])
   c10::SmallVector<DTensorImpl*, 8> impls;  // per Tensor argument: its wrapper, if any
   // Plain tensors admitted as replicated values; an in-place op on one returns the original.
   c10::SmallVector<std::pair<size_t, at::Tensor>, 2> admitted_plain;
@@ -619,9 +620,9 @@ void remember(Frame& f) {
 // Whether the fast path may replay this call (see detail::FallbackReport).
 void report(const Frame& f, detail::FallbackReport* out) {
   const ops::OpPlan& plan = f.plan();
-  if (f.lists || !f.keep_alive.empty() || f.decision->replicate_all || f.decision->functional ||
-      plan.data_dependent_shapes || plan.local_kernel || plan.distributed_kernel ||
-      f.schema.returns().size() != 1 || plan.outputs.size() != 1)
+  if (f.lists || f.cast || !f.keep_alive.empty() || f.decision->replicate_all ||
+      f.decision->functional || plan.data_dependent_shapes || plan.local_kernel ||
+      plan.distributed_kernel || f.schema.returns().size() != 1 || plan.outputs.size() != 1)
     return;
   for (size_t i = 0; i < f.nargs; ++i) {
     if (!f.impls[i]) continue;
@@ -650,6 +651,9 @@ void dtensor_fallback_impl(const c10::OperatorHandle& op, torch::jit::Stack* sta
                            detail::FallbackReport* out) {
   comm::detail::CallerScope caller(caller_name(op));
   Frame f(op, stack);
+  // NOTE: [Compute dtype] (compute_dtype.cpp)
+  if (detail::g_compute_dtypes.load(std::memory_order_relaxed))
+    f.cast = detail::cast_to_compute_dtype(f.schema, f.args, /*differentiable=*/false);
   collect(f);
   admit_and_key(f);
   decide(f);

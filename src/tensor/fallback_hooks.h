@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/SmallVector.h>
 
 namespace tessera {
 
@@ -26,8 +27,22 @@ void set_plain_operand_check(PlainOperandCheck check);
 using FreedStorageHandler = void (*)(c10::ArrayRef<at::Tensor> locals);
 void set_freed_storage_handler(FreedStorageHandler handler);
 
+// NOTE: [Compute dtype] (compute_dtype.cpp): a storage registered here makes an op that reads
+// it next to floating-point tensors of another dtype compute in the registered dtype.
+// fully_shard registers its unsharded parameters under MixedPrecisionPolicy::param_dtype.
+void register_compute_dtype(const at::Tensor& t, c10::ScalarType dtype);  // t's (local) storage
+void unregister_compute_dtype(const at::Tensor& t);
+
 namespace detail {
 extern std::atomic<FreedStorageHandler> g_freed_storage_handler;
+extern std::atomic<bool> g_compute_dtypes;  // anything registered (a fast first check)
+
+// The op's read-only floating-point tensor arguments cast per NOTE: [Compute dtype]; true when
+// any was (the call then is not one the fast path may replay). differentiable: the cast is an
+// ordinary autograd op (above autograd); otherwise it runs below autograd and the uncast
+// tensor's storage is registered for the backward op.
+bool cast_to_compute_dtype(const c10::FunctionSchema& schema,
+                           c10::SmallVectorImpl<c10::IValue>& args, bool differentiable);
 inline bool is_freed(const at::Tensor& local) {
   return g_freed_storage_handler.load(std::memory_order_relaxed) && local.has_storage() &&
          local.numel() > 0 && local.storage().nbytes() == 0;

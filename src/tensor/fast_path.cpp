@@ -34,12 +34,19 @@ struct Probe {
   c10::SmallVector<const SpecPtr*, 4> specs;  // per distributed argument
   c10::SmallVector<int64_t, 8> extras;        // non-tensor arguments, 0-dim plain tensors
   bool freed = false;  // a shard whose storage fully_shard freed (refilled before any read)
+  c10::ScalarType floating = c10::ScalarType::Undefined;  // the first floating-point operand's
 };
 
 void probe(Probe& p, const at::Tensor& t) {
   if (auto* d = as_dtensor(t)) {
     p.freed = p.freed || detail::is_freed(d->local());
     p.specs.push_back(&d->spec_ptr());
+    // Mixed floating-point dtypes may need a cast (NOTE: [Compute dtype]): the fallback decides.
+    if (detail::g_compute_dtypes.load(std::memory_order_relaxed) && t.dim() > 0 &&
+        at::isFloatingType(t.scalar_type())) {
+      if (p.floating == c10::ScalarType::Undefined) p.floating = t.scalar_type();
+      p.ok = p.ok && p.floating == t.scalar_type();
+    }
   } else if (t.defined() && t.dim() == 0) {  // a scalar operand: its dtype can promote
     p.extras.push_back(0x5ca1a0 + static_cast<int64_t>(t.scalar_type()));
   } else {

@@ -275,6 +275,95 @@ TEST(FullyShard, MixedPrecisionFloat32ComputeWithFloat64MasterWeights) {
   EXPECT_EQ(reduced_bytes[1], 2 * reduced_bytes[0]) << "reduce_dtype float64 doubles the bytes";
 }
 
+// FSDP2 casts forward inputs to param_dtype. Inputs here come in the master dtype (float64),
+// as a user's data loader gives them: the output, the input's gradient (back in float64) and
+// every parameter's gradient equal one device running the same float32 module on x.to(float32).
+// 1, 2 and 3 ranks, uneven rows and an empty shard.
+TEST(FullyShard, MixedPrecisionCastsForwardInputsToParamDtype) {
+  const auto proto = make_mlp();
+  const auto x = test::randn({10, 15}, 93, at::kDouble), y = test::randn({10, 2}, 94);
+  auto ref = clone_of(proto);
+  ref->to(at::kFloat);
+  const auto xr = x.clone().requires_grad_();
+  const auto out_ref = ref->forward(xr.to(at::kFloat));
+  at::mse_loss(out_ref, y).backward();
+  const test::Tolerance tol{1e-5, 1e-6};
+  for (int world : {1, 2, 3}) {
+    const ShardTable rows = world == 1   ? ShardTable{10}
+                            : world == 2 ? ShardTable{7, 3}
+                                         : ShardTable{5, 0, 5};
+    tessera::testing::run_ranks(
+        world,
+        [&](int rank) {
+          at::set_num_threads(1);
+          auto mesh = init_device_mesh("cpu", {world}, {"dp"});
+          auto model = clone_of(proto);
+          MixedPrecisionPolicy mp;
+          mp.param_dtype = at::kFloat;
+          shard_mlp(*model, mesh, FullyShardOptions().mp_policy(mp));
+          const std::string ctx = std::to_string(world) + " ranks, rank " + std::to_string(rank);
+          const auto dx = local_batch(x, mesh, rows).requires_grad_();
+          const auto dy = local_batch(y, mesh, rows);
+          for (int step = 0; step < 2; ++step) {  // the second forward finds groups gathered
+            auto out = model->forward(dx);
+            EXPECT_EQ(out.scalar_type(), at::kFloat) << ctx;
+            EXPECT_TRUE(test::full_matches(out, out_ref, tol)) << ctx << ": output";
+            dx.mutable_grad() = at::Tensor();
+            for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
+            at::mse_loss(out, dy).backward();
+            ASSERT_TRUE(dx.grad().defined()) << ctx;
+            EXPECT_EQ(dx.grad().scalar_type(), at::kDouble) << ctx;
+            EXPECT_TRUE(test::full_matches(dx.grad(), xr.grad(), tol)) << ctx << ": input grad";
+            auto got = model->named_parameters(), want = ref->named_parameters();
+            for (const auto& item : got) {
+              ASSERT_TRUE(item.value().grad().defined()) << ctx << " " << item.key();
+              EXPECT_TRUE(test::full_matches(item.value().grad(),
+                                             want[item.key()].grad().to(at::kDouble), tol))
+                  << ctx << ": gradient of " << item.key();
+            }
+          }
+        },
+        {std::chrono::seconds(120)});
+  }
+}
+
+// The same cast through a convolution and group norm (one group, the whole CNN), the input a
+// float64 batch sharded 3 + 0 rows: output and every gradient as one device's float32 CNN.
+TEST(FullyShard, MixedPrecisionCastsConvolutionInputs) {
+  const auto proto = make_cnn();
+  const auto x = test::randn({3, 2, 5, 4}, 95, at::kDouble), y = test::randn({3, 3}, 96);
+  auto ref = clone_of(proto);
+  ref->to(at::kFloat);
+  const auto xr = x.clone().requires_grad_();
+  const auto out_ref = ref->forward(xr.to(at::kFloat));
+  at::mse_loss(out_ref, y).backward();
+  const test::Tolerance tol{1e-5, 1e-6};
+  tessera::testing::run_ranks(
+      2,
+      [&](int rank) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {2}, {"dp"});
+        auto model = clone_of(proto);
+        MixedPrecisionPolicy mp;
+        mp.param_dtype = at::kFloat;
+        fully_shard(*model, mesh, FullyShardOptions().mp_policy(mp));
+        const std::string ctx = "rank " + std::to_string(rank);
+        const auto dx = local_batch(x, mesh, {3, 0}).requires_grad_();
+        auto out = model->forward(dx);
+        EXPECT_TRUE(test::full_matches(out, out_ref, tol)) << ctx << ": output";
+        at::mse_loss(out, local_batch(y, mesh, {3, 0})).backward();
+        ASSERT_TRUE(dx.grad().defined()) << ctx;
+        EXPECT_EQ(dx.grad().scalar_type(), at::kDouble) << ctx;
+        EXPECT_TRUE(test::full_matches(dx.grad(), xr.grad(), tol)) << ctx << ": input grad";
+        auto want = ref->named_parameters();
+        for (const auto& item : model->named_parameters())
+          EXPECT_TRUE(
+              test::full_matches(item.value().grad(), want[item.key()].grad().to(at::kDouble), tol))
+              << ctx << ": gradient of " << item.key();
+      },
+      {std::chrono::seconds(120)});
+}
+
 TEST(FullyShard, NoSyncAccumulatesMicroBatchesLikeOneDevice) {
   const auto proto = make_mlp();
   const auto x = test::randn({10, 15}, 101, at::kDouble),
