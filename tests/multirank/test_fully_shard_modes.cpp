@@ -275,19 +275,58 @@ TEST(FullyShard, MixedPrecisionFloat32ComputeWithFloat64MasterWeights) {
   EXPECT_EQ(reduced_bytes[1], 2 * reduced_bytes[0]) << "reduce_dtype float64 doubles the bytes";
 }
 
+// One device's float32 module run on x.to(float32) from a float64 x: the oracle of the cast
+// of forward inputs (the output, x's gradient and every parameter's gradient).
+template <class Model>
+struct CastReference {
+  std::shared_ptr<Model> model;
+  at::Tensor x, out;
+  CastReference(const std::shared_ptr<Model>& proto, const at::Tensor& x64, const at::Tensor& y)
+      : model(clone_of(proto)), x(x64.clone().requires_grad_()) {
+    model->to(at::kFloat);
+    out = model->forward(x.to(at::kFloat));
+    at::mse_loss(out, y).backward();
+  }
+};
+
+FullyShardOptions float32_compute() {
+  MixedPrecisionPolicy mp;
+  mp.param_dtype = at::kFloat;
+  return FullyShardOptions().mp_policy(mp);
+}
+
+// One forward and backward of the sharded float64 model on its float64 batch, against ref.
+template <class Model>
+void expect_cast_step(Model& model, const at::Tensor& dx, const at::Tensor& dy,
+                      const CastReference<Model>& ref, const std::string& ctx) {
+  const test::Tolerance tol{1e-5, 1e-6};
+  dx.mutable_grad() = at::Tensor();
+  for (auto& p : model.parameters()) p.mutable_grad() = at::Tensor();
+  auto out = model.forward(dx);
+  EXPECT_EQ(out.scalar_type(), at::kFloat) << ctx;
+  EXPECT_TRUE(test::full_matches(out, ref.out, tol)) << ctx << ": output";
+  at::mse_loss(out, dy).backward();
+  ASSERT_TRUE(dx.grad().defined()) << ctx;
+  EXPECT_EQ(dx.grad().scalar_type(), at::kDouble) << ctx;
+  EXPECT_TRUE(test::full_matches(dx.grad(), ref.x.grad(), tol)) << ctx << ": input grad";
+  auto want = ref.model->named_parameters();
+  for (const auto& item : model.named_parameters()) {
+    ASSERT_TRUE(item.value().grad().defined()) << ctx << " " << item.key();
+    EXPECT_TRUE(
+        test::full_matches(item.value().grad(), want[item.key()].grad().to(at::kDouble), tol))
+        << ctx << ": gradient of " << item.key();
+  }
+}
+
 // FSDP2 casts forward inputs to param_dtype. Inputs here come in the master dtype (float64),
 // as a user's data loader gives them: the output, the input's gradient (back in float64) and
 // every parameter's gradient equal one device running the same float32 module on x.to(float32).
-// 1, 2 and 3 ranks, uneven rows and an empty shard.
+// 1, 2 and 3 ranks, uneven rows and an empty shard; twice (the second forward finds the root
+// group still gathered).
 TEST(FullyShard, MixedPrecisionCastsForwardInputsToParamDtype) {
   const auto proto = make_mlp();
   const auto x = test::randn({10, 15}, 93, at::kDouble), y = test::randn({10, 2}, 94);
-  auto ref = clone_of(proto);
-  ref->to(at::kFloat);
-  const auto xr = x.clone().requires_grad_();
-  const auto out_ref = ref->forward(xr.to(at::kFloat));
-  at::mse_loss(out_ref, y).backward();
-  const test::Tolerance tol{1e-5, 1e-6};
+  const CastReference<MlpImpl> ref(proto, x, y);
   for (int world : {1, 2, 3}) {
     const ShardTable rows = world == 1   ? ShardTable{10}
                             : world == 2 ? ShardTable{7, 3}
@@ -298,70 +337,34 @@ TEST(FullyShard, MixedPrecisionCastsForwardInputsToParamDtype) {
           at::set_num_threads(1);
           auto mesh = init_device_mesh("cpu", {world}, {"dp"});
           auto model = clone_of(proto);
-          MixedPrecisionPolicy mp;
-          mp.param_dtype = at::kFloat;
-          shard_mlp(*model, mesh, FullyShardOptions().mp_policy(mp));
-          const std::string ctx = std::to_string(world) + " ranks, rank " + std::to_string(rank);
+          shard_mlp(*model, mesh, float32_compute());
           const auto dx = local_batch(x, mesh, rows).requires_grad_();
           const auto dy = local_batch(y, mesh, rows);
-          for (int step = 0; step < 2; ++step) {  // the second forward finds groups gathered
-            auto out = model->forward(dx);
-            EXPECT_EQ(out.scalar_type(), at::kFloat) << ctx;
-            EXPECT_TRUE(test::full_matches(out, out_ref, tol)) << ctx << ": output";
-            dx.mutable_grad() = at::Tensor();
-            for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
-            at::mse_loss(out, dy).backward();
-            ASSERT_TRUE(dx.grad().defined()) << ctx;
-            EXPECT_EQ(dx.grad().scalar_type(), at::kDouble) << ctx;
-            EXPECT_TRUE(test::full_matches(dx.grad(), xr.grad(), tol)) << ctx << ": input grad";
-            auto got = model->named_parameters(), want = ref->named_parameters();
-            for (const auto& item : got) {
-              ASSERT_TRUE(item.value().grad().defined()) << ctx << " " << item.key();
-              EXPECT_TRUE(test::full_matches(item.value().grad(),
-                                             want[item.key()].grad().to(at::kDouble), tol))
-                  << ctx << ": gradient of " << item.key();
-            }
-          }
+          for (int step = 0; step < 2; ++step)
+            expect_cast_step(*model, dx, dy, ref,
+                             std::to_string(world) + " ranks, rank " + std::to_string(rank));
         },
         {std::chrono::seconds(120)});
   }
 }
 
-// The same cast through a convolution and group norm (one group, the whole CNN), the input a
-// float64 batch sharded 3 + 0 rows: output and every gradient as one device's float32 CNN.
+// The same cast through a convolution (LibTorch's composite conv2d checks dtypes before the
+// op reaches Tessera) and group norm, one group for the whole CNN, the batch sharded 3 + 0.
 TEST(FullyShard, MixedPrecisionCastsConvolutionInputs) {
   const auto proto = make_cnn();
   const auto x = test::randn({3, 2, 5, 4}, 95, at::kDouble), y = test::randn({3, 3}, 96);
-  auto ref = clone_of(proto);
-  ref->to(at::kFloat);
-  const auto xr = x.clone().requires_grad_();
-  const auto out_ref = ref->forward(xr.to(at::kFloat));
-  at::mse_loss(out_ref, y).backward();
-  const test::Tolerance tol{1e-5, 1e-6};
-  tessera::testing::run_ranks(
-      2,
-      [&](int rank) {
-        at::set_num_threads(1);
-        auto mesh = init_device_mesh("cpu", {2}, {"dp"});
-        auto model = clone_of(proto);
-        MixedPrecisionPolicy mp;
-        mp.param_dtype = at::kFloat;
-        fully_shard(*model, mesh, FullyShardOptions().mp_policy(mp));
-        const std::string ctx = "rank " + std::to_string(rank);
-        const auto dx = local_batch(x, mesh, {3, 0}).requires_grad_();
-        auto out = model->forward(dx);
-        EXPECT_TRUE(test::full_matches(out, out_ref, tol)) << ctx << ": output";
-        at::mse_loss(out, local_batch(y, mesh, {3, 0})).backward();
-        ASSERT_TRUE(dx.grad().defined()) << ctx;
-        EXPECT_EQ(dx.grad().scalar_type(), at::kDouble) << ctx;
-        EXPECT_TRUE(test::full_matches(dx.grad(), xr.grad(), tol)) << ctx << ": input grad";
-        auto want = ref->named_parameters();
-        for (const auto& item : model->named_parameters())
-          EXPECT_TRUE(
-              test::full_matches(item.value().grad(), want[item.key()].grad().to(at::kDouble), tol))
-              << ctx << ": gradient of " << item.key();
-      },
-      {std::chrono::seconds(120)});
+  const CastReference<CnnImpl> ref(proto, x, y);
+  tessera::testing::run_ranks(2,
+                              [&](int rank) {
+                                at::set_num_threads(1);
+                                auto mesh = init_device_mesh("cpu", {2}, {"dp"});
+                                auto model = clone_of(proto);
+                                fully_shard(*model, mesh, float32_compute());
+                                const auto dx = local_batch(x, mesh, {3, 0}).requires_grad_();
+                                expect_cast_step(*model, dx, local_batch(y, mesh, {3, 0}), ref,
+                                                 "rank " + std::to_string(rank));
+                              },
+                              {std::chrono::seconds(120)});
 }
 
 TEST(FullyShard, NoSyncAccumulatesMicroBatchesLikeOneDevice) {
