@@ -11,7 +11,10 @@
 // kernel = stride = in/out; global pooling (1x1) arrives as mean (a reduction: Partial, then
 // Replicate). Other adaptive sizes replicate the spatial dims. Adaptive max pooling makes the
 // planes whole and keeps the batch and channel shards (NOTE: [Dim-wise ops]).
+#include <array>
+
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/native/Pool.h>
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
@@ -87,6 +90,32 @@ bool no_outputs(const std::vector<DimCut>& cuts) {
   return false;
 }
 
+// reindex on the CPU in one pass (the tensor form below makes six passes over the indices,
+// which cost a U-Net step more than the pooling itself). Indices are valid, so non-negative.
+at::Tensor reindex_cpu(const at::Tensor& idx, const std::vector<int64_t>& from,
+                       const std::vector<int64_t>& to, const std::vector<int64_t>& lo,
+                       bool to_global) {
+  const at::Tensor in = idx.contiguous();
+  at::Tensor out = at::empty_like(in);
+  const int64_t* src = in.data_ptr<int64_t>();
+  int64_t* dst = out.data_ptr<int64_t>();
+  const size_t n = from.size();
+  at::parallel_for(0, in.numel(), 16384, [&](int64_t begin, int64_t end) {
+    std::array<int64_t, 8> coord{};
+    for (int64_t i = begin; i < end; ++i) {
+      int64_t rem = src[i];
+      for (size_t j = n; j-- > 0;) {
+        coord[j] = rem % from[j];
+        rem /= from[j];
+      }
+      int64_t v = 0;
+      for (size_t j = 0; j < n; ++j) v = v * to[j] + coord[j] + (to_global ? lo[j] : -lo[j]);
+      dst[i] = v;
+    }
+  });
+  return out;
+}
+
 // Flat index over the trailing window dims: from `from` coordinates (sizes, origin) to `to`.
 at::Tensor reindex(const at::Tensor& idx, const std::vector<DimCut>& cuts, bool to_global) {
   const size_t n = cuts.size();
@@ -100,6 +129,8 @@ at::Tensor reindex(const at::Tensor& idx, const std::vector<DimCut>& cuts, bool 
   }
   const auto& from = to_global ? win : glob;
   const auto& to = to_global ? glob : win;
+  if (idx.device().is_cpu() && idx.scalar_type() == at::kLong && n <= 8)
+    return reindex_cpu(idx, from, to, lo, to_global);
   std::vector<at::Tensor> coord(n);
   at::Tensor rem = idx;
   for (size_t j = n; j-- > 0;) {
