@@ -93,7 +93,9 @@ bool lost_its_parameters(const Tables& t, const ModuleEntry& e, const torch::nn:
 ModuleEntry& entry_locked(Tables& t, const torch::nn::Module& m) {
   auto it = t.modules.find(&m);
   if (it != t.modules.end()) {
-    const bool stale = (it->second.alive.expired() && !weak_of(m).expired()) ||
+    // A module once held by a shared_ptr whose pointer expired is dead, whatever now sits at
+    // its address (held by a shared_ptr or not).
+    const bool stale = (!it->second.by_address && it->second.alive.expired()) ||
                        lost_its_parameters(t, it->second, m);
     if (!stale) return it->second;
     t.modules.erase(it);
