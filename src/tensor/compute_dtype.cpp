@@ -12,7 +12,9 @@
 // gradient comes back in the compute dtype and the autograd engine casts it to the input's
 // dtype, as the backward of FSDP2's explicit cast does. So the arithmetic is FSDP2's.
 // Where they differ: a float32 tensor made inside forward that meets a parameter directly in
-// a promoting op (x.float() * weight) is cast down here, where PyTorch would promote.
+// a promoting op (x.float() * weight) is cast down here, where PyTorch would promote; and a
+// cast input stays registered while it lives, so a later op mixing it with another dtype (a
+// loss against the input itself) computes in the compute dtype too.
 // LibTorch's composite convolutions (conv1d/2d/3d) check their operands' dtypes before any op
 // reaches the fallback, so for them the cast happens at our autograd key, as an ordinary
 // differentiable cast before the composite runs.
@@ -59,19 +61,10 @@ const at::Tensor& local_of(const at::Tensor& t) {
   return t;
 }
 
-void register_storage(const at::Tensor& t, c10::ScalarType dtype) {
-  const at::Tensor& local = local_of(t);
-  if (!local.has_storage()) return;
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  if (r.entries.size() >= r.prune_at) {
-    for (auto it = r.entries.begin(); it != r.entries.end();)
-      it = it->second.storage.expired() ? r.entries.erase(it) : std::next(it);
-    r.prune_at = std::max<size_t>(64, 2 * r.entries.size());
-  }
-  r.entries.insert_or_assign(local.storage().unsafeGetStorageImpl(),
-                             Entry{local.storage().getWeakStorageImpl(), dtype});
-  detail::g_compute_dtypes.store(true, std::memory_order_release);
+// Drops the entries whose storage has died (caller holds r.mu).
+void prune_expired(Registry& r) {
+  for (auto it = r.entries.begin(); it != r.entries.end();)
+    it = it->second.storage.expired() ? r.entries.erase(it) : std::next(it);
 }
 
 // The registered dtype of t's storage, if any (an expired entry is dropped).
@@ -119,7 +112,17 @@ at::Tensor cast(const at::Tensor& t, c10::ScalarType dtype, bool differentiable)
 }  // namespace
 
 void register_compute_dtype(const at::Tensor& t, c10::ScalarType dtype) {
-  register_storage(t, dtype);
+  const at::Tensor& local = local_of(t);
+  if (!local.has_storage()) return;
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (r.entries.size() >= r.prune_at) {
+    prune_expired(r);
+    r.prune_at = std::max<size_t>(64, 2 * r.entries.size());
+  }
+  r.entries.insert_or_assign(local.storage().unsafeGetStorageImpl(),
+                             Entry{local.storage().getWeakStorageImpl(), dtype});
+  detail::g_compute_dtypes.store(true, std::memory_order_release);
 }
 
 void unregister_compute_dtype(const at::Tensor& t) {
@@ -128,8 +131,7 @@ void unregister_compute_dtype(const at::Tensor& t) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   r.entries.erase(local.storage().unsafeGetStorageImpl());
-  for (auto it = r.entries.begin(); it != r.entries.end();)
-    it = it->second.storage.expired() ? r.entries.erase(it) : std::next(it);
+  prune_expired(r);
   if (r.entries.empty()) detail::g_compute_dtypes.store(false, std::memory_order_release);
 }
 
@@ -156,7 +158,7 @@ bool cast_to_compute_dtype(const c10::FunctionSchema& schema,
     if (!takes_part(args[i]) || written(schema, i)) continue;
     const at::Tensor t = args[i].toTensor();
     if (t.scalar_type() == *target) continue;
-    if (!differentiable) register_storage(t, *target);  // its backward reads it again (NOTE)
+    if (!differentiable) register_compute_dtype(t, *target);  // its backward reads it (NOTE)
     args[i] = cast(t, *target, differentiable);
     any = true;
   }

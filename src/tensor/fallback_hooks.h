@@ -43,6 +43,7 @@ extern std::atomic<bool> g_compute_dtypes;  // anything registered (a fast first
 // tensor's storage is registered for the backward op.
 bool cast_to_compute_dtype(const c10::FunctionSchema& schema,
                            c10::SmallVectorImpl<c10::IValue>& args, bool differentiable);
+
 inline bool is_freed(const at::Tensor& local) {
   return g_freed_storage_handler.load(std::memory_order_relaxed) && local.has_storage() &&
          local.numel() > 0 && local.storage().nbytes() == 0;
