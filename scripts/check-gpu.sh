@@ -8,6 +8,9 @@
 #   bash scripts/check-gpu.sh --no-build      # reuse $BUILD_DIR as it is, run the tests
 #   bash scripts/check-gpu.sh --configure-only
 #   bash scripts/check-gpu.sh --dry-run       # print the commands, run none of them
+#   bash scripts/check-gpu.sh --gpu-only      # the GPU tier (and GPU benchmarks) alone
+#   bash scripts/check-gpu.sh --cpu-only --no-bench   # the CPU suite alone
+# (--no-bench builds the GPU benchmarks but does not run them: bench/gpu_compare.sh does.)
 #
 # Environment: PYTHON (default /opt/torch/.venv/bin/python if present, else python3),
 # BUILD_DIR (build-gpu), OUT (./gpu-check), JOBS (nproc), TESSERA_DEPS_DIR (./.deps:
@@ -20,10 +23,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT=$PWD
 
-DRY=0 BUILD=1 CONFIGURE_ONLY=0
+DRY=0 BUILD=1 CONFIGURE_ONLY=0 GPU_SUITE=1 CPU_SUITE=1 BENCH=1
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
+    --gpu-only) CPU_SUITE=0 ;;
+    --cpu-only) GPU_SUITE=0 ;;
+    --no-bench) BENCH=0 ;;
     --no-build) BUILD=0 ;;
     --configure-only) CONFIGURE_ONLY=1 ;;
     -h|--help) sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
@@ -142,16 +148,20 @@ if [ "$BUILD" = 1 ]; then
       sed -n 's/^\([A-Za-z0-9_.-]*gpu[A-Za-z0-9_.-]*\):.*/\1/p' | grep -v '^tessera_gpu_tests$' |
       while read -r t; do grep -qs "add_executable($t\b" "$ROOT"/bench/CMakeLists.txt && echo "$t"; done)
   fi
+  SUITE_TARGETS=()
+  [ "$GPU_SUITE" = 1 ] && SUITE_TARGETS+=(tests/tessera_gpu_tests)
+  [ "$CPU_SUITE" = 1 ] && SUITE_TARGETS+=(tests/tessera_tests)
   # Ninja keeps going past a failure, so one suite that does not compile leaves the others
   # to run; the binaries are removed first, so a stale one from an earlier build never runs.
-  [ "$DRY" = 1 ] || rm -f "$BUILD_DIR/tests/tessera_gpu_tests" "$BUILD_DIR/tests/tessera_tests" \
-    "${BENCH_TARGETS[@]/#/$BUILD_DIR/bench/}"
+  [ "$DRY" = 1 ] || rm -f "${SUITE_TARGETS[@]/#/$BUILD_DIR/}" "${BENCH_TARGETS[@]/#/$BUILD_DIR/bench/}"
   run_step build cmake --build "$BUILD_DIR" --parallel "$JOBS" \
-    --target tessera_gpu_tests tessera_tests "${BENCH_TARGETS[@]}" -- -k 0
+    --target "${SUITE_TARGETS[@]#tests/}" "${BENCH_TARGETS[@]}" -- -k 0
 else
   say "build:         reusing $BUILD_DIR"
   BENCH_TARGETS=()
-  for f in "$BUILD_DIR"/bench/*gpu*; do [ -x "$f" ] && BENCH_TARGETS+=("$(basename "$f")"); done
+  if [ "$BENCH" = 1 ]; then
+    for f in "$BUILD_DIR"/bench/*gpu*; do [ -x "$f" ] && BENCH_TARGETS+=("$(basename "$f")"); done
+  fi
 fi
 
 # ---- tests: gtest shards in parallel processes, counted from their summaries ---------------
@@ -214,13 +224,15 @@ finish_suite() {  # NAME
 }
 
 say ""
-start_suite gpu-tests "$BUILD_DIR/tests/tessera_gpu_tests" "$GPU_SHARDS" "${GPU_FILTER:-*}"
-start_suite cpu-tests "$BUILD_DIR/tests/tessera_tests" "$CPU_SHARDS" "${CPU_FILTER:-*}"
+[ "$GPU_SUITE" = 1 ] && start_suite gpu-tests "$BUILD_DIR/tests/tessera_gpu_tests" "$GPU_SHARDS" "${GPU_FILTER:-*}"
+[ "$CPU_SUITE" = 1 ] && start_suite cpu-tests "$BUILD_DIR/tests/tessera_tests" "$CPU_SHARDS" "${CPU_FILTER:-*}"
 finish_suite gpu-tests
 finish_suite cpu-tests
 
 # ---- GPU benchmarks -------------------------------------------------------------------------
-if [ "${#BENCH_TARGETS[@]}" = 0 ]; then
+if [ "$BENCH" = 0 ]; then
+  say "benchmarks:    not asked for (--no-bench)"
+elif [ "${#BENCH_TARGETS[@]}" = 0 ]; then
   say "benchmarks:    no bench/ target named *gpu*"
 else
   # After the tests, alone on the machine, so the timings are undisturbed. A benchmark that
