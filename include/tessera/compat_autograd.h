@@ -9,8 +9,10 @@
 #include <type_traits>
 #include <utility>
 
+#include <c10/core/AutogradState.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/version.h>
 
 namespace tessera::compat {
 
@@ -29,6 +31,17 @@ NodePtr<T> make_node(Args&&... args) {
     // exists: this branch is not instantiated for intrusive nodes.
     return std::shared_ptr<T>(new T(std::forward<Args>(args)...), [](T* p) { deleteNode(p); });
   }
+}
+
+// LibTorch runs the backward of CUDA tensors on one engine thread per device, shared by every
+// thread of the process. Ranks that are threads on one GPU would queue their collective
+// backward nodes behind each other there and deadlock; from 2.0 the engine can keep a
+// thread's backward on that thread (as Python's set_multithreading_enabled(False)).
+// LibTorch 1.13 cannot, and has no CUDA build here: nothing to do.
+inline void backward_on_calling_thread() {
+#if TORCH_VERSION_MAJOR >= 2
+  c10::AutogradState::get_tls_state().set_multithreading_enabled(false);
+#endif
 }
 
 }  // namespace tessera::compat

@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "tessera/compat.h"
+#include "tessera/compat_autograd.h"
 #include "tessera/runtime/world.h"
 
 namespace tessera::testing {
@@ -42,6 +43,8 @@ void run_ranks(int world_size, const std::function<void(int rank)>& fn, const Ru
     threads.emplace_back([&, r] {
       std::string error;
       try {
+        // CUDA ranks sharing a GPU: each rank's backward on its own thread (compat_autograd.h).
+        compat::backward_on_calling_thread();
         ScopedWorld scope(
             std::make_shared<World>(store, r, world_size, options.collective_timeout));
         fn(r);
