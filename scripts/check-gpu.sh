@@ -180,9 +180,12 @@ start_suite() {  # NAME BINARY SHARDS FILTER
   fi
   rm -rf "$dir"; mkdir -p "$dir"
   SUITE_START[$name]=$(now)
+  # Line-buffered output: a shard that crashes still shows the test it was in.
+  local lines=()
+  command -v stdbuf >/dev/null && lines=(stdbuf -oL -eL)
   for ((k = 0; k < shards; k++)); do
     OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$k \
-      timeout -k 10 "$SHARD_TIMEOUT" "$bin" --gtest_filter="$filter" --gtest_color=no \
+      timeout -k 10 "$SHARD_TIMEOUT" "${lines[@]}" "$bin" --gtest_filter="$filter" --gtest_color=no \
       > "$dir/shard-$k.log" 2>&1 &
     SUITE_PIDS[$name]+="$! "
   done

@@ -7,6 +7,8 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <iterator>
+#include <map>
 #include <mutex>
 #include <sstream>
 
@@ -134,12 +136,17 @@ comm::Group world_group() {
     std::weak_ptr<World> world;
     comm::Group group;
   };
-  static std::mutex mu;
-  static std::map<const World*, Cached> groups;
+  // Never destroyed: a process group torn down by exit-time destructors (after CUDA's own
+  // teardown) crashed the GPU tier's processes at exit. Groups of worlds that ended are
+  // dropped here instead, on the next call, while the process is whole.
+  static std::mutex& mu = *new std::mutex;
+  static auto& groups = *new std::map<const World*, Cached>;
   {
     std::lock_guard<std::mutex> lock(mu);
+    for (auto it = groups.begin(); it != groups.end();)
+      it = it->second.world.expired() ? groups.erase(it) : std::next(it);
     auto it = groups.find(world.get());
-    if (it != groups.end() && !it->second.world.expired()) return it->second.group;
+    if (it != groups.end()) return it->second.group;
   }
   // Made outside the lock: it waits for the other ranks, which may be threads of this
   // process (run_ranks) on their way here.
