@@ -1,0 +1,226 @@
+// Scaled dot-product attention with the query's sequence dim sharded (context parallelism),
+// the K/V all-gather variant: queries stay where they are, K and V are gathered whole, each
+// rank attends its query rows to every key, and the K/V gradients come back Partial(sum) over
+// the sequence-sharded mesh dims (the autograd engine's redistribute reduce-scatters them).
+// The ring variant (K/V blocks rotated, log-sum-exp merge) is not built yet (issue 28).
+//
+// Ops: LibTorch 2.x's fused CPU kernel pair
+//   _scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal, *,
+//       attn_mask, scale) -> (output, logsumexp)
+//   _scaled_dot_product_flash_attention_for_cpu_backward(grad_out, query, key, value, out,
+//       logsumexp, dropout_p, is_causal, *, attn_mask, scale) -> (grad_query, grad_key,
+//       grad_value)
+// Layouts [B, H, L, E]; batch and heads may be sharded alike on q, k and v; q's sequence dim
+// (2) may be sharded; E, k/v's sequence dim and every Partial are made whole. A causal call
+// on sharded queries runs with an explicit mask of the rank's rows (global positions); a
+// given mask is split with the query's rows (and batch and heads where it has them).
+#include <limits>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include "tessera/tensor/rule.h"
+
+namespace tessera::ops {
+
+namespace {
+
+constexpr int64_t kSeq = 2;
+
+// Whole along `dims` (and no Partial).
+SpecPtr whole_along(const DTensorSpec& s, std::initializer_list<int64_t> dims) {
+  return std::make_shared<DTensorSpec>(s.replicate_where([&](int64_t, const Placement& p) {
+    if (p.is_partial()) return true;
+    if (!p.is_shard()) return false;
+    for (int64_t d : dims)
+      if (p.dim() == d) return true;
+    return false;
+  }));
+}
+
+// k / v: batch and heads as q has them, everything else whole.
+SpecPtr kv_layout(const DTensorSpec& kv, const DTensorSpec& q) {
+  return std::make_shared<DTensorSpec>(kv.replicate_where([&](int64_t m, const Placement& p) {
+    if (p.is_partial()) return true;
+    if (!p.is_shard()) return false;
+    if (p.dim() >= kSeq) return true;
+    return !(q.placement(m) == p);
+  }));
+}
+
+// q's layout with the last dim's size `last` (the output: Ev) or without it (logsumexp).
+SpecPtr resized(const DTensorSpec& q, int64_t last, bool drop_last) {
+  auto sizes = q.sizes();
+  auto tables = q.shard_tables();
+  if (drop_last) {
+    sizes.pop_back();
+    if (!tables.empty()) tables.pop_back();
+  } else {
+    sizes.back() = last;
+  }
+  return std::make_shared<DTensorSpec>(q.mesh(), q.placements(), sizes, q.dtype(), tables);
+}
+
+bool seq_sharded(const DTensorSpec& q) { return !q.mesh_dims_sharding(kSeq).empty(); }
+
+// The causal mask of this rank's query rows [lo, lo + n) against S keys (top-left aligned,
+// as is_causal on one device): key j is visible from row i when j <= i.
+at::Tensor causal_rows(int64_t lo, int64_t n, int64_t s, const at::TensorOptions& opts) {
+  // (Additive, in the query's dtype: the fused CPU kernel takes no boolean mask.)
+  auto rows = at::arange(lo, lo + n, opts.dtype(at::kLong)).unsqueeze(1);
+  auto cols = at::arange(s, opts.dtype(at::kLong)).unsqueeze(0);
+  return at::zeros({n, s}, opts)
+      .masked_fill(cols.gt(rows), -std::numeric_limits<double>::infinity());
+}
+
+// An attention mask broadcasts against the scores [B, H, L, S]: each of its dims that is not
+// broadcast follows the query's split of the matching dim (rows with the query's rows);
+// keys (its last dim) stay whole.
+SpecPtr mask_layout(const DTensorSpec& mask, const DTensorSpec& q) {
+  const int64_t off = q.ndim() - mask.ndim();
+  Placements p(mask.mesh().ndim(), Replicate());
+  std::vector<ShardTable> tables(mask.ndim());
+  for (int64_t m = 0; m < q.mesh().ndim(); ++m) {
+    const Placement& qp = q.placement(m);
+    if (!qp.is_shard() || qp.dim() >= kSeq + 1) continue;
+    const int64_t md = qp.dim() - off;
+    if (md < 0 || mask.sizes()[md] != q.sizes()[qp.dim()] || mask.sizes()[md] == 1) continue;
+    p[m] = Shard(md);
+    if (!q.shard_tables().empty()) tables[md] = q.shard_tables()[qp.dim()];
+  }
+  return std::make_shared<DTensorSpec>(mask.mesh(), p, mask.sizes(), mask.dtype(), tables);
+}
+
+struct Layout {
+  SpecPtr q, kv_k, kv_v, out, lse, mask;
+  bool sharded_seq = false;
+};
+
+Layout layout_of(const OpCall& call) {
+  const DTensorSpec& q = *call.spec("query");
+  const DTensorSpec& k = *call.spec("key");
+  const DTensorSpec& v = *call.spec("value");
+  TORCH_CHECK(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4, "tessera: ", call.describe(),
+              ": query, key and value must be [B, H, L, E]");
+  Layout l;
+  l.q = whole_along(q, {3});
+  l.kv_k = kv_layout(k, *l.q);
+  l.kv_v = kv_layout(v, *l.q);
+  l.out = resized(*l.q, v.sizes()[3], false);
+  l.lse = resized(*l.q, 0, true);
+  l.sharded_seq = seq_sharded(*l.q);
+  const double dropout = call.arg<double>("dropout_p");
+  TORCH_CHECK(!(l.sharded_seq && dropout > 0), "tessera: ", call.describe(),
+              ": dropout with the query's sequence dim sharded is not supported yet (", q.str(),
+              "); redistribute the query to Replicate on its sequence dim first");
+  if (const DTensorSpec* mask = call.spec("attn_mask")) l.mask = mask_layout(*mask, *l.q);
+  return l;
+}
+
+// The op on this rank's block: empty blocks answered without the kernel, and on sharded
+// queries is_causal replaced by the mask of this rank's rows.
+LocalKernel local_kernel(const DTensorSpec& q, bool sharded_seq) {
+  const int64_t lo = q.local_offsets()[kSeq];
+  return [lo, sharded_seq](KernelCall& kc) {
+    const at::Tensor query = kc.tensor("query");
+    if (query.numel() == 0) {  // no query rows here (the fused kernel divides by them)
+      const at::Tensor key = kc.tensor("key"), value = kc.tensor("value");
+      auto out_sizes = query.sizes().vec();
+      out_sizes.back() = value.size(3);
+      const auto lse_sizes = query.sizes().slice(0, 3);
+      if (kc.has("grad_out"))
+        kc.finish({at::zeros_like(query), at::zeros_like(key), at::zeros_like(value)});
+      else
+        kc.finish({at::zeros(out_sizes, query.options()),
+                   at::zeros(lse_sizes, query.options().dtype(query.scalar_type() == at::kDouble
+                                                                  ? at::kDouble
+                                                                  : at::kFloat))});
+      return;
+    }
+    if (!sharded_seq || !kc.arg<bool>("is_causal")) return kc.call_op();
+    const int64_t s = kc.tensor("key").size(kSeq);
+    kc.set("attn_mask", causal_rows(lo, query.size(kSeq), s, query.options()));
+    kc.set("is_causal", false);
+    kc.call_op();
+  };
+}
+
+OpPlan sdpa_rule(const OpCall& call) {
+  const Layout l = layout_of(call);
+  OpPlan plan(call);
+  plan.input("query", l.q).input("key", l.kv_k).input("value", l.kv_v);
+  if (l.mask) plan.input("attn_mask", l.mask);
+  plan.output(l.out).output(l.lse);
+  plan.local_kernel = local_kernel(*l.q, l.sharded_seq);
+  return plan;
+}
+
+// K/V gradients: Partial(sum) over the mesh dims that shard the query's sequence.
+SpecPtr kv_grad(const DTensorSpec& kv, const DTensorSpec& q) {
+  Placements p = kv.placements();
+  for (int64_t m : q.mesh_dims_sharding(kSeq)) p[m] = Partial(PartialOp::Sum);
+  return std::make_shared<DTensorSpec>(kv.with_placements(p, kv.shard_tables()));
+}
+
+OpPlan sdpa_backward_rule(const OpCall& call) {
+  const Layout l = layout_of(call);
+  OpPlan plan(call);
+  plan.input("grad_out", l.out).input("query", l.q).input("key", l.kv_k).input("value", l.kv_v);
+  plan.input("out", l.out).input("logsumexp", l.lse);
+  if (l.mask) plan.input("attn_mask", l.mask);
+  plan.output(l.q).output(kv_grad(*l.kv_k, *l.q)).output(kv_grad(*l.kv_v, *l.q));
+  plan.local_kernel = local_kernel(*l.q, l.sharded_seq);
+  return plan;
+}
+
+// scaled_dot_product_attention is composite: on a distributed tensor LibTorch's backend
+// choice falls to its math path (bmm, softmax), which gathers the sequence. On CPU shards
+// it is sent to the fused op pair above instead (autograd from derivatives.yaml). Calls with
+// dropout keep the composite path: its dropout draws as one device does (the fused kernel's
+// would draw per rank).
+void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  KernelCall kc(op, *stack);
+  const at::Tensor q = kc.tensor("query");
+  const bool gqa = kc.has("enable_gqa") && kc.arg<bool>("enable_gqa");
+  const at::Tensor k = kc.tensor("key"), v = kc.tensor("value");
+  // The fused kernel's own limits (LibTorch's backend choice checks the same).
+  const bool fits = q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(3) == k.size(3) &&
+                    k.size(3) == v.size(3) && q.size(1) == k.size(1) && k.size(1) == v.size(1);
+  // The fused kernel takes an additive mask in the query's dtype; a boolean one becomes
+  // that (0 where kept, -inf where not) as LibTorch's composite does; another dtype keeps
+  // the composite path.
+  c10::optional<at::Tensor> mask = kc.arg("attn_mask").toOptional<at::Tensor>();
+  if (mask && mask->scalar_type() == at::kBool)
+    mask = at::zeros(mask->sizes(), q.options())
+               .masked_fill(mask->logical_not(), -std::numeric_limits<double>::infinity());
+  const bool mask_fits = !mask || mask->scalar_type() == q.scalar_type();
+  if (q.device().is_cpu() && fits && mask_fits && !gqa && kc.arg<double>("dropout_p") == 0.0) {
+    static const auto fused =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("aten::_scaled_dot_product_flash_attention_for_cpu", "")
+            .typed<std::tuple<at::Tensor, at::Tensor>(
+                const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool,
+                const c10::optional<at::Tensor>&, c10::optional<double>)>();
+    auto r = fused.call(q, kc.tensor("key"), kc.tensor("value"), kc.arg<double>("dropout_p"),
+                        kc.arg<bool>("is_causal"), mask, kc.arg("scale").toOptional<double>());
+    kc.finish({std::get<0>(r)});
+    return;
+  }
+  c10::Dispatcher::singleton().callBoxedForDispatchKey(
+      op, c10::DispatchKey::CompositeImplicitAutograd, stack);
+}
+
+const RuleRegistrar registrar{[] {
+  if (!c10::Dispatcher::singleton().findOp(
+          {"aten::_scaled_dot_product_flash_attention_for_cpu", ""}))
+    return;  // LibTorch 1.13: no fused CPU attention
+  register_rule("aten::_scaled_dot_product_flash_attention_for_cpu", sdpa_rule);
+  register_rule("aten::_scaled_dot_product_flash_attention_for_cpu_backward", sdpa_backward_rule);
+  register_autograd_kernel("aten::scaled_dot_product_attention",
+                           torch::CppFunction::makeFromBoxedFunction<&sdpa_entry>());
+}};
+
+}  // namespace
+
+}  // namespace tessera::ops
