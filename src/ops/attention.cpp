@@ -110,10 +110,13 @@ Layout layout_of(const OpCall& call) {
   l.out = resized(*l.q, v.sizes()[3], false);
   l.lse = resized(*l.q, 0, true);
   l.sharded_seq = seq_sharded(*l.q);
-  const double dropout = call.arg<double>("dropout_p");
-  TORCH_CHECK(!(l.sharded_seq && dropout > 0), "tessera: ", call.describe(),
-              ": dropout with the query's sequence dim sharded is not supported yet (", q.str(),
-              "); redistribute the query to Replicate on its sequence dim first");
+  // The kernel's dropout would draw per rank, not one device's mask (NOTE: [Random numbers]).
+  TORCH_CHECK(call.arg<double>("dropout_p") == 0.0, "tessera: ", call.describe(),
+              ": dropout inside the fused attention kernel is not supported on distributed "
+              "tensors (",
+              q.str(),
+              "); call scaled_dot_product_attention, whose dropout "
+              "draws as one device does");
   if (const DTensorSpec* mask = call.spec("attn_mask")) l.mask = mask_layout(*mask, *l.q);
   return l;
 }

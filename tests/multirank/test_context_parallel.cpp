@@ -111,6 +111,27 @@ TEST(ContextParallel, MaskedCallsEqualOneDevice) {
   expect_one_device({2}, {Shard(2)}, {{}, {}, {2, 5}}, false, keep, "boolean mask, 2+5");
 }
 
+// The fused kernel's own dropout would draw per rank: a direct call with dropout raises on
+// every rank, whatever the layout (scaled_dot_product_attention keeps the composite path).
+TEST(ContextParallel, FusedKernelDropoutRaises) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  const auto q = test::randn({2, 3, 6, 4}, 21, at::kDouble);
+  for (const Placements& p : {Placements{Replicate()}, Placements{Shard(2)}}) {
+    tessera::testing::run_ranks(2, [&](int) {
+      auto mesh = init_device_mesh("cpu", {2});
+      auto d = distribute_tensor(q, mesh, p);
+      try {
+        at::_scaled_dot_product_flash_attention_for_cpu(d, d, d, 0.5);
+        ADD_FAILURE() << "no error for dropout on " << p[0].str();
+      } catch (const c10::Error& e) {
+        EXPECT_NE(std::string(e.what()).find("dropout inside the fused attention kernel"),
+                  std::string::npos)
+            << e.what();
+      }
+    });
+  }
+}
+
 }  // namespace
 
 #endif  // TORCH_VERSION_MAJOR >= 2

@@ -158,9 +158,14 @@ const std::set<std::string> kSeededWithoutRule = {
     "aten::_scaled_dot_product_efficient_attention",
     "aten::_scaled_dot_product_efficient_attention_backward",
     "aten::_scaled_dot_product_flash_attention",
-    "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_scaled_dot_product_fused_attention_overrideable",
     "aten::_triton_scaled_dot_attention",
+};
+
+// Seeded ops whose rule raises whenever they would draw (dropout_p > 0): nothing to compare.
+// tests/multirank/test_context_parallel.cpp checks the refusal.
+const std::set<std::string> kSeededRulesRefusingDraws = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
 };
 
 // Entries of the lists above that only some LibTorch versions need (the others' dispatchers
@@ -387,7 +392,7 @@ TEST(RegistrationPolicy, SeededOpsDrawWhatOneDeviceDraws) {
   // Values in (0.2, 0.8): valid probabilities, rates and counts for every seeded op.
   const auto x = at::rand(shape, tessera::test::generator(3)) * 0.6 + 0.2;
   std::vector<std::string> without_rule, unbuildable;
-  std::set<std::string> used;
+  std::set<std::string> used, used_refusing;
   int checked = 0;
   for (const auto& name : c10::Dispatcher::singleton().getAllOpNames()) {
     const auto op = c10::Dispatcher::singleton().findOp(name);
@@ -399,6 +404,10 @@ TEST(RegistrationPolicy, SeededOpsDrawWhatOneDeviceDraws) {
         used.insert(entry);
       else
         without_rule.push_back(q);
+      continue;
+    }
+    if (const std::string refusing = entry_for(kSeededRulesRefusingDraws, q); !refusing.empty()) {
+      used_refusing.insert(refusing);
       continue;
     }
     auto ref_args = seeded_args(
@@ -436,6 +445,7 @@ TEST(RegistrationPolicy, SeededOpsDrawWhatOneDeviceDraws) {
   }
   std::sort(without_rule.begin(), without_rule.end());
   fail_unused("kSeededWithoutRule", kSeededWithoutRule, used);
+  fail_unused("kSeededRulesRefusingDraws", kSeededRulesRefusingDraws, used_refusing);
   EXPECT_GT(checked, 0);
   EXPECT_TRUE(unbuildable.empty()) << "no arguments for these seeded ops of LibTorch "
                                    << TORCH_VERSION << "; extend seeded_args:" << join(unbuildable);
