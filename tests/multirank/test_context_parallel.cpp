@@ -3,6 +3,9 @@
 // not, uneven and empty sequence shards on 1-3 ranks, batch and sequence on a 2x2 mesh, an
 // empty batch shard, and a masked call (which keeps LibTorch's composite path). LibTorch 2.x
 // only (the fused CPU op).
+#include <algorithm>
+#include <numeric>
+
 #include <torch/version.h>
 
 #include "helpers.h"
@@ -109,6 +112,48 @@ TEST(ContextParallel, MaskedCallsEqualOneDevice) {
                     "[B, 1, L, S] mask on 2x2");
   const auto keep = test::randn({7, 7}, 17, at::kDouble).gt(-1.0);  // boolean, no empty rows
   expect_one_device({2}, {Shard(2)}, {{}, {}, {2, 5}}, false, keep, "boolean mask, 2+5");
+}
+
+// Bytes: the forward gathers K and V along the sequence and nothing else moves (queries stay);
+// each rank receives at least the rows it lacks, (S - s_r) of K and of V, and at most the
+// padded all-gather's (P - 1) x max(s) rows. The backward moves only dK and dV home, within
+// the same bounds.
+TEST(ContextParallel, BytesAreTheKeyValueGatherOnly) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  for (const ShardTable& rows : std::vector<ShardTable>{{4, 3}, {3, 0, 4}, {2, 2, 2}}) {
+    const int world = static_cast<int>(rows.size());
+    const int64_t seq = std::accumulate(rows.begin(), rows.end(), int64_t{0});
+    const int64_t row_bytes = 2 * 3 * 4 * 8;  // B x H x E doubles per sequence row
+    const int64_t most = *std::max_element(rows.begin(), rows.end());
+    tessera::testing::run_ranks(world, [&](int rank) {
+      at::set_num_threads(1);
+      auto mesh = init_device_mesh("cpu", {world});
+      const std::vector<ShardTable> tables = {{}, {}, rows};
+      auto lay = [&](uint64_t seed) {
+        return test::make_dtensor_from_full(test::randn({2, 3, seq, 4}, seed, at::kDouble), mesh,
+                                            {Shard(2)}, tables)
+            .requires_grad_();
+      };
+      auto q = lay(31), k = lay(32), v = lay(33);
+      const int64_t least = 2 * (seq - rows[rank]) * row_bytes;
+      const int64_t padded = 2 * (world - 1) * most * row_bytes;
+      const std::string desc = std::to_string(world) + " ranks, rank " + std::to_string(rank);
+      at::Tensor out;
+      {
+        CommDebugMode comm;
+        const at::Tensor query =
+            std::getenv("CP_BYTES_MUTANT") ? redistribute(q, {Replicate()}) : q;
+        out = at::scaled_dot_product_attention(query, k, v, c10::nullopt, 0.0, true);
+        EXPECT_GE(comm.total_bytes_received(), least) << desc << ": forward";
+        EXPECT_LE(comm.total_bytes_received(), padded) << desc << ": forward";
+        EXPECT_EQ(comm.get_comm_counts().count("all_to_all"), 0u) << desc << comm.to_json();
+      }
+      CommDebugMode comm;
+      out.backward(at::ones_like(out));
+      EXPECT_GE(comm.total_bytes_received(), least) << desc << ": backward";
+      EXPECT_LE(comm.total_bytes_received(), padded) << desc << ": backward " << comm.to_json();
+    });
+  }
 }
 
 // The fused kernel's own dropout would draw per rank: a direct call with dropout raises on
