@@ -39,14 +39,18 @@ SpecPtr whole_along(const DTensorSpec& s, std::initializer_list<int64_t> dims) {
   }));
 }
 
-// k / v: batch and heads as q has them, everything else whole.
+// k / v: batch and heads split exactly as q's (whatever layout k / v arrive in: the kernel
+// needs the same local batch and heads), everything else whole.
 SpecPtr kv_layout(const DTensorSpec& kv, const DTensorSpec& q) {
-  return std::make_shared<DTensorSpec>(kv.replicate_where([&](int64_t m, const Placement& p) {
-    if (p.is_partial()) return true;
-    if (!p.is_shard()) return false;
-    if (p.dim() >= kSeq) return true;
-    return !(q.placement(m) == p);
-  }));
+  Placements p(kv.mesh().ndim(), Replicate());
+  std::vector<ShardTable> tables(kv.ndim());
+  for (int64_t m = 0; m < q.mesh().ndim(); ++m) {
+    const Placement& qp = q.placement(m);
+    if (!qp.is_shard() || qp.dim() >= kSeq) continue;
+    p[m] = qp;
+    if (!q.shard_tables().empty()) tables[qp.dim()] = q.shard_tables()[qp.dim()];
+  }
+  return std::make_shared<DTensorSpec>(kv.mesh(), p, kv.sizes(), kv.dtype(), tables);
 }
 
 // q's layout with the last dim's size `last` (the output: Ev) or without it (logsumexp).

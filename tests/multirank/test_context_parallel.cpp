@@ -114,6 +114,34 @@ TEST(ContextParallel, MaskedCallsEqualOneDevice) {
   expect_one_device({2}, {Shard(2)}, {{}, {}, {2, 5}}, false, keep, "boolean mask, 2+5");
 }
 
+// K and V in other layouts than the query's split heads (replicated, sequence shards, batch
+// shards) are brought to the query's batch and heads split first.
+TEST(ContextParallel, KeysAndValuesFollowTheQuerysHeads) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  auto q = test::randn({2, 4, 6, 4}, 41, at::kDouble).requires_grad_();
+  auto k = test::randn({2, 4, 6, 4}, 42, at::kDouble).requires_grad_();
+  auto v = test::randn({2, 4, 6, 4}, 43, at::kDouble).requires_grad_();
+  auto expected = at::scaled_dot_product_attention(q, k, v);
+  expected.sum().backward();
+  const test::Tolerance tol{1e-10, 1e-11};
+  for (const Placements& kv :
+       {Placements{Replicate()}, Placements{Shard(2)}, Placements{Shard(0)}}) {
+    tessera::testing::run_ranks(2, [&](int) {
+      at::set_num_threads(1);
+      auto mesh = init_device_mesh("cpu", {2});
+      auto dq = distribute_tensor(q.detach(), mesh, {Shard(1)}).requires_grad_();
+      auto dk = distribute_tensor(k.detach(), mesh, kv).requires_grad_();
+      auto dv = distribute_tensor(v.detach(), mesh, kv).requires_grad_();
+      auto got = at::scaled_dot_product_attention(dq, dk, dv);
+      EXPECT_TRUE(test::full_matches(got, expected, tol)) << kv[0].str();
+      got.sum().backward();
+      EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << kv[0].str() << ": dq";
+      EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << kv[0].str() << ": dk";
+      EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << kv[0].str() << ": dv";
+    });
+  }
+}
+
 // Bytes: the forward gathers K and V along the sequence and nothing else moves (queries stay);
 // each rank receives at least the rows it lacks, (S - s_r) of K and of V, and at most the
 // padded all-gather's (P - 1) x max(s) rows. The backward moves only dK and dV home, within
