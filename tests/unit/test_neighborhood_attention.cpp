@@ -412,53 +412,147 @@ Problem random_problem(Rng& rng, int64_t nd, int64_t max_len) {
   return p;
 }
 
+// Runs `body` under each local kernel, the tap loop and the blocked one (NOTE: [Blocked
+// neighbourhood attention]); both must equal the oracle on every case.
+template <class Body>
+void each_kernel(Body body) {
+  using nn::detail::LocalKernel;
+  for (const LocalKernel k : {LocalKernel::kTaps, LocalKernel::kBlocked}) {
+    SCOPED_TRACE(k == LocalKernel::kTaps ? "tap-loop kernel" : "blocked kernel");
+    struct Pin {
+      LocalKernel before;
+      ~Pin() { nn::detail::set_local_kernel(before); }
+    } pin{nn::detail::set_local_kernel(k)};
+    body();
+  }
+}
+
 TEST(NeighborhoodAttention, Dense1d) {
-  test::Sweep sweep;
-  sweep.cases(120).run(
-      [&](Rng& rng, int64_t c) { check_against_dense(random_problem(rng, 1, 14), 100 + c); });
+  each_kernel([] {
+    test::Sweep sweep;
+    sweep.cases(120).run(
+        [&](Rng& rng, int64_t c) { check_against_dense(random_problem(rng, 1, 14), 100 + c); });
+  });
 }
 
 TEST(NeighborhoodAttention, Dense2d) {
-  test::Sweep sweep;
-  sweep.cases(40).run(
-      [&](Rng& rng, int64_t c) { check_against_dense(random_problem(rng, 2, 7), 200 + c); });
+  each_kernel([] {
+    test::Sweep sweep;
+    sweep.cases(40).run(
+        [&](Rng& rng, int64_t c) { check_against_dense(random_problem(rng, 2, 7), 200 + c); });
+  });
 }
 
 TEST(NeighborhoodAttention, Dense3d) {
-  test::Sweep sweep;
-  sweep.cases(12).run(
-      [&](Rng& rng, int64_t c) { check_against_dense(random_problem(rng, 3, 5), 300 + c); });
+  each_kernel([] {
+    test::Sweep sweep;
+    sweep.cases(12).run(
+        [&](Rng& rng, int64_t c) { check_against_dense(random_problem(rng, 3, 5), 300 + c); });
+  });
+}
+
+// Fields larger than a tile in every axis: several tiles, a padded last one, and (blocked)
+// several chunks of tiles on the largest.
+TEST(NeighborhoodAttention, ManyTiles) {
+  each_kernel([] {
+    Problem a;
+    a.axes = {axis(37, 7), axis(21, 5, 1, 1, true)};
+    a.H = 4, a.Hkv = 2, a.D = 3, a.Dv = 2, a.rpb = false, a.Ne = 1;
+    check_against_dense(a, 11);
+    Problem b;
+    b.axes = {axis(19, 3, 2), axis(11, 3, 1, 2), axis(9, 4, 1, 1, false, true)};
+    b.rpb = true;
+    check_against_dense(b, 12);
+    Problem c;
+    c.axes = {axis(300, 9, 3)};
+    c.B = 2, c.H = 2, c.Hkv = 1, c.rpb = true;
+    check_against_dense(c, 13);
+  });
+}
+
+// A field whose blocked logits span several chunks of tiles (too large for the dense oracle):
+// the blocked kernel against the tap loop, forward, lse and every gradient.
+TEST(NeighborhoodAttention, KernelsAgreeAcrossChunks) {
+  using nn::detail::LocalKernel;
+  Problem p;
+  p.axes = {axis(100, 7), axis(90, 7)};
+  p.H = 2, p.Hkv = 2, p.D = 4, p.Dv = 4, p.rpb = true;
+  const Inputs base = make_inputs(p, 21);
+  std::vector<std::vector<at::Tensor>> results;
+  for (const LocalKernel k : {LocalKernel::kTaps, LocalKernel::kBlocked}) {
+    const LocalKernel before = nn::detail::set_local_kernel(k);
+    const Inputs in = with_grad(base, at::kDouble);
+    const auto r = run_op(p, in, 0.4);
+    const at::Tensor w = test::randn(r.first.sizes(), 22, at::kDouble);
+    auto grads = torch::autograd::grad({(r.first * w).sum()}, in.list());
+    grads.push_back(r.first);
+    grads.push_back(r.second);
+    results.push_back(grads);
+    nn::detail::set_local_kernel(before);
+  }
+  ASSERT_EQ(results[0].size(), results[1].size());
+  for (size_t i = 0; i < results[0].size(); ++i)
+    EXPECT_LT(max_diff(results[0][i], results[1][i]), 1e-10) << "result " << i;
+}
+
+// The automatic choice: blocked where a tile's box holds at most 8x the keys its queries
+// need, the tap loop where dilation spreads them further.
+TEST(NeighborhoodAttention, KernelChoice) {
+  using nn::detail::LocalKernel;
+  const auto tables = [](const NAAxis& a, int64_t n_axes) {
+    std::vector<nn::detail::TapTable> t;
+    for (int64_t i = 0; i < n_axes; ++i)
+      t.push_back(nn::detail::tap_table(a, 0, a.length, 0, a.length));
+    return t;
+  };
+  const auto choose = [&](const NAAxis& a, int64_t n_axes, LocalKernel pin) {
+    const LocalKernel before = nn::detail::set_local_kernel(pin);
+    const std::vector<int64_t> kv(static_cast<size_t>(n_axes), a.length);
+    const bool blocked = nn::detail::use_blocked(tables(a, n_axes), kv);
+    nn::detail::set_local_kernel(before);
+    return blocked;
+  };
+  EXPECT_TRUE(choose(axis(64, 7), 2, LocalKernel::kAuto));
+  EXPECT_TRUE(choose(axis(64, 7), 1, LocalKernel::kAuto));
+  EXPECT_TRUE(choose(axis(16, 3), 3, LocalKernel::kAuto));
+  EXPECT_FALSE(choose(axis(64, 5, 1, 3), 2, LocalKernel::kAuto));  // box 20 of 5 per axis
+  EXPECT_FALSE(choose(axis(64, 7), 2, LocalKernel::kTaps));
+  EXPECT_TRUE(choose(axis(64, 5, 1, 3), 2, LocalKernel::kBlocked));
 }
 
 TEST(NeighborhoodAttention, NamedCases) {
-  Problem a;  // the note's 2-D case
-  a.axes = {axis(7, 3, 1, 2, true), axis(9, 5)};
-  a.H = 4, a.Hkv = 2, a.D = 4, a.Dv = 3, a.Ne = 2;
-  check_against_dense(a, 1);
-  Problem b;  // 3-D (5, 6, 7), k = 3, rpb
-  b.axes = {axis(5, 3), axis(6, 3), axis(7, 3)};
-  b.rpb = true;
-  check_against_dense(b, 2);
-  Problem c;  // L not a multiple of d, even kernel, stride, circular, GQA 2 over 1
-  c.axes = {axis(13, 4, 2, 3, false, true), axis(11, 2, 2, 2)};
-  c.H = 2, c.Hkv = 1, c.rpb = true, c.Ne = 1;
-  check_against_dense(c, 3);
-  Problem d;  // circular and causal on different axes, 2-D
-  d.axes = {axis(8, 3, 1, 2, false, true), axis(6, 4, 1, 1, true)};
-  check_against_dense(d, 4);
+  each_kernel([] {
+    Problem a;  // the note's 2-D case
+    a.axes = {axis(7, 3, 1, 2, true), axis(9, 5)};
+    a.H = 4, a.Hkv = 2, a.D = 4, a.Dv = 3, a.Ne = 2;
+    check_against_dense(a, 1);
+    Problem b;  // 3-D (5, 6, 7), k = 3, rpb
+    b.axes = {axis(5, 3), axis(6, 3), axis(7, 3)};
+    b.rpb = true;
+    check_against_dense(b, 2);
+    Problem c;  // L not a multiple of d, even kernel, stride, circular, GQA 2 over 1
+    c.axes = {axis(13, 4, 2, 3, false, true), axis(11, 2, 2, 2)};
+    c.H = 2, c.Hkv = 1, c.rpb = true, c.Ne = 1;
+    check_against_dense(c, 3);
+    Problem d;  // circular and causal on different axes, 2-D
+    d.axes = {axis(8, 3, 1, 2, false, true), axis(6, 4, 1, 1, true)};
+    check_against_dense(d, 4);
+  });
 }
 
 TEST(NeighborhoodAttention, Float32) {
-  Problem p;
-  p.axes = {axis(7, 3, 1, 2, true), axis(9, 5)};
-  p.H = 4, p.Hkv = 2, p.D = 8, p.Dv = 8, p.Ne = 2;
-  check_against_dense(p, 5, at::kFloat, 1e-5);
-  Problem q;
-  q.axes = {axis(12, 5, 2, 1, false, true)};
-  q.rpb = true;
-  check_against_dense(q, 6, at::kFloat, 1e-5);
-  // Half precision is computed in float32 (lse in float32).
-  check_against_dense(p, 7, at::kHalf, 1e-2);
+  each_kernel([] {
+    Problem p;
+    p.axes = {axis(7, 3, 1, 2, true), axis(9, 5)};
+    p.H = 4, p.Hkv = 2, p.D = 8, p.Dv = 8, p.Ne = 2;
+    check_against_dense(p, 5, at::kFloat, 1e-5);
+    Problem q;
+    q.axes = {axis(12, 5, 2, 1, false, true)};
+    q.rpb = true;
+    check_against_dense(q, 6, at::kFloat, 1e-5);
+    // Half precision is computed in float32 (lse in float32).
+    check_against_dense(p, 7, at::kHalf, 1e-2);
+  });
 }
 
 TEST(NeighborhoodAttention, NoDoubleBackward) {

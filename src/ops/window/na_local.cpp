@@ -3,6 +3,8 @@
 // t of every query is one gathered K row, so each step is a K-sized gather, a dot product
 // per (query, head) and an accumulation. The probabilities [B, N, H, T] are the only
 // tap-sized buffer; nothing [B, N, H, T, D]-sized and no N x N matrix is ever formed.
+// forward / backward hand the call to the blocked kernels (na_blocked.cpp) when use_blocked
+// says so.
 #include "na_local.h"
 
 #include <algorithm>
@@ -420,6 +422,9 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
                                            const std::vector<TapTable>& tables, double scale,
                                            const at::Tensor& rpb, const at::Tensor& extra_k,
                                            const at::Tensor& extra_v) {
+  if (q.numel() > 0 && k_win.numel() > 0 &&
+      use_blocked(tables, k_win.sizes().slice(1, tables.size())))
+    return blocked_forward(q, k_win, v_win, tables, scale, rpb, extra_k, extra_v);
   const Problem p(q, k_win, v_win, tables, scale, rpb, extra_k, extra_v);
   const int64_t T = p.taps.count();
   at::Tensor prob = p.logits();
@@ -449,6 +454,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& v_win, const at::Tensor& out, const at::Tensor& lse,
     const std::vector<TapTable>& tables, double scale, const at::Tensor& rpb,
     const at::Tensor& extra_k, const at::Tensor& extra_v) {
+  if (q.numel() > 0 && k_win.numel() > 0 &&
+      use_blocked(tables, k_win.sizes().slice(1, tables.size())))
+    return blocked_backward(grad_out, q, k_win, v_win, out, lse, tables, scale, rpb, extra_k,
+                            extra_v);
   const Problem p(q, k_win, v_win, tables, scale, rpb, extra_k, extra_v);
   const int64_t T = p.taps.count();
   const at::Tensor dof = grad_out.to(p.ct).reshape({p.B, p.Nq, p.Hkv, p.G, p.Dv});

@@ -83,7 +83,8 @@ std::vector<NAAxis> make_axes(const char* op, at::IntArrayRef q, at::IntArrayRef
 void check_tensors(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& rpb, const at::Tensor& extra_k, const at::Tensor& extra_v);
 
-// Forward on windows. q [B, *Sq, H, D] (the rank's queries), k_win [B, *Skv, H_kv, D],
+// Forward on windows (the blocked kernel or the tap loop: NOTE: [Blocked neighbourhood
+// attention]). q [B, *Sq, H, D] (the rank's queries), k_win [B, *Skv, H_kv, D],
 // v_win [B, *Skv, H_kv, Dv] (its K/V windows), tables per axis (tap_table with Sq / Skv),
 // rpb [H, 2k1-1, ...] or undefined, extra keys/values [B, N, H_kv, D / Dv] or undefined.
 // Returns out [B, *Sq, H, Dv] in q's dtype and lse [B, *Sq, H] (float32, float64 for
@@ -98,6 +99,38 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
 // three undefined when their inputs are. dk_win / dv_win have the windows' shapes (the
 // caller sends their rows home).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k_win,
+    const at::Tensor& v_win, const at::Tensor& out, const at::Tensor& lse,
+    const std::vector<TapTable>& tables, double scale, const at::Tensor& rpb,
+    const at::Tensor& extra_k, const at::Tensor& extra_v);
+
+// NOTE: [Blocked neighbourhood attention]
+// The tap loop (forward / backward above) makes prod(k) passes of gathers and element-wise
+// products over all queries: memory-bound on a CPU, and on a GPU a few kernel launches per tap
+// (launch-bound below about 256^2). The blocked kernels cut the queries into tiles of about 64
+// (8 x 8 in 2-D) and compute each tile against its box, the K/V rows its windows span
+// (tile + (k - 1) * d rows per axis), as matrix products: logits = Q_tile K_box^T plus a 0 /
+// -inf mask (and the bias) per (query, box row), softmax, P V_box; backward the same products
+// transposed, dK / dV boxes added back into the window. A box holds more keys than the k per
+// axis a query needs (4x at k = 7 in 2-D), but matrix products run far faster than gathers,
+// and the launches no longer scale with prod(k). Tiles go in chunks of a bounded number of
+// logits, so memory stays O(chunk) beyond the outputs. Both kernels give the same result (the
+// unit tests run each against the dense oracle); `kAuto` takes the blocked one unless dilation
+// or stride spread a tile's windows so far apart that its box holds over 8x the needed keys.
+enum class LocalKernel { kAuto, kTaps, kBlocked };
+// Process-wide, from TESSERA_NA_KERNEL=auto|taps|blocked (default auto); tests pin one here.
+// Returns the previous choice.
+LocalKernel set_local_kernel(LocalKernel kernel);
+// Whether forward / backward take the blocked kernels for these tables and window extents.
+bool use_blocked(const std::vector<TapTable>& tables, at::IntArrayRef kv_spatial);
+// The blocked kernels; arguments and results as forward / backward.
+std::tuple<at::Tensor, at::Tensor> blocked_forward(const at::Tensor& q, const at::Tensor& k_win,
+                                                   const at::Tensor& v_win,
+                                                   const std::vector<TapTable>& tables,
+                                                   double scale, const at::Tensor& rpb,
+                                                   const at::Tensor& extra_k,
+                                                   const at::Tensor& extra_v);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> blocked_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k_win,
     const at::Tensor& v_win, const at::Tensor& out, const at::Tensor& lse,
     const std::vector<TapTable>& tables, double scale, const at::Tensor& rpb,
