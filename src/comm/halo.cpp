@@ -135,9 +135,10 @@ InFlight start_rows(const Group& pg, const at::Tensor& src, int64_t dim,
   const int64_t n = static_cast<int64_t>(outgoing.size());
   std::vector<at::Tensor> send(n);
   std::vector<std::vector<int64_t>> recv_shapes(n);
-  const int64_t row_bytes =
-      src.size(dim) == 0 ? 0
-                         : src.numel() / src.size(dim) * static_cast<int64_t>(src.element_size());
+  // (From the other dims: a member whose own part is empty still receives whole rows.)
+  int64_t row_bytes = static_cast<int64_t>(src.element_size());
+  for (int64_t d = 0; d < src.dim(); ++d)
+    if (d != dim) row_bytes *= src.size(d);
   int64_t sent = 0, received = 0;
   for (int64_t m = 0; m < n; ++m) {
     std::vector<at::Tensor> parts;
