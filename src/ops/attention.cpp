@@ -1,8 +1,11 @@
-// Scaled dot-product attention with the query's sequence dim sharded (context parallelism),
-// the K/V all-gather variant: queries stay where they are, K and V are gathered whole, each
-// rank attends its query rows to every key, and the K/V gradients come back Partial(sum) over
-// the sequence-sharded mesh dims (the autograd engine's redistribute reduce-scatters them).
-// The ring variant (K/V blocks rotated, log-sum-exp merge) is not built yet (issue 28).
+// Scaled dot-product attention with the query's sequence dim sharded (context parallelism):
+// queries stay where they are and every rank attends its query rows to every key. K and V
+// come by one of two ways (NOTE: [Ring attention] in attention_ring.h):
+//  - all-gather: K and V gathered whole in the plan; their gradients come back Partial(sum)
+//    over the mesh dims that split the sequence (the autograd engine's redistribute
+//    reduce-scatters them);
+//  - ring (sequence split along one mesh dim): K and V keep a sequence split along it and the
+//    ring kernels bring their blocks over; dK / dV come back in that layout.
 //
 // Ops: LibTorch 2.x's fused CPU kernel pair
 //   _scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal, *,
@@ -20,6 +23,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "attention_ring.h"
 #include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
@@ -96,9 +100,41 @@ SpecPtr mask_layout(const DTensorSpec& mask, const DTensorSpec& q) {
   return std::make_shared<DTensorSpec>(mask.mesh(), p, mask.sizes(), mask.dtype(), tables);
 }
 
+// The mesh dim whose ring brings K/V over (NOTE: [Ring attention]): the one mesh dim that
+// shards the query's sequence, when the method for this size is the ring; else -1.
+int64_t ring_dim(const DTensorSpec& q, const DTensorSpec& k, const DTensorSpec& v) {
+  const auto dims = q.mesh_dims_sharding(kSeq);
+  if (dims.size() != 1) return -1;
+  // What one rank would gather: the whole sequence of its batch and heads.
+  const auto local = q.local_sizes();
+  const int64_t bytes = k.sizes()[kSeq] * local[0] * local[1] * (k.sizes()[3] + v.sizes()[3]) *
+                        static_cast<int64_t>(c10::elementSize(k.dtype()));
+  const int64_t members = q.mesh().size(dims[0]);
+  return attention::kv_method_for(bytes, members) == attention::KVMethod::kRing ? dims[0] : -1;
+}
+
+// K / V for the ring kernels: the query's batch and heads split, and one sequence split
+// along mesh dim `m` for both: the key's own table when it arrives so split (the kernels take
+// any), else the query's when the lengths match, else even.
+SpecPtr kv_ring_layout(const DTensorSpec& kv, const DTensorSpec& key, const DTensorSpec& q,
+                       int64_t m) {
+  const SpecPtr base = kv_layout(kv, q);
+  Placements p = base->placements();
+  p[m] = Shard(kSeq);
+  std::vector<ShardTable> tables = base->shard_tables();
+  tables.resize(kv.ndim());
+  const bool own = key.mesh_dims_sharding(kSeq) == std::vector<int64_t>{m};
+  if (own && !key.shard_tables().empty())
+    tables[kSeq] = key.shard_tables()[kSeq];
+  else if (!own && key.sizes()[kSeq] == q.sizes()[kSeq] && !q.shard_tables().empty())
+    tables[kSeq] = q.shard_tables()[kSeq];
+  return std::make_shared<DTensorSpec>(kv.mesh(), p, kv.sizes(), kv.dtype(), tables);
+}
+
 struct Layout {
   SpecPtr q, kv_k, kv_v, out, lse, mask;
   bool sharded_seq = false;
+  int64_t ring = -1;  // ring_dim(q, k, v)
 };
 
 Layout layout_of(const OpCall& call) {
@@ -109,8 +145,9 @@ Layout layout_of(const OpCall& call) {
               ": query, key and value must be [B, H, L, E]");
   Layout l;
   l.q = whole_along(q, {3});
-  l.kv_k = kv_layout(k, *l.q);
-  l.kv_v = kv_layout(v, *l.q);
+  l.ring = ring_dim(*l.q, k, v);
+  l.kv_k = l.ring >= 0 ? kv_ring_layout(k, k, *l.q, l.ring) : kv_layout(k, *l.q);
+  l.kv_v = l.ring >= 0 ? kv_ring_layout(v, k, *l.q, l.ring) : kv_layout(v, *l.q);
   l.out = resized(*l.q, v.sizes()[3], false);
   l.lse = resized(*l.q, 0, true);
   l.sharded_seq = seq_sharded(*l.q);
@@ -153,13 +190,41 @@ LocalKernel local_kernel(const DTensorSpec& q, bool sharded_seq) {
   };
 }
 
+// The ring kernels (attention_ring.h) on this call's local tensors.
+DistributedKernel ring_kernel(const Layout& l, bool backward) {
+  const int64_t m = l.ring;
+  const std::vector<int64_t> q_sizes = l.q->shard_sizes(m), kv_sizes = l.kv_k->shard_sizes(m);
+  return [m, q_sizes, kv_sizes, backward](KernelCall& kc, const DeviceMesh& mesh) {
+    const attention::SeqSplit split{q_sizes, kv_sizes, mesh.local_rank(m)};
+    attention::Args a;
+    a.q = kc.tensor("query");
+    a.k = kc.tensor("key");
+    a.v = kc.tensor("value");
+    if (kc.has("attn_mask") && !kc.arg("attn_mask").isNone()) a.mask = kc.tensor("attn_mask");
+    a.causal = kc.arg<bool>("is_causal");
+    a.scale = kc.arg("scale").toOptional<double>();
+    const auto pg = mesh.group(m);
+    if (!backward) {
+      auto r = attention::ring_forward(pg, split, a);
+      kc.finish({std::get<0>(r), std::get<1>(r)});
+      return;
+    }
+    auto r = attention::ring_backward(pg, split, a, kc.tensor("grad_out"), kc.tensor("out"),
+                                      kc.tensor("logsumexp"));
+    kc.finish({std::get<0>(r), std::get<1>(r), std::get<2>(r)});
+  };
+}
+
 OpPlan sdpa_rule(const OpCall& call) {
   const Layout l = layout_of(call);
   OpPlan plan(call);
   plan.input("query", l.q).input("key", l.kv_k).input("value", l.kv_v);
   if (l.mask) plan.input("attn_mask", l.mask);
   plan.output(l.out).output(l.lse);
-  plan.local_kernel = local_kernel(*l.q, l.sharded_seq);
+  if (l.ring >= 0)
+    plan.distributed_kernel = ring_kernel(l, false);
+  else
+    plan.local_kernel = local_kernel(*l.q, l.sharded_seq);
   return plan;
 }
 
@@ -176,6 +241,11 @@ OpPlan sdpa_backward_rule(const OpCall& call) {
   plan.input("grad_out", l.out).input("query", l.q).input("key", l.kv_k).input("value", l.kv_v);
   plan.input("out", l.out).input("logsumexp", l.lse);
   if (l.mask) plan.input("attn_mask", l.mask);
+  if (l.ring >= 0) {
+    plan.output(l.q).output(l.kv_k).output(l.kv_v);
+    plan.distributed_kernel = ring_kernel(l, true);
+    return plan;
+  }
   plan.output(l.q).output(kv_grad(*l.kv_k, *l.q)).output(kv_grad(*l.kv_v, *l.q));
   plan.local_kernel = local_kernel(*l.q, l.sharded_seq);
   return plan;

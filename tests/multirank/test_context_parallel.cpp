@@ -1,14 +1,16 @@
-// Scaled dot-product attention with the query's sequence dim sharded (issue 28, the K/V
-// all-gather variant) against one device, forward and every gradient, float64: causal and
-// not, uneven and empty sequence shards on 1-3 ranks, batch and sequence on a 2x2 mesh, an
-// empty batch shard, and a masked call (which keeps LibTorch's composite path). LibTorch 2.x
-// only (the fused CPU op).
+// Scaled dot-product attention with the query's sequence dim sharded (context parallelism)
+// against one device, forward and every gradient, float64, under both K/V exchanges (the ring
+// and the all-gather, NOTE: [Ring attention]): causal and not, uneven and empty sequence
+// shards on 1-5 ranks, batch and sequence on a 2x2 mesh, an empty batch shard, masks,
+// cross-attention lengths, and the bytes each exchange moves. LibTorch 2.x only (the fused
+// CPU op).
 #include <algorithm>
 #include <numeric>
 
 #include <torch/version.h>
 
 #include "helpers.h"
+#include "ops/attention_ring.h"
 
 #if TORCH_VERSION_MAJOR >= 2  // LibTorch 1.13 has no scaled_dot_product_attention
 
@@ -22,47 +24,68 @@ bool has_fused_cpu_attention() {
       .has_value();
 }
 
+using ops::attention::KVMethod;
+
+// Pins the K/V exchange for a scope (process-wide: every rank thread sees it).
+struct PinMethod {
+  explicit PinMethod(KVMethod m) : before(ops::attention::set_kv_method(m)) {}
+  ~PinMethod() { ops::attention::set_kv_method(before); }
+  KVMethod before;
+};
+
+// Runs `body` under the ring and under the all-gather; both must equal one device.
+template <class Body>
+void each_method(Body body) {
+  for (const KVMethod m : {KVMethod::kRing, KVMethod::kAllGather}) {
+    SCOPED_TRACE(m == KVMethod::kRing ? "ring" : "all-gather");
+    PinMethod pin(m);
+    body();
+  }
+}
+
 TEST(ContextParallel, SequenceShardedAttentionMatchesOneDevice) {
   if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
   const test::Tolerance tol{1e-10, 1e-11};
-  for (bool causal : {false, true}) {
-    for (const ShardTable& rows : std::vector<ShardTable>{{7}, {4, 3}, {3, 0, 4}}) {
-      const int world = static_cast<int>(rows.size());
-      auto q = test::randn({2, 3, 7, 4}, 1, at::kDouble).requires_grad_();
-      auto k = test::randn({2, 3, 7, 4}, 2, at::kDouble).requires_grad_();
-      auto v = test::randn({2, 3, 7, 4}, 3, at::kDouble).requires_grad_();
-      auto expected = at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal);
-      auto g = test::randn(expected.sizes(), 4, at::kDouble);
-      expected.backward(g);
-      const std::string desc =
-          std::string(causal ? "causal" : "full") + ", " + std::to_string(world) + " ranks";
-      tessera::testing::run_ranks(world, [&](int) {
-        at::set_num_threads(1);
-        auto mesh = init_device_mesh("cpu", {world});
-        const std::vector<ShardTable> tables = {{}, {}, rows};
-        auto dq =
-            test::make_dtensor_from_full(q.detach(), mesh, {Shard(2)}, tables).requires_grad_();
-        auto dk =
-            test::make_dtensor_from_full(k.detach(), mesh, {Shard(2)}, tables).requires_grad_();
-        auto dv =
-            test::make_dtensor_from_full(v.detach(), mesh, {Shard(2)}, tables).requires_grad_();
-        auto got = at::scaled_dot_product_attention(dq, dk, dv, {}, 0.0, causal);
-        EXPECT_EQ(spec(got).placements(), Placements{Shard(2)}) << desc;
-        EXPECT_TRUE(test::full_matches(got, expected, tol)) << desc << ": output";
-        got.backward(test::make_dtensor_from_full(g, mesh, {Shard(2)}, tables));
-        EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << desc << ": dq";
-        EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << desc << ": dk";
-        EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << desc << ": dv";
-      });
+  each_method([&] {
+    for (bool causal : {false, true}) {
+      for (const ShardTable& rows : std::vector<ShardTable>{{7}, {4, 3}, {3, 0, 4}}) {
+        const int world = static_cast<int>(rows.size());
+        auto q = test::randn({2, 3, 7, 4}, 1, at::kDouble).requires_grad_();
+        auto k = test::randn({2, 3, 7, 4}, 2, at::kDouble).requires_grad_();
+        auto v = test::randn({2, 3, 7, 4}, 3, at::kDouble).requires_grad_();
+        auto expected = at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal);
+        auto g = test::randn(expected.sizes(), 4, at::kDouble);
+        expected.backward(g);
+        const std::string desc =
+            std::string(causal ? "causal" : "full") + ", " + std::to_string(world) + " ranks";
+        tessera::testing::run_ranks(world, [&](int) {
+          at::set_num_threads(1);
+          auto mesh = init_device_mesh("cpu", {world});
+          const std::vector<ShardTable> tables = {{}, {}, rows};
+          auto dq =
+              test::make_dtensor_from_full(q.detach(), mesh, {Shard(2)}, tables).requires_grad_();
+          auto dk =
+              test::make_dtensor_from_full(k.detach(), mesh, {Shard(2)}, tables).requires_grad_();
+          auto dv =
+              test::make_dtensor_from_full(v.detach(), mesh, {Shard(2)}, tables).requires_grad_();
+          auto got = at::scaled_dot_product_attention(dq, dk, dv, {}, 0.0, causal);
+          EXPECT_EQ(spec(got).placements(), Placements{Shard(2)}) << desc;
+          EXPECT_TRUE(test::full_matches(got, expected, tol)) << desc << ": output";
+          got.backward(test::make_dtensor_from_full(g, mesh, {Shard(2)}, tables));
+          EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << desc << ": dq";
+          EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << desc << ": dk";
+          EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << desc << ": dv";
+        });
+      }
     }
-  }
+  });
 }
 
 // One case: q, k, v [2, 3, 7, 4] laid out with `placements` / `tables` on `shape`, `mask`
 // (undefined: none) given whole to every rank, against one device.
-void expect_one_device(const std::vector<int64_t>& shape, const Placements& placements,
-                       const std::vector<ShardTable>& tables, bool causal, const at::Tensor& mask,
-                       const std::string& desc) {
+void expect_one_device_with(const std::vector<int64_t>& shape, const Placements& placements,
+                            const std::vector<ShardTable>& tables, bool causal,
+                            const at::Tensor& mask, const std::string& desc) {
   const test::Tolerance tol{1e-10, 1e-11};
   auto q = test::randn({2, 3, 7, 4}, 11, at::kDouble).requires_grad_();
   auto k = test::randn({2, 3, 7, 4}, 12, at::kDouble).requires_grad_();
@@ -87,6 +110,13 @@ void expect_one_device(const std::vector<int64_t>& shape, const Placements& plac
     EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << desc << ": dk";
     EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << desc << ": dv";
   });
+}
+
+// The same under each K/V exchange.
+void expect_one_device(const std::vector<int64_t>& shape, const Placements& placements,
+                       const std::vector<ShardTable>& tables, bool causal, const at::Tensor& mask,
+                       const std::string& desc) {
+  each_method([&] { expect_one_device_with(shape, placements, tables, causal, mask, desc); });
 }
 
 TEST(ContextParallel, BatchAndSequenceOnATwoByTwoMesh) {
@@ -124,21 +154,24 @@ TEST(ContextParallel, KeysAndValuesFollowTheQuerysHeads) {
   auto expected = at::scaled_dot_product_attention(q, k, v);
   expected.sum().backward();
   const test::Tolerance tol{1e-10, 1e-11};
-  for (const Placements& kv :
-       {Placements{Replicate()}, Placements{Shard(2)}, Placements{Shard(0)}}) {
-    tessera::testing::run_ranks(2, [&](int) {
-      at::set_num_threads(1);
-      auto mesh = init_device_mesh("cpu", {2});
-      auto dq = distribute_tensor(q.detach(), mesh, {Shard(1)}).requires_grad_();
-      auto dk = distribute_tensor(k.detach(), mesh, kv).requires_grad_();
-      auto dv = distribute_tensor(v.detach(), mesh, kv).requires_grad_();
-      auto got = at::scaled_dot_product_attention(dq, dk, dv);
-      EXPECT_TRUE(test::full_matches(got, expected, tol)) << kv[0].str();
-      got.sum().backward();
-      EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << kv[0].str() << ": dq";
-      EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << kv[0].str() << ": dk";
-      EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << kv[0].str() << ": dv";
-    });
+  for (const KVMethod method : {KVMethod::kRing, KVMethod::kAllGather}) {
+    PinMethod pin(method);
+    for (const Placements& kv :
+         {Placements{Replicate()}, Placements{Shard(2)}, Placements{Shard(0)}}) {
+      tessera::testing::run_ranks(2, [&](int) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {2});
+        auto dq = distribute_tensor(q.detach(), mesh, {Shard(1)}).requires_grad_();
+        auto dk = distribute_tensor(k.detach(), mesh, kv).requires_grad_();
+        auto dv = distribute_tensor(v.detach(), mesh, kv).requires_grad_();
+        auto got = at::scaled_dot_product_attention(dq, dk, dv);
+        EXPECT_TRUE(test::full_matches(got, expected, tol)) << kv[0].str();
+        got.sum().backward();
+        EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << kv[0].str() << ": dq";
+        EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << kv[0].str() << ": dk";
+        EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << kv[0].str() << ": dv";
+      });
+    }
   }
 }
 
@@ -148,6 +181,7 @@ TEST(ContextParallel, KeysAndValuesFollowTheQuerysHeads) {
 // the same bounds.
 TEST(ContextParallel, BytesAreTheKeyValueGatherOnly) {
   if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  PinMethod pin(KVMethod::kAllGather);
   for (const ShardTable& rows : std::vector<ShardTable>{{4, 3}, {3, 0, 4}, {2, 2, 2}}) {
     const int world = static_cast<int>(rows.size());
     const int64_t seq = std::accumulate(rows.begin(), rows.end(), int64_t{0});
@@ -182,6 +216,149 @@ TEST(ContextParallel, BytesAreTheKeyValueGatherOnly) {
       EXPECT_LE(comm.total_bytes_received(), padded) << desc << ": backward " << comm.to_json();
     });
   }
+}
+
+// Random sequence splits on 1-5 ranks (empty shards likely), causal or not, with or without
+// an additive [L, S] mask, batch and heads of random sizes, under each exchange.
+TEST(ContextParallel, RandomSplitsMatchOneDevice) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  const test::Tolerance tol{1e-10, 1e-11};
+  test::Sweep sweep;
+  sweep.cases(16).run([&](test::Rng& rng, int64_t c) {
+    const int world = static_cast<int>(rng.uniform(1, 5));
+    const int64_t L = rng.uniform(1, 13), B = rng.uniform(1, 2), H = rng.uniform(1, 3);
+    const int64_t E = rng.uniform(1, 5);
+    const bool causal = rng.coin(), masked = !causal && rng.coin(0.6);
+    const ShardTable rows = test::random_table(rng, L, world);
+    auto q = test::randn({B, H, L, E}, 100 + c, at::kDouble).requires_grad_();
+    auto k = test::randn({B, H, L, E}, 200 + c, at::kDouble).requires_grad_();
+    auto v = test::randn({B, H, L, E}, 300 + c, at::kDouble).requires_grad_();
+    const at::Tensor mask = masked ? test::randn({L, L}, 400 + c, at::kDouble) : at::Tensor();
+    const c10::optional<at::Tensor> m = masked ? c10::optional<at::Tensor>(mask) : c10::nullopt;
+    auto expected = at::scaled_dot_product_attention(q, k, v, m, 0.0, causal);
+    auto g = test::randn(expected.sizes(), 500 + c, at::kDouble);
+    expected.backward(g);
+    std::string desc = sweep.label(c) + ": " + std::to_string(world) + " ranks, rows";
+    for (auto r : rows) desc += " " + std::to_string(r);
+    desc += causal ? ", causal" : "";
+    desc += masked ? ", mask" : "";
+    each_method([&] {
+      tessera::testing::run_ranks(world, [&](int) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {world});
+        const std::vector<ShardTable> tables = {{}, {}, rows};
+        auto lay = [&](const at::Tensor& t) {
+          return test::make_dtensor_from_full(t.detach(), mesh, {Shard(2)}, tables)
+              .requires_grad_();
+        };
+        auto dq = lay(q), dk = lay(k), dv = lay(v);
+        auto got = at::scaled_dot_product_attention(dq, dk, dv, m, 0.0, causal);
+        EXPECT_TRUE(test::full_matches(got, expected, tol)) << desc << ": output";
+        got.backward(test::make_dtensor_from_full(g, mesh, {Shard(2)}, tables));
+        EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << desc << ": dq";
+        EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << desc << ": dk";
+        EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << desc << ": dv";
+      });
+    });
+  });
+}
+
+// Keys and values of another length than the queries (cross-attention, S != L), split along
+// the same mesh dim by their own table, causal (top-left aligned) and not.
+TEST(ContextParallel, CrossAttentionLengths) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  const test::Tolerance tol{1e-10, 1e-11};
+  auto q = test::randn({1, 2, 7, 3}, 51, at::kDouble).requires_grad_();
+  auto k = test::randn({1, 2, 5, 3}, 52, at::kDouble).requires_grad_();
+  auto v = test::randn({1, 2, 5, 3}, 53, at::kDouble).requires_grad_();
+  for (bool causal : {false, true}) {
+    q.mutable_grad() = at::Tensor(), k.mutable_grad() = at::Tensor(),
+    v.mutable_grad() = at::Tensor();
+    auto expected = at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal);
+    auto g = test::randn(expected.sizes(), 54, at::kDouble);
+    expected.backward(g);
+    each_method([&] {
+      tessera::testing::run_ranks(3, [&](int) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {3});
+        auto dq = test::make_dtensor_from_full(q.detach(), mesh, {Shard(2)}, {{}, {}, {2, 0, 5}})
+                      .requires_grad_();
+        auto dk = test::make_dtensor_from_full(k.detach(), mesh, {Shard(2)}, {{}, {}, {1, 3, 1}})
+                      .requires_grad_();
+        auto dv = test::make_dtensor_from_full(v.detach(), mesh, {Shard(2)}, {{}, {}, {1, 3, 1}})
+                      .requires_grad_();
+        auto got = at::scaled_dot_product_attention(dq, dk, dv, {}, 0.0, causal);
+        EXPECT_TRUE(test::full_matches(got, expected, tol)) << causal << ": output";
+        got.backward(test::make_dtensor_from_full(g, mesh, spec(got).placements(),
+                                                  spec(got).shard_tables()));
+        EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << causal << ": dq";
+        EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << causal << ": dk";
+        EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << causal << ": dv";
+      });
+    });
+  }
+}
+
+// The ring's bytes, exactly: forward, each rank receives the K and V blocks its queries see
+// (every other block; causal: only the blocks before its last row); backward, the same
+// blocks again, plus its own block's dK and dV from every rank that saw it.
+TEST(ContextParallel, RingBytesAreTheBlocksSeen) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  PinMethod pin(KVMethod::kRing);
+  for (bool causal : {false, true}) {
+    for (const ShardTable& rows : std::vector<ShardTable>{{4, 3}, {3, 0, 4}, {2, 1, 3, 2, 1}}) {
+      const int world = static_cast<int>(rows.size());
+      const int64_t seq = std::accumulate(rows.begin(), rows.end(), int64_t{0});
+      const int64_t row_bytes = 2 * 3 * 4 * 8;  // B x H x E doubles per sequence row
+      std::vector<int64_t> offset(world + 1, 0);
+      for (int r = 0; r < world; ++r) offset[r + 1] = offset[r] + rows[r];
+      // Whether rank m's queries see a key of rank j's block.
+      const auto sees = [&](int m, int j) {
+        if (rows[m] == 0 || rows[j] == 0) return false;
+        return !causal || offset[m + 1] - 1 >= offset[j];
+      };
+      tessera::testing::run_ranks(world, [&](int rank) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {world});
+        const std::vector<ShardTable> tables = {{}, {}, rows};
+        auto lay = [&](uint64_t seed) {
+          return test::make_dtensor_from_full(test::randn({2, 3, seq, 4}, seed, at::kDouble), mesh,
+                                              {Shard(2)}, tables)
+              .requires_grad_();
+        };
+        auto q = lay(61), k = lay(62), v = lay(63);
+        int64_t blocks = 0, seen_by = 0;
+        for (int j = 0; j < world; ++j)
+          if (j != rank && sees(rank, j)) blocks += rows[j];
+        for (int m = 0; m < world; ++m)
+          if (m != rank && sees(m, rank)) ++seen_by;
+        const std::string desc = std::to_string(world) + " ranks, rank " + std::to_string(rank) +
+                                 (causal ? ", causal" : "");
+        at::Tensor out;
+        {
+          CommDebugMode comm;
+          out = at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, causal);
+          EXPECT_EQ(comm.total_bytes_received(), 2 * blocks * row_bytes)
+              << desc << ": forward " << comm.to_json();
+        }
+        CommDebugMode comm;
+        out.backward(at::ones_like(out));
+        EXPECT_EQ(comm.total_bytes_received(), 2 * (blocks + seen_by * rows[rank]) * row_bytes)
+            << desc << ": backward " << comm.to_json();
+      });
+    }
+  }
+}
+
+// The automatic choice: the all-gather for small K/V, the ring once the gathered K and V pass
+// 16 MiB per rank (and never on one rank).
+TEST(ContextParallel, ExchangeChoice) {
+  PinMethod pin(KVMethod::kAuto);
+  EXPECT_EQ(ops::attention::kv_method_for(1 << 20, 4), KVMethod::kAllGather);
+  EXPECT_EQ(ops::attention::kv_method_for(int64_t{64} << 20, 4), KVMethod::kRing);
+  EXPECT_EQ(ops::attention::kv_method_for(int64_t{64} << 20, 1), KVMethod::kAllGather);
+  PinMethod ring(KVMethod::kRing);
+  EXPECT_EQ(ops::attention::kv_method_for(1, 4), KVMethod::kRing);
 }
 
 // The fused kernel's own dropout would draw per rank: a direct call with dropout raises on

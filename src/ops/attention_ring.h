@@ -1,0 +1,69 @@
+#pragma once
+// The fused attention pair on queries whose sequence is sharded along one mesh dim, with the
+// K/V blocks brought over inside the kernel by a ring (NOTE: [Ring attention]).
+// src/ops/attention.cpp's rule chooses between it and its K/V all-gather plan, and hands
+// these kernels the local tensors and the sequence split; they talk over the group of that
+// mesh dim only.
+#include <tuple>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include "tessera/comm/collectives.h"
+
+namespace tessera::ops::attention {
+
+// NOTE: [Ring attention]
+// With the query's rows split over P members, each member's queries need every member's keys.
+// Two ways bring them, moving the same bytes forward ((P-1)/P of K and of V per member):
+//  - all-gather (the rule's plan): K and V gathered whole, one fused call; backward sends the
+//    whole dK / dV home as Partial(sum). Few messages; K and V whole on every member.
+//  - ring: P steps. At step s a member attends its queries to member (me - s)'s K/V block,
+//    fetched straight from its owner while step s - 1 computes; the partial outputs merge by
+//    their log-sum-exp (in float32, or float64 for double). Backward walks the blocks again,
+//    with the global output and log-sum-exp, and sends each block's dK / dV home at the end
+//    of its step. At most two K/V blocks are held at a time, never the whole sequence; the
+//    price is that backward fetches the blocks again.
+// Causal: a block wholly after a member's last query row is neither fetched nor computed; on
+// the block that straddles the diagonal only the rows that see one of its keys take part.
+// `kAuto` (TESSERA_CP_METHOD=auto|ring|allgather, default auto) takes the ring when the
+// gathered K and V would exceed 16 MiB per member, where holding them whole costs more than
+// P - 1 message latencies; below that, the all-gather.
+enum class KVMethod { kAuto, kRing, kAllGather };
+// Process-wide; every member must hold the same. Returns the previous one.
+KVMethod set_kv_method(KVMethod method);
+// The method a call with these sizes takes (kAuto resolved). Rules call it: a plan is cached
+// per thread, so a change reaches threads (ranks) started after it.
+KVMethod kv_method_for(int64_t gathered_kv_bytes, int64_t members);
+
+// The sequence rows of the group's members: member m's queries are rows
+// [q_offset(m), q_offset(m) + q_sizes[m]) of the whole query, its keys / values rows
+// [kv_offset(m), ...) of the whole K / V.
+struct SeqSplit {
+  std::vector<int64_t> q_sizes, kv_sizes;
+  int64_t me = 0;
+  int64_t q_offset(int64_t m) const;
+  int64_t kv_offset(int64_t m) const;
+  int64_t kv_total() const;
+};
+
+// The fused op's arguments, local ([b, h, rows, E]; the mask split with the query's rows and
+// whole along the keys, or undefined).
+struct Args {
+  at::Tensor q, k, v, mask;
+  bool causal = false;
+  c10::optional<double> scale;
+};
+
+// (out, logsumexp) of this member's queries against every member's keys.
+std::tuple<at::Tensor, at::Tensor> ring_forward(const comm::Group& pg, const SeqSplit& split,
+                                                const Args& a);
+// (dq, dk, dv): dk / dv of this member's own K/V rows, summed over every member's queries.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(const comm::Group& pg,
+                                                             const SeqSplit& split, const Args& a,
+                                                             const at::Tensor& grad_out,
+                                                             const at::Tensor& out,
+                                                             const at::Tensor& lse);
+
+}  // namespace tessera::ops::attention
