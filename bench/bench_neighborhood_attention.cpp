@@ -8,7 +8,9 @@
 //     rows), the speed-up, the machine's ceiling (the plain op on each rank's rows, both at
 //     once, and on rank 0's alone), and the halo bytes a rank receives against the exact
 //     minimum (the K and V rows of the other rank that its queries' windows reach).
-// Large blocks stay on the heap (mallopt; --glibc-mmap keeps glibc's default): see run().
+// glibc's allocator as it is: the kernels allocate per chunk, not per tap, so its mmap
+// threshold no longer shapes the timings (BENCHMARKS.md). TESSERA_NA_KERNEL=taps|blocked picks
+// the local kernel.
 //
 //   ./build/tessera-run -n 2 --no-prefix ./build/bench/bench_neighborhood_attention
 //
@@ -19,12 +21,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <malloc.h>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -420,21 +421,7 @@ int run(int argc, char** argv) {
   app.add_option("--dist-reps", dist_reps, "part b: timed steps (median)")->capture_default_str();
   app.add_flag("--skip-local", skip_local, "skip part a");
   app.add_flag("--skip-dist", skip_dist, "skip part b");
-  bool glibc_mmap = false;
-  app.add_flag(
-      "--glibc-mmap", glibc_mmap,
-      "keep glibc's default: blocks over its mmap threshold (at most 32 MiB) are mapped and "
-      "unmapped on every allocation");
   CLI11_PARSE(app, argc, argv);
-  if (!glibc_mmap) {
-    // The kernels allocate K-sized temporaries per tap. glibc serves blocks over its mmap
-    // threshold (dynamic, at most 32 MiB) with a fresh mapping each time: every page faults
-    // and is zeroed again. A whole 256x256 field crosses it and its halves do not, which
-    // would credit 2 ranks with a speed-up that is only page faults saved. Keep every block
-    // on the heap so both sides reuse memory alike.
-    mallopt(M_MMAP_THRESHOLD, 1 << 30);
-    mallopt(M_TRIM_THRESHOLD, 1 << 30);
-  }
   dist_shape.heads = local_shape.heads;
   dist_shape.head_dim = local_shape.head_dim;
   dist_shape.kernel = local_shape.kernel;
@@ -486,10 +473,10 @@ int run(int argc, char** argv) {
   }
   if (rank == 0 && !skip_local) local_part(local_shape, dense_size, warmup, reps);
   if (rank == 0)
-    std::printf("\nallocator: %s\ntotal %.1f s\n",
-                glibc_mmap ? "glibc default (large blocks mapped per allocation)"
-                           : "glibc with mmap threshold 1 GiB (large blocks reused from the heap)",
-                seconds_since(started));
+    std::printf(
+        "\nlocal kernel: TESSERA_NA_KERNEL=%s\ntotal %.1f s\n",
+        std::getenv("TESSERA_NA_KERNEL") ? std::getenv("TESSERA_NA_KERNEL") : "auto (unset)",
+        seconds_since(started));
   std::fflush(stdout);
   if (world == 2) barrier(pair.group(0));
   return 0;
