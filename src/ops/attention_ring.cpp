@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <numeric>
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -258,15 +259,11 @@ KVMethod kv_method_for(int64_t gathered_kv_bytes, int64_t members) {
 }
 
 int64_t SeqSplit::q_offset(int64_t m) const {
-  int64_t o = 0;
-  for (int64_t i = 0; i < m; ++i) o += q_sizes[i];
-  return o;
+  return std::accumulate(q_sizes.begin(), q_sizes.begin() + m, int64_t{0});
 }
 
 int64_t SeqSplit::kv_offset(int64_t m) const {
-  int64_t o = 0;
-  for (int64_t i = 0; i < m; ++i) o += kv_sizes[i];
-  return o;
+  return std::accumulate(kv_sizes.begin(), kv_sizes.begin() + m, int64_t{0});
 }
 
 int64_t SeqSplit::kv_total() const { return kv_offset(static_cast<int64_t>(kv_sizes.size())); }

@@ -175,6 +175,14 @@ TEST(ContextParallel, KeysAndValuesFollowTheQuerysHeads) {
   }
 }
 
+// A random [2, 3, sum(rows), 4] float64 leaf, its sequence split by `rows`.
+at::Tensor seq_sharded(const DeviceMesh& mesh, const ShardTable& rows, uint64_t seed) {
+  const int64_t seq = std::accumulate(rows.begin(), rows.end(), int64_t{0});
+  return test::make_dtensor_from_full(test::randn({2, 3, seq, 4}, seed, at::kDouble), mesh,
+                                      {Shard(2)}, {{}, {}, rows})
+      .requires_grad_();
+}
+
 // Bytes: the forward gathers K and V along the sequence and nothing else moves (queries stay);
 // each rank receives at least the rows it lacks, (S - s_r) of K and of V, and at most the
 // padded all-gather's (P - 1) x max(s) rows. The backward moves only dK and dV home, within
@@ -190,13 +198,8 @@ TEST(ContextParallel, BytesAreTheKeyValueGatherOnly) {
     tessera::testing::run_ranks(world, [&](int rank) {
       at::set_num_threads(1);
       auto mesh = init_device_mesh("cpu", {world});
-      const std::vector<ShardTable> tables = {{}, {}, rows};
-      auto lay = [&](uint64_t seed) {
-        return test::make_dtensor_from_full(test::randn({2, 3, seq, 4}, seed, at::kDouble), mesh,
-                                            {Shard(2)}, tables)
-            .requires_grad_();
-      };
-      auto q = lay(31), k = lay(32), v = lay(33);
+      auto q = seq_sharded(mesh, rows, 31), k = seq_sharded(mesh, rows, 32);
+      auto v = seq_sharded(mesh, rows, 33);
       const int64_t least = 2 * (seq - rows[rank]) * row_bytes;
       const int64_t padded = 2 * (world - 1) * most * row_bytes;
       const std::string desc = std::to_string(world) + " ranks, rank " + std::to_string(rank);
@@ -308,7 +311,6 @@ TEST(ContextParallel, RingBytesAreTheBlocksSeen) {
   for (bool causal : {false, true}) {
     for (const ShardTable& rows : std::vector<ShardTable>{{4, 3}, {3, 0, 4}, {2, 1, 3, 2, 1}}) {
       const int world = static_cast<int>(rows.size());
-      const int64_t seq = std::accumulate(rows.begin(), rows.end(), int64_t{0});
       const int64_t row_bytes = 2 * 3 * 4 * 8;  // B x H x E doubles per sequence row
       std::vector<int64_t> offset(world + 1, 0);
       for (int r = 0; r < world; ++r) offset[r + 1] = offset[r] + rows[r];
@@ -320,13 +322,8 @@ TEST(ContextParallel, RingBytesAreTheBlocksSeen) {
       tessera::testing::run_ranks(world, [&](int rank) {
         at::set_num_threads(1);
         auto mesh = init_device_mesh("cpu", {world});
-        const std::vector<ShardTable> tables = {{}, {}, rows};
-        auto lay = [&](uint64_t seed) {
-          return test::make_dtensor_from_full(test::randn({2, 3, seq, 4}, seed, at::kDouble), mesh,
-                                              {Shard(2)}, tables)
-              .requires_grad_();
-        };
-        auto q = lay(61), k = lay(62), v = lay(63);
+        auto q = seq_sharded(mesh, rows, 61), k = seq_sharded(mesh, rows, 62);
+        auto v = seq_sharded(mesh, rows, 63);
         int64_t blocks = 0, seen_by = 0;
         for (int j = 0; j < world; ++j)
           if (j != rank && sees(rank, j)) blocks += rows[j];
