@@ -6,9 +6,10 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build ccache pkg-config
   libtorch-dev libgloo-dev
-  # LibTorch's matrix products through OpenBLAS (one thread per caller, which suits ranks
-  # as threads): libtorch-dev alone brings the reference BLAS, about ten times slower.
-  libopenblas0-serial
+  # LibTorch's matrix products through OpenBLAS: libtorch-dev alone brings the reference
+  # BLAS, about ten times slower. The pthread build: the serial one is not safe to call from
+  # several threads at once (ranks as threads gave wrong products).
+  libopenblas0-pthread
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev libpng-dev zlib1g-dev
   iproute2  # the multi-host test joins two network namespaces
