@@ -225,10 +225,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(const comm::Group& 
   at::Tensor dv = at::zeros(a.v.sizes(), a.v.options().dtype(acc));
   const auto z = comm::HaloBoundary::Zeros;
   walk_ring(pg, s, a, [&](int64_t step, const Block& b, const at::Tensor& k, const at::Tensor& v) {
-    // This step's dK / dV of the block it holds (nothing when its queries skip the block).
-    at::Tensor dkb = at::zeros(with_rows(a.k, k.size(kSeq), -1), a.k.options());
-    at::Tensor dvb = at::zeros(with_rows(a.v, v.size(kSeq), -1), a.v.options());
-    if (b.rows > 0 && a.q.numel() > 0) {
+    // This step's dK / dV of the block it holds (zeros when its queries skip the block).
+    at::Tensor dkb, dvb;
+    if (b.rows == 0 || a.q.numel() == 0) {
+      dkb = at::zeros(with_rows(a.k, k.size(kSeq), -1), a.k.options());
+      dvb = at::zeros(with_rows(a.v, v.size(kSeq), -1), a.v.options());
+    } else {
       const auto rows = [&](const at::Tensor& t) { return t.narrow(kSeq, b.row0, b.rows); };
       auto r = fused_backward(rows(grad_out), rows(a.q), k, v, rows(out), rows(lse),
                               block_mask(a, s, b), a.scale);

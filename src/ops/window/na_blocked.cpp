@@ -33,7 +33,8 @@ std::atomic<int>& kernel_choice() {
 
 // Tile edge per axis: about 64 queries per tile for 1, 2 or 3 axes (8 x 8 in 2-D). A box is
 // tile + (k - 1) * d rows per axis, so smaller tiles waste less and larger ones make larger
-// products; these measured best on CPU at k = 7 (BENCHMARKS.md).
+// products. In 2-D at k = 7 on CPU, edges 6 to 10 timed alike and 4, 12, 16 slower (one
+// profile under load); 1-D and 3-D take the same ~64 queries, unmeasured.
 int64_t tile_edge(size_t nd) { return nd == 1 ? 16 : nd == 2 ? 8 : 4; }
 
 // Above this many box keys per needed key the tap loop is chosen (dilation or a wide stride
