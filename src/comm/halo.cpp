@@ -266,25 +266,37 @@ at::Tensor fetch_window(const Group& pg, const at::Tensor& x, int64_t dim,
   return out;
 }
 
-at::Tensor fetch_window_backward(const Group& pg, const at::Tensor& grad_window, int64_t dim,
-                                 const std::vector<int64_t>& sizes,
-                                 const std::vector<Window>& windows, HaloBoundary boundary) {
+PendingWindow fetch_window_backward_async(const Group& pg, const at::Tensor& grad_window,
+                                          int64_t dim, const std::vector<int64_t>& sizes,
+                                          const std::vector<Window>& windows, HaloBoundary boundary,
+                                          int tag) {
   const int64_t me = pg ? group_rank(pg) : 0;
   TORCH_INTERNAL_ASSERT(grad_window.size(dim) == windows[me].size());
-  const auto plan = plan_for(me, sizes, windows, boundary);
+  auto plan = plan_for(me, sizes, windows, boundary);
+  // The roles swap: what I received forward, I send back; what I sent, I get back and add.
+  auto flight = std::make_shared<InFlight>(start_rows(
+      pg, grad_window, dim, plan.recv, plan.send, [](const Piece& p) { return p.slot; },
+      kHaloTag + 1 + tag));
   at::Tensor grad;
   if (plan.identity) {
-    grad = grad_window.clone();  // received halo gradients are added in place below
+    grad = grad_window.clone();  // received halo gradients are added in place on wait()
   } else {
     grad = at::zeros(with_dim(grad_window, dim, sizes[me]), grad_window.options());
     for (const auto& p : plan.local)
       grad.narrow(dim, p.local, p.count).add_(grad_window.narrow(dim, p.slot, p.count));
   }
-  // The roles swap: what I received forward, I send back; what I sent, I get back and add.
-  exchange_rows(
-      pg, grad_window, dim, plan.recv, plan.send, [](const Piece& p) { return p.slot; },
-      [&](const Piece& p, const at::Tensor& r) { grad.narrow(dim, p.local, p.count).add_(r); });
-  return grad;
+  return PendingWindow([flight, grad, dim, incoming = std::move(plan.send)]() {
+    finish_rows(*flight, dim, incoming, [&](const Piece& p, const at::Tensor& r) {
+      grad.narrow(dim, p.local, p.count).add_(r);
+    });
+    return grad;
+  });
+}
+
+at::Tensor fetch_window_backward(const Group& pg, const at::Tensor& grad_window, int64_t dim,
+                                 const std::vector<int64_t>& sizes,
+                                 const std::vector<Window>& windows, HaloBoundary boundary) {
+  return fetch_window_backward_async(pg, grad_window, dim, sizes, windows, boundary, -1).wait();
 }
 
 at::Tensor halo_exchange(const Group& pg, const at::Tensor& x, int64_t dim,

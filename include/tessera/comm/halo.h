@@ -56,6 +56,11 @@ PendingWindow fetch_window_async(const Group& pg, const at::Tensor& x, int64_t d
 at::Tensor fetch_window_backward(const Group& pg, const at::Tensor& grad_window, int64_t dim,
                                  const std::vector<int64_t>& sizes,
                                  const std::vector<Window>& windows, HaloBoundary boundary);
+// The same, left in flight (distinct tags for exchanges in flight together, as above).
+PendingWindow fetch_window_backward_async(const Group& pg, const at::Tensor& grad_window,
+                                          int64_t dim, const std::vector<int64_t>& sizes,
+                                          const std::vector<Window>& windows, HaloBoundary boundary,
+                                          int tag = 0);
 
 // The common case: every member extends its own shard by `before` rows in front and
 // `after` rows behind.
