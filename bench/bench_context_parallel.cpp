@@ -21,14 +21,13 @@
 
 #include "bench_main.h"
 #include "counting_allocator.h"
-#include "ops/attention_ring.h"
 #include "tessera/tessera.h"
 #include "tessera/testing/run_ranks.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using tessera::ops::attention::KVMethod;
+using KVMethod = tessera::ContextParallelMethod;
 
 bench::LiveBytes g_untracked;
 thread_local bench::LiveBytes* t_counter = nullptr;
@@ -90,7 +89,7 @@ Result one_device(const Shape& s, int64_t L, int reps) {
 }
 
 Result sharded(const Shape& s, int64_t L, int ranks, KVMethod method, int reps) {
-  const KVMethod before = tessera::ops::attention::set_kv_method(method);
+  const KVMethod before = tessera::set_context_parallel_method(method);
   std::vector<Result> per_rank(static_cast<size_t>(ranks));
   tessera::testing::run_ranks(ranks, [&](int rank) {
     at::set_num_threads(1);
@@ -111,7 +110,7 @@ Result sharded(const Shape& s, int64_t L, int ranks, KVMethod method, int reps) 
     });
     t_counter = nullptr;
   });
-  tessera::ops::attention::set_kv_method(before);
+  tessera::set_context_parallel_method(before);
   Result r;
   for (const auto& x : per_rank) r.ms = std::max(r.ms, x.ms), r.peak = std::max(r.peak, x.peak);
   return r;

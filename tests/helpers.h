@@ -30,6 +30,14 @@
 
 namespace tessera::test {
 
+// Whether this LibTorch has the fused CPU attention pair (2.x) that context parallelism's
+// sharding rule sits on.
+inline bool has_fused_cpu_attention() {
+  return c10::Dispatcher::singleton()
+      .findOp({"aten::_scaled_dot_product_flash_attention_for_cpu", ""})
+      .has_value();
+}
+
 // Ranks are threads: never use the global generator in tests (threads would interleave on
 // it); every rank makes its own generator from the same seed.
 inline at::Generator generator(uint64_t seed) {

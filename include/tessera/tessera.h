@@ -14,6 +14,7 @@
 #include "tessera/tensor/registration.h"
 #include "tessera/tensor/api.h"
 #include "tessera/tensor/rule.h"
+#include "tessera/ops/attention.h"
 #include "tessera/tools/comm_debug_mode.h"
 #include "tessera/parallel/module.h"
 #include "tessera/parallel/tensor_parallel.h"

@@ -15,8 +15,9 @@
 //       grad_value)
 // Layouts [B, H, L, E]; batch and heads may be sharded alike on q, k and v; q's sequence dim
 // (2) may be sharded; E, k/v's sequence dim and every Partial are made whole. A causal call
-// on sharded queries runs with an explicit mask of the rank's rows (global positions); a
-// given mask is split with the query's rows (and batch and heads where it has them).
+// on sharded queries runs as two calls, the keys before the rank's rows and the diagonal
+// block (attention::causal_forward); a given mask is split with the query's rows (and batch
+// and heads where it has them).
 #include <limits>
 
 #include <ATen/ATen.h>
@@ -71,16 +72,6 @@ SpecPtr resized(const DTensorSpec& q, int64_t last, bool drop_last) {
 }
 
 bool seq_sharded(const DTensorSpec& q) { return !q.mesh_dims_sharding(kSeq).empty(); }
-
-// The causal mask of this rank's query rows [lo, lo + n) against S keys (top-left aligned,
-// as is_causal on one device): key j is visible from row i when j <= i.
-at::Tensor causal_rows(int64_t lo, int64_t n, int64_t s, const at::TensorOptions& opts) {
-  // (Additive, in the query's dtype: the fused CPU kernel takes no boolean mask.)
-  auto rows = at::arange(lo, lo + n, opts.dtype(at::kLong)).unsqueeze(1);
-  auto cols = at::arange(s, opts.dtype(at::kLong)).unsqueeze(0);
-  return at::zeros({n, s}, opts)
-      .masked_fill(cols.gt(rows), -std::numeric_limits<double>::infinity());
-}
 
 // An attention mask broadcasts against the scores [B, H, L, S]: each of its dims that is not
 // broadcast follows the query's split of the matching dim (rows with the query's rows);
@@ -163,7 +154,7 @@ Layout layout_of(const OpCall& call) {
 }
 
 // The op on this rank's block: empty blocks answered without the kernel, and on sharded
-// queries is_causal replaced by the mask of this rank's rows.
+// queries is_causal applied at the rows' global positions (attention::causal_forward).
 LocalKernel local_kernel(const DTensorSpec& q, bool sharded_seq) {
   const int64_t lo = q.local_offsets()[kSeq];
   return [lo, sharded_seq](KernelCall& kc) {
@@ -183,10 +174,21 @@ LocalKernel local_kernel(const DTensorSpec& q, bool sharded_seq) {
       return;
     }
     if (!sharded_seq || !kc.arg<bool>("is_causal")) return kc.call_op();
-    const int64_t s = kc.tensor("key").size(kSeq);
-    kc.set("attn_mask", causal_rows(lo, query.size(kSeq), s, query.options()));
-    kc.set("is_causal", false);
-    kc.call_op();
+    attention::Args a;
+    a.q = query;
+    a.k = kc.tensor("key");
+    a.v = kc.tensor("value");
+    if (kc.has("attn_mask") && !kc.arg("attn_mask").isNone()) a.mask = kc.tensor("attn_mask");
+    a.causal = true;
+    a.scale = kc.arg("scale").toOptional<double>();
+    if (!kc.has("grad_out")) {
+      auto r = attention::causal_forward(a, lo);
+      kc.finish({std::get<0>(r), std::get<1>(r)});
+      return;
+    }
+    auto r = attention::causal_backward(a, lo, kc.tensor("grad_out"), kc.tensor("out"),
+                                        kc.tensor("logsumexp"));
+    kc.finish({std::get<0>(r), std::get<1>(r), std::get<2>(r)});
   };
 }
 
@@ -260,7 +262,22 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   KernelCall kc(op, *stack);
   const at::Tensor q = kc.tensor("query");
   const bool gqa = kc.has("enable_gqa") && kc.arg<bool>("enable_gqa");
-  const at::Tensor k = kc.tensor("key"), v = kc.tensor("value");
+  at::Tensor k = kc.tensor("key"), v = kc.tensor("value");
+  // Grouped-query heads: each K/V head serves q.size(1) / k.size(1) query heads, as the
+  // composite's repeat_interleave does (each head repeated in place; the sequence split is
+  // untouched). The K/V exchange then carries the repeated heads.
+  if (gqa && q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.size(1) == v.size(1) &&
+      k.size(1) > 0 && q.size(1) % k.size(1) == 0 && q.size(1) != k.size(1)) {
+    const int64_t groups = q.size(1) / k.size(1);
+    const auto repeat = [groups](const at::Tensor& t) {
+      auto sizes = t.sizes().vec();
+      return t.unsqueeze(2)
+          .expand({sizes[0], sizes[1], groups, sizes[2], sizes[3]})
+          .reshape({sizes[0], sizes[1] * groups, sizes[2], sizes[3]});
+    };
+    k = repeat(k);
+    v = repeat(v);
+  }
   // The fused kernel's own limits (LibTorch's backend choice checks the same).
   const bool fits = q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(3) == k.size(3) &&
                     k.size(3) == v.size(3) && q.size(1) == k.size(1) && k.size(1) == v.size(1);
@@ -272,15 +289,15 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     mask = at::zeros(mask->sizes(), q.options())
                .masked_fill(mask->logical_not(), -std::numeric_limits<double>::infinity());
   const bool mask_fits = !mask || mask->scalar_type() == q.scalar_type();
-  if (q.device().is_cpu() && fits && mask_fits && !gqa && kc.arg<double>("dropout_p") == 0.0) {
+  if (q.device().is_cpu() && fits && mask_fits && kc.arg<double>("dropout_p") == 0.0) {
     static const auto fused =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("aten::_scaled_dot_product_flash_attention_for_cpu", "")
             .typed<std::tuple<at::Tensor, at::Tensor>(
                 const at::Tensor&, const at::Tensor&, const at::Tensor&, double, bool,
                 const c10::optional<at::Tensor>&, c10::optional<double>)>();
-    auto r = fused.call(q, kc.tensor("key"), kc.tensor("value"), kc.arg<double>("dropout_p"),
-                        kc.arg<bool>("is_causal"), mask, kc.arg("scale").toOptional<double>());
+    auto r = fused.call(q, k, v, kc.arg<double>("dropout_p"), kc.arg<bool>("is_causal"), mask,
+                        kc.arg("scale").toOptional<double>());
     kc.finish({std::get<0>(r)});
     return;
   }

@@ -7,6 +7,8 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <optional>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -20,7 +22,7 @@ namespace {
 
 constexpr int64_t kSeq = 2;
 constexpr int64_t kRingFromBytes = int64_t{16} << 20;
-constexpr int kTagK = 0x3c0, kTagV = 0x3c1;
+constexpr int kTagK = 0x3c0, kTagV = 0x3c1, kTagDK = 0x3c2, kTagDV = 0x3c3;
 
 KVMethod method_from_env() {
   const char* v = std::getenv("TESSERA_CP_METHOD");
@@ -45,25 +47,25 @@ using BackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, double, bool, const c10::optional<at::Tensor>&, c10::optional<double>);
 
 std::tuple<at::Tensor, at::Tensor> fused(const at::Tensor& q, const at::Tensor& k,
-                                         const at::Tensor& v, const at::Tensor& mask,
+                                         const at::Tensor& v, const at::Tensor& mask, bool causal,
                                          c10::optional<double> scale) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("aten::_scaled_dot_product_flash_attention_for_cpu", "")
           .typed<ForwardFn>();
-  return op.call(q, k, v, 0.0, false,
+  return op.call(q, k, v, 0.0, causal,
                  mask.defined() ? c10::optional<at::Tensor>(mask) : c10::nullopt, scale);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& mask,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& mask, bool causal,
     c10::optional<double> scale) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "")
           .typed<BackwardFn>();
-  return op.call(grad_out, q, k, v, out, lse, 0.0, false,
+  return op.call(grad_out, q, k, v, out, lse, 0.0, causal,
                  mask.defined() ? c10::optional<at::Tensor>(mask) : c10::nullopt, scale);
 }
 
@@ -83,11 +85,12 @@ at::Tensor causal_mask(int64_t row_lo, int64_t rows, int64_t key_lo, int64_t key
 }
 
 // What member `m`'s queries do with member j's keys: the local query rows [row0, row0 +
-// rows) that see at least one of them (all of them unless causal), and whether the causal
-// mask cuts inside the block.
+// rows) that see at least one of them (all of them unless causal), whether the causal mask
+// cuts inside the block, and whether that cut is the block's own top-left diagonal (its first
+// row and first key at the same position: the kernel's is_causal, no mask needed).
 struct Block {
   int64_t key_lo = 0, keys = 0, row0 = 0, rows = 0;
-  bool cut = false;
+  bool cut = false, diagonal = false;
 };
 
 Block block(const SeqSplit& s, int64_t m, int64_t j, bool causal) {
@@ -103,21 +106,25 @@ Block block(const SeqSplit& s, int64_t m, int64_t j, bool causal) {
   b.row0 = std::min(std::max(b.key_lo - q_lo, int64_t{0}), nq);
   b.rows = nq - b.row0;
   b.cut = b.rows > 0 && q_lo + b.row0 < b.key_lo + b.keys - 1;
+  b.diagonal = b.cut && q_lo + b.row0 == b.key_lo;
   return b;
 }
 
-// The mask of block `b` for this member's rows: the causal cut and the given mask's columns
-// (and rows, where it has them), added.
-at::Tensor block_mask(const Args& a, const SeqSplit& s, const Block& b) {
+// Whether the kernel's own is_causal makes block `b`'s cut: a diagonal cut and no given mask
+// to add it to. The explicit mask it saves is rows x keys, per block.
+bool kernel_causal(const Args& a, const Block& b) { return b.diagonal && !a.mask.defined(); }
+
+// The mask of block `b` for the rows starting at global row `q_lo`: the causal cut (unless
+// the kernel makes it) and the given mask's columns (and rows, where it has them), added.
+at::Tensor block_mask(const Args& a, int64_t q_lo, const Block& b) {
   at::Tensor m;
   if (a.mask.defined()) {
     m = a.mask.narrow(-1, b.key_lo, b.keys);
     if (m.size(-2) == a.q.size(kSeq) && (b.row0 > 0 || b.rows < m.size(-2)))
       m = m.narrow(-2, b.row0, b.rows);
   }
-  if (b.cut) {
-    const at::Tensor c =
-        causal_mask(s.q_offset(s.me) + b.row0, b.rows, b.key_lo, b.keys, a.q.options());
+  if (b.cut && !kernel_causal(a, b)) {
+    const at::Tensor c = causal_mask(q_lo + b.row0, b.rows, b.key_lo, b.keys, a.q.options());
     m = m.defined() ? m + c : c;
   }
   return m;
@@ -190,28 +197,71 @@ void merge(at::Tensor& out, at::Tensor& lse, const Block& b, at::Tensor o, at::T
   la.copy_(merged);
 }
 
-}  // namespace
+// The out / lse of this member's queries, accumulated block by block.
+class Accumulator {
+ public:
+  explicit Accumulator(const Args& a) : a_(a) {}
 
-std::tuple<at::Tensor, at::Tensor> ring_forward(const comm::Group& pg, const SeqSplit& s,
-                                                const Args& a) {
-  const auto acc = a.q.options().dtype(accumulate_type(a.q.scalar_type()));
-  at::Tensor out = at::zeros(with_rows(a.q, a.q.size(kSeq), a.v.size(-1)), acc);
-  at::Tensor lse = at::full(a.q.sizes().slice(0, 3), -std::numeric_limits<double>::infinity(), acc);
-  walk_ring(pg, s, a, [&](int64_t, const Block& b, const at::Tensor& k, const at::Tensor& v) {
-    if (b.rows == 0 || a.q.numel() == 0) return;  // (the fused kernel divides by batch, heads)
-    const at::Tensor mask = block_mask(a, s, b);
-    auto r = fused(a.q.narrow(kSeq, b.row0, b.rows), k, v, mask, a.scale);
+  // Rows of block `b` (queries from global row q_lo) attend to its keys k / v.
+  void attend(int64_t q_lo, const Block& b, const at::Tensor& k, const at::Tensor& v) {
+    if (b.rows == 0 || a_.q.numel() == 0) return;  // (the fused kernel divides by batch, heads)
+    const at::Tensor mask = block_mask(a_, q_lo, b);
+    auto r = fused(a_.q.narrow(kSeq, b.row0, b.rows), k, v, mask, kernel_causal(a_, b), a_.scale);
     // The kernel answers a row its mask hides from every key of the block with out = 0 and
     // lse = 0; for the merge that row saw nothing (lse = -inf).
     at::Tensor l = std::get<1>(r);
     if (mask.defined())
       l = l.masked_fill(mask.isneginf().all(-1), -std::numeric_limits<double>::infinity());
-    merge(out, lse, b, std::get<0>(r), l);
-  });
+    if (!out_.defined() && b.rows == a_.q.size(kSeq)) {  // a first block with every row
+      out_ = std::get<0>(r).to(acc());
+      lse_ = l.to(acc());
+      return;
+    }
+    if (!out_.defined()) start();
+    merge(out_, lse_, b, std::get<0>(r), l);
+  }
+
   // A row hidden from every key gets out = 0 and lse = 0, as from the kernel on one device
   // (backward then gives it no gradient).
-  lse.masked_fill_(lse.isneginf(), 0.0);
-  return {out.to(a.q.scalar_type()), lse};
+  std::tuple<at::Tensor, at::Tensor> finish() {
+    if (!out_.defined()) start();
+    lse_.masked_fill_(lse_.isneginf(), 0.0);
+    return {out_.to(a_.q.scalar_type()), lse_};
+  }
+
+ private:
+  at::ScalarType acc() const { return accumulate_type(a_.q.scalar_type()); }
+  void start() {
+    const auto opts = a_.q.options().dtype(acc());
+    out_ = at::zeros(with_rows(a_.q, a_.q.size(kSeq), a_.v.size(-1)), opts);
+    lse_ = at::full(a_.q.sizes().slice(0, 3), -std::numeric_limits<double>::infinity(), opts);
+  }
+
+  const Args& a_;
+  at::Tensor out_, lse_;
+};
+
+// Block `b`'s share of the gradients: (dq of its rows, dk, dv of its keys); undefined when
+// its queries skip it.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attend_backward(
+    const Args& a, int64_t q_lo, const Block& b, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse) {
+  if (b.rows == 0 || a.q.numel() == 0) return {};
+  const auto rows = [&](const at::Tensor& t) { return t.narrow(kSeq, b.row0, b.rows); };
+  return fused_backward(rows(grad_out), rows(a.q), k, v, rows(out), rows(lse),
+                        block_mask(a, q_lo, b), kernel_causal(a, b), a.scale);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> ring_forward(const comm::Group& pg, const SeqSplit& s,
+                                                const Args& a) {
+  Accumulator acc(a);
+  const int64_t q_lo = s.q_offset(s.me);
+  walk_ring(pg, s, a, [&](int64_t, const Block& b, const at::Tensor& k, const at::Tensor& v) {
+    acc.attend(q_lo, b, k, v);
+  });
+  return acc.finish();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(const comm::Group& pg,
@@ -224,34 +274,85 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(const comm::Group& 
   at::Tensor dk = at::zeros(a.k.sizes(), a.k.options().dtype(acc));
   at::Tensor dv = at::zeros(a.v.sizes(), a.v.options().dtype(acc));
   const auto z = comm::HaloBoundary::Zeros;
+  const int64_t q_lo = s.q_offset(s.me);
+  // The previous step's dK / dV on their way home while this step computes.
+  std::optional<std::pair<comm::PendingWindow, comm::PendingWindow>> homebound;
+  const auto arrive = [&] {
+    if (!homebound) return;
+    dk.add_(homebound->first.wait());
+    dv.add_(homebound->second.wait());
+    homebound.reset();
+  };
   walk_ring(pg, s, a, [&](int64_t step, const Block& b, const at::Tensor& k, const at::Tensor& v) {
     // This step's dK / dV of the block it holds (zeros when its queries skip the block).
-    at::Tensor dkb, dvb;
-    if (b.rows == 0 || a.q.numel() == 0) {
+    auto [dqb, dkb, dvb] = attend_backward(a, q_lo, b, k, v, grad_out, out, lse);
+    if (dqb.defined()) {
+      dq.narrow(kSeq, b.row0, b.rows).add_(dqb);
+    } else {
       dkb = at::zeros(with_rows(a.k, k.size(kSeq), -1), a.k.options());
       dvb = at::zeros(with_rows(a.v, v.size(kSeq), -1), a.v.options());
-    } else {
-      const auto rows = [&](const at::Tensor& t) { return t.narrow(kSeq, b.row0, b.rows); };
-      auto r = fused_backward(rows(grad_out), rows(a.q), k, v, rows(out), rows(lse),
-                              block_mask(a, s, b), a.scale);
-      rows(dq).add_(std::get<0>(r));
-      dkb = std::get<1>(r);
-      dvb = std::get<2>(r);
     }
+    arrive();
     if (step == 0) {  // our own block
       dk.add_(dkb);
       dv.add_(dvb);
       return;
     }
     const auto w = windows_at(s, step, a.causal);
-    dk.add_(comm::fetch_window_backward(pg, dkb, kSeq, s.kv_sizes, w, z));
-    dv.add_(comm::fetch_window_backward(pg, dvb, kSeq, s.kv_sizes, w, z));
+    homebound.emplace(comm::fetch_window_backward_async(pg, dkb, kSeq, s.kv_sizes, w, z, kTagDK),
+                      comm::fetch_window_backward_async(pg, dvb, kSeq, s.kv_sizes, w, z, kTagDV));
   });
+  arrive();
   return {dq.to(a.q.scalar_type()), dk.to(a.k.scalar_type()), dv.to(a.v.scalar_type())};
 }
 
-KVMethod set_kv_method(KVMethod m) {
-  return static_cast<KVMethod>(method().exchange(static_cast<int>(m)));
+namespace {
+
+// This member's rows [q_lo, q_lo + n) against whole K/V (S keys) as two blocks: the keys
+// before q_lo, which every row sees, and the keys from q_lo on, the diagonal.
+std::vector<Block> causal_blocks(const Args& a, int64_t q_lo) {
+  const int64_t n = a.q.size(kSeq), S = a.k.size(kSeq);
+  Block before, diagonal;
+  before.keys = std::min(q_lo, S);
+  before.rows = before.keys > 0 ? n : 0;
+  diagonal.key_lo = before.keys;
+  diagonal.keys = std::max<int64_t>(std::min(n, S - q_lo), 0);
+  diagonal.rows = diagonal.keys > 0 ? n : 0;
+  diagonal.cut = diagonal.rows > 0 && diagonal.keys > 1;
+  diagonal.diagonal = diagonal.cut;
+  return {before, diagonal};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> causal_forward(const Args& a, int64_t q_lo) {
+  Accumulator acc(a);
+  for (const Block& b : causal_blocks(a, q_lo))
+    acc.attend(q_lo, b, a.k.narrow(kSeq, b.key_lo, b.keys), a.v.narrow(kSeq, b.key_lo, b.keys));
+  return acc.finish();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_backward(const Args& a, int64_t q_lo,
+                                                               const at::Tensor& grad_out,
+                                                               const at::Tensor& out,
+                                                               const at::Tensor& lse) {
+  const auto blocks = causal_blocks(a, q_lo);
+  // One call (the rows start at key 0): its gradients are the answer, nothing to add up.
+  if (blocks[0].rows == 0 && blocks[1].rows > 0 && blocks[1].keys == a.k.size(kSeq))
+    return attend_backward(a, q_lo, blocks[1], a.k, a.v, grad_out, out, lse);
+  const auto acc = accumulate_type(a.q.scalar_type());
+  at::Tensor dq = at::zeros(a.q.sizes(), a.q.options().dtype(acc));
+  at::Tensor dk = at::zeros(a.k.sizes(), a.k.options().dtype(acc));
+  at::Tensor dv = at::zeros(a.v.sizes(), a.v.options().dtype(acc));
+  for (const Block& b : blocks) {
+    auto [dqb, dkb, dvb] = attend_backward(a, q_lo, b, a.k.narrow(kSeq, b.key_lo, b.keys),
+                                           a.v.narrow(kSeq, b.key_lo, b.keys), grad_out, out, lse);
+    if (!dqb.defined()) continue;
+    dq.add_(dqb);
+    dk.narrow(kSeq, b.key_lo, b.keys).add_(dkb);
+    dv.narrow(kSeq, b.key_lo, b.keys).add_(dvb);
+  }
+  return {dq.to(a.q.scalar_type()), dk.to(a.k.scalar_type()), dv.to(a.v.scalar_type())};
 }
 
 KVMethod kv_method_for(int64_t gathered_kv_bytes, int64_t members) {
@@ -271,3 +372,17 @@ int64_t SeqSplit::kv_offset(int64_t m) const {
 int64_t SeqSplit::kv_total() const { return kv_offset(static_cast<int64_t>(kv_sizes.size())); }
 
 }  // namespace tessera::ops::attention
+
+namespace tessera {
+
+ContextParallelMethod set_context_parallel_method(ContextParallelMethod method) {
+  return static_cast<ContextParallelMethod>(
+      ops::attention::method().exchange(static_cast<int>(method)));
+}
+
+ContextParallelMethod context_parallel_method() {
+  return static_cast<ContextParallelMethod>(
+      ops::attention::method().load(std::memory_order_relaxed));
+}
+
+}  // namespace tessera

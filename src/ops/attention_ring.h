@@ -11,6 +11,7 @@
 #include <c10/util/Optional.h>
 
 #include "tessera/comm/collectives.h"
+#include "tessera/ops/attention.h"
 
 namespace tessera::ops::attention {
 
@@ -22,17 +23,18 @@ namespace tessera::ops::attention {
 //  - ring: P steps. At step s a member attends its queries to member (me - s)'s K/V block,
 //    fetched straight from its owner while step s - 1 computes; the partial outputs merge by
 //    their log-sum-exp (in float32, or float64 for double). Backward walks the blocks again,
-//    with the global output and log-sum-exp, and sends each block's dK / dV home at the end
-//    of its step. At most two K/V blocks are held at a time, never the whole sequence; the
+//    with the global output and log-sum-exp, and sends each block's dK / dV home while the
+//    next step computes. At most two K/V blocks are held at a time, never the whole sequence; the
 //    price is that backward fetches the blocks again.
 // Causal: a block wholly after a member's last query row is neither fetched nor computed; on
 // the block that straddles the diagonal only the rows that see one of its keys take part.
-// `kAuto` (TESSERA_CP_METHOD=auto|ring|allgather, default auto) takes the ring when the
-// gathered K and V would exceed 16 MiB per member, where holding them whole costs more than
-// P - 1 message latencies; below that, the all-gather.
-enum class KVMethod { kAuto, kRing, kAllGather };
-// Process-wide; every member must hold the same. Returns the previous one.
-KVMethod set_kv_method(KVMethod method);
+// Where a block's first row and first key are the same position (a member's own block when
+// the query and K/V splits match), the kernel's is_causal makes the cut: no explicit mask,
+// whose rows x keys would grow as L^2 / P^2.
+// The choice (public: set_context_parallel_method, include/tessera/ops/attention.h): `kAuto`
+// takes the ring when the gathered K and V would exceed 16 MiB per member, where holding them
+// whole costs more than P - 1 message latencies; below that, the all-gather.
+using KVMethod = ContextParallelMethod;
 // The method a call with these sizes takes (kAuto resolved). Rules call it: a plan is cached
 // per thread, so a change reaches threads (ranks) started after it.
 KVMethod kv_method_for(int64_t gathered_kv_bytes, int64_t members);
@@ -65,5 +67,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(const comm::Group& 
                                                              const at::Tensor& grad_out,
                                                              const at::Tensor& out,
                                                              const at::Tensor& lse);
+
+// The all-gather's causal call on split rows: this member's queries, rows [q_lo, q_lo + n) of
+// the whole, against the whole K/V, as two fused calls merged by log-sum-exp: the keys before
+// q_lo (seen by every row, no mask) and the keys from q_lo on (the kernel's own is_causal).
+// One device's result without an (n x S) causal mask.
+std::tuple<at::Tensor, at::Tensor> causal_forward(const Args& a, int64_t q_lo);
+// (dq, dk, dv), dk / dv over the whole K/V (this member's share of their sum).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_backward(const Args& a, int64_t q_lo,
+                                                               const at::Tensor& grad_out,
+                                                               const at::Tensor& out,
+                                                               const at::Tensor& lse);
 
 }  // namespace tessera::ops::attention

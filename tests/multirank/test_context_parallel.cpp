@@ -18,18 +18,14 @@ using namespace tessera;
 
 namespace {
 
-bool has_fused_cpu_attention() {
-  return c10::Dispatcher::singleton()
-      .findOp({"aten::_scaled_dot_product_flash_attention_for_cpu", ""})
-      .has_value();
-}
+using test::has_fused_cpu_attention;
 
-using ops::attention::KVMethod;
+using KVMethod = ContextParallelMethod;
 
 // Pins the K/V exchange for a scope (process-wide: every rank thread sees it).
 struct PinMethod {
-  explicit PinMethod(KVMethod m) : before(ops::attention::set_kv_method(m)) {}
-  ~PinMethod() { ops::attention::set_kv_method(before); }
+  explicit PinMethod(KVMethod m) : before(set_context_parallel_method(m)) {}
+  ~PinMethod() { set_context_parallel_method(before); }
   KVMethod before;
 };
 
@@ -265,6 +261,56 @@ TEST(ContextParallel, RandomSplitsMatchOneDevice) {
     });
   });
 }
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+// Grouped-query heads (enable_gqa, LibTorch 2.5 on): 4 query heads on 2 K/V heads and on 1
+// (multi-query), random sequence splits on 1-4 ranks, causal or not; and on a 2x2 mesh with
+// the heads split over one dim and the sequence over the other.
+TEST(ContextParallel, GroupedQueryHeadsMatchOneDevice) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  const test::Tolerance tol{1e-10, 1e-11};
+  test::Sweep sweep;
+  sweep.cases(8).run([&](test::Rng& rng, int64_t c) {
+    const bool grid = c % 4 == 3;
+    const int world = grid ? 4 : static_cast<int>(rng.uniform(1, 4));
+    const int64_t L = rng.uniform(1, 11), kv_heads = grid ? 2 : rng.uniform(1, 2);
+    const bool causal = rng.coin();
+    const ShardTable rows = test::random_table(rng, L, grid ? 2 : world);
+    auto q = test::randn({2, 4, L, 3}, 600 + c, at::kDouble).requires_grad_();
+    auto k = test::randn({2, kv_heads, L, 3}, 700 + c, at::kDouble).requires_grad_();
+    auto v = test::randn({2, kv_heads, L, 3}, 800 + c, at::kDouble).requires_grad_();
+    auto expected = at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal, c10::nullopt,
+                                                     /*enable_gqa=*/true);
+    auto g = test::randn(expected.sizes(), 900 + c, at::kDouble);
+    expected.backward(g);
+    std::string desc = sweep.label(c) + ": " + std::to_string(world) + " ranks, " +
+                       std::to_string(kv_heads) + " K/V heads, rows";
+    for (auto r : rows) desc += " " + std::to_string(r);
+    desc += causal ? ", causal" : "";
+    desc += grid ? ", heads x sequence" : "";
+    each_method([&] {
+      tessera::testing::run_ranks(world, [&](int) {
+        at::set_num_threads(1);
+        auto mesh = grid ? init_device_mesh("cpu", {2, 2}) : init_device_mesh("cpu", {world});
+        const Placements p = grid ? Placements{Shard(1), Shard(2)} : Placements{Shard(2)};
+        const std::vector<ShardTable> tables = {{}, {}, rows};
+        auto lay = [&](const at::Tensor& t) {
+          return test::make_dtensor_from_full(t.detach(), mesh, p, tables).requires_grad_();
+        };
+        auto dq = lay(q), dk = lay(k), dv = lay(v);
+        auto got = at::scaled_dot_product_attention(dq, dk, dv, {}, 0.0, causal, c10::nullopt,
+                                                    /*enable_gqa=*/true);
+        EXPECT_TRUE(test::full_matches(got, expected, tol)) << desc << ": output";
+        got.backward(test::make_dtensor_from_full(g, mesh, spec(got).placements(),
+                                                  spec(got).shard_tables()));
+        EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << desc << ": dq";
+        EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << desc << ": dk";
+        EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << desc << ": dv";
+      });
+    });
+  });
+}
+#endif
 
 // Keys and values of another length than the queries (cross-attention, S != L), split along
 // the same mesh dim by their own table, causal (top-left aligned) and not.
