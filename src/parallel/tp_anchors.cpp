@@ -34,6 +34,7 @@
 #include "tessera/compat_autograd.h"
 #include "tessera/tensor/rule.h"
 #include "tessera/placement/spec.h"
+#include "tessera/tensor/api.h"
 #include "tessera/tensor/dtensor_impl.h"
 #include "tp_boundary.h"
 
@@ -51,12 +52,36 @@ at::Tensor linear_kernel(const at::Tensor& input, const at::Tensor& weight,
   return leave(*b, at::native::linear(x, weight, bias), "aten::linear");
 }
 
+// NOTE: [Row splits through a linear layer]
+// matmul(x [..., L, in], w [in, out]) folds x's leading dims into rows of one mm. A split of
+// L (context parallelism's sequence, under a batch) does not survive that fold: the view
+// would gather it. As bmm against w expanded over the batch (a view, no copy), L stays a row
+// dim and keeps its split; w's gradient is the batch's sum, as on one device. Taken when L
+// is split and no batch dim but the first is (those are folded into bmm's batch).
+bool keep_row_split(const at::Tensor& self, const at::Tensor& other) {
+  if (!tessera::is_dtensor(self) || self.dim() < 3 || other.dim() != 2) return false;
+  const DTensorSpec& s = tessera::spec(self);
+  for (int64_t d = 1; d + 2 < self.dim(); ++d)
+    if (!s.mesh_dims_sharding(d).empty()) return false;
+  return !s.mesh_dims_sharding(self.dim() - 2).empty();
+}
+
+at::Tensor row_split_matmul(const at::Tensor& self, const at::Tensor& other) {
+  if (!keep_row_split(self, other)) return at::native::matmul(self, other);
+  const int64_t rows = self.size(-2), in = self.size(-1), out = other.size(1);
+  const at::Tensor x = self.reshape({-1, rows, in});  // (only the outermost dim may be split)
+  auto sizes = self.sizes().vec();
+  sizes.back() = out;
+  // (_unsafe_view, as matmul: the result is no view, so F::linear may add a bias in place)
+  return at::_unsafe_view(at::bmm(x, other.unsqueeze(0).expand({x.size(0), in, out})), sizes);
+}
+
 // matmul(self, other): a tagged weight's transposed view as `other`.
 at::Tensor matmul_kernel(const at::Tensor& self, const at::Tensor& other) {
   BoundaryPtr b = boundary_of_view(other);
-  if (!b) return at::native::matmul(self, other);
+  if (!b) return row_split_matmul(self, other);
   at::Tensor x = enter(*b, self, "aten::matmul");
-  return leave(*b, at::native::matmul(x, other), "aten::matmul", /*allow_local=*/!b->linear_bias);
+  return leave(*b, row_split_matmul(x, other), "aten::matmul", /*allow_local=*/!b->linear_bias);
 }
 
 // The boxed kernels read their arguments by name; the stack holds exactly the op's arguments.
