@@ -13,12 +13,17 @@
 //    runs on a rank's local slice of heads as well as on all of them;
 //  * batch and sequence sizes are read from the block's input, which is the whole (global)
 //    tensor whether it is plain or distributed.
-// Everything is LibTorch 1.13 compatible (no scaled_dot_product_attention, no complex RoPE).
+// Everything is LibTorch 1.13 compatible (no complex RoPE); scaled_dot_product_attention is
+// used only where LibTorch has it (2.0 on) and the config asks for it.
 #include <cmath>
 #include <limits>
 #include <string>
 
 #include <torch/torch.h>
+#include <torch/version.h>
+
+// Whether this LibTorch has at::scaled_dot_product_attention.
+#define LLAMA_HAS_SDPA (TORCH_VERSION_MAJOR >= 2)
 
 namespace llama {
 
@@ -34,6 +39,10 @@ struct LlamaConfig {
   double dropout = 0.0;  // attention-probability and residual dropout
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
+  // true: attention is one at::scaled_dot_product_attention(is_causal) call (LibTorch 2.0
+  // on), which a sequence split runs without gathering K and V (context parallelism's ring);
+  // false: matmul, softmax, matmul with an additive mask.
+  bool fused_attention = false;
 
   int64_t head_dim() const { return dim / n_heads; }
 };
@@ -64,7 +73,9 @@ inline torch::Tensor apply_rotary(const torch::Tensor& x, const torch::Tensor& c
 }
 
 struct AttentionImpl : nn::Module {
-  explicit AttentionImpl(const LlamaConfig& c) : head_dim(c.head_dim()), dropout(c.dropout) {
+  explicit AttentionImpl(const LlamaConfig& c)
+      : head_dim(c.head_dim()), dropout(c.dropout), fused(c.fused_attention) {
+    TORCH_CHECK(!fused || LLAMA_HAS_SDPA, "llama: fused_attention needs LibTorch 2.0 or later");
     auto proj = [&](int64_t in, int64_t out) {
       return nn::Linear(nn::LinearOptions(in, out).bias(false));
     };
@@ -74,7 +85,8 @@ struct AttentionImpl : nn::Module {
     wo = register_module("wo", proj(c.n_heads * head_dim, c.dim));
   }
 
-  // x [B, S, dim]; cos/sin [S, head_dim / 2]; mask [S, S] (0 or -inf), added to the scores.
+  // x [B, S, dim]; cos/sin [S, head_dim / 2]; mask [S, S] (0 or -inf), added to the scores
+  // (undefined with fused attention).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& mask) {
     const int64_t B = x.size(0), S = x.size(1);
@@ -85,11 +97,21 @@ struct AttentionImpl : nn::Module {
     q = apply_rotary(q, cos, sin).transpose(1, 2);  // [B, H, S, D]
     k = apply_rotary(k, cos, sin).transpose(1, 2);
     v = v.transpose(1, 2);
-    auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
-    auto probs = torch::softmax(scores + mask, -1);
-    if (dropout > 0) probs = torch::dropout(probs, dropout, is_training());
+    torch::Tensor attended;
+#if LLAMA_HAS_SDPA
+    if (fused)
+      attended = at::scaled_dot_product_attention(q, k, v, {}, is_training() ? dropout : 0.0,
+                                                  /*is_causal=*/true);
+#endif
+    if (!fused) {
+      auto scores =
+          torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
+      auto probs = torch::softmax(scores + mask, -1);
+      if (dropout > 0) probs = torch::dropout(probs, dropout, is_training());
+      attended = torch::matmul(probs, v);
+    }
     // [B, H, S, D] -> [B, S, H, D] -> [B, S, H * D]
-    auto out = torch::matmul(probs, v).transpose(1, 2).clone(torch::MemoryFormat::Contiguous);
+    auto out = attended.transpose(1, 2).clone(torch::MemoryFormat::Contiguous);
     out = wo(out.view({B, S, -1}));
     if (dropout > 0) out = torch::dropout(out, dropout, is_training());
     return out;
@@ -97,6 +119,7 @@ struct AttentionImpl : nn::Module {
 
   int64_t head_dim;
   double dropout;
+  bool fused;
   nn::Linear wq{nullptr}, wk{nullptr}, wv{nullptr}, wo{nullptr};
 };
 TORCH_MODULE(Attention);
@@ -164,9 +187,12 @@ struct TransformerImpl : nn::Module {
     if (config.dropout > 0) h = torch::dropout(h, config.dropout, is_training());
     const auto cos = rope_cos.narrow(0, 0, S).to(h.scalar_type());
     const auto sin = rope_sin.narrow(0, 0, S).to(h.scalar_type());
-    const auto mask = torch::full({S, S}, -std::numeric_limits<double>::infinity(),
-                                  torch::TensorOptions().dtype(h.scalar_type()).device(h.device()))
-                          .triu(1);
+    // The causal mask of the matmul form (the fused form takes is_causal instead: no S x S).
+    torch::Tensor mask;
+    if (!config.fused_attention)
+      mask = torch::full({S, S}, -std::numeric_limits<double>::infinity(),
+                         torch::TensorOptions().dtype(h.scalar_type()).device(h.device()))
+                 .triu(1);
     for (const auto& layer : *layers) h = layer->as<TransformerBlock>()->forward(h, cos, sin, mask);
     return output(norm(h));
   }

@@ -7,12 +7,17 @@
 // sequences modulo the vocabulary), shows the collectives of one step and checks the final
 // loss and parameters against the same training on one device.
 //
-// With --dp N the ranks form an N x (ranks / N) mesh ("dp", "tp"): the plan runs on "tp",
-// each batch is split over "dp", and fully_shard over "dp" (each block, then the root) keeps
-// 1/N of every tensor-parallel shard per rank, gathered for use.
+// With --dp N and --cp M the ranks form an N x M x (ranks / NM) mesh ("dp", "cp", "tp"): the
+// plan runs on "tp"; each batch is split over "dp" and fully_shard over "dp" (each block,
+// then the root) keeps 1/N of every tensor-parallel shard per rank, gathered for use; each
+// sequence is split over "cp" (context parallelism: the attention is
+// scaled_dot_product_attention, whose K/V blocks go round a ring on LibTorch 2.x), with the
+// parameters replicated over "cp" (replicate() sums their gradients).
 //
 //   tessera-run -n 4 ./build/examples/tp_transformer [--steps 40] [--no-sequence-parallel]
 //   tessera-run -n 4 ./build/examples/tp_transformer --dp 2
+//   tessera-run -n 4 ./build/examples/tp_transformer --cp 2     (cp x tp)
+//   tessera-run -n 4 ./build/examples/tp_transformer --cp 2 --dp 2
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -69,7 +74,7 @@ int run(int argc, char** argv) {
   c.n_heads = 6;
   c.ffn_hidden = 256;
   c.max_seq_len = 64;
-  int64_t batch = 8, seq = 31, dp = 1;
+  int64_t batch = 8, seq = 31, dp = 1, cp = 1;
   double lr = 1e-2;
   bool no_sp = false;
   app.add_option("--steps", steps, "training steps")
@@ -100,6 +105,17 @@ int run(int argc, char** argv) {
   app.add_option("--dp", dp, "data-parallel size: batch split and fully_shard over it")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  app.add_option("--cp", cp,
+                 "context-parallel size: each sequence split over it (sequence parallelism "
+                 "between the blocks is then off)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  std::string cp_method = "ring";
+  app.add_option("--cp-method", cp_method,
+                 "how the attention brings K/V over with --cp (auto takes the ring once K and V "
+                 "would pass 16 MiB per rank; this model's are far smaller)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"ring", "allgather", "auto"}));
   CLI11_PARSE(app, argc, argv);
   if (c.dim % c.n_heads != 0 || (c.dim / c.n_heads) % 2 != 0) {
     std::fprintf(stderr, "--dim must split into --heads heads of an even size\n");
@@ -110,13 +126,22 @@ int run(int argc, char** argv) {
   const auto started = std::chrono::steady_clock::now();
   init_process_group();
   const int rank = get_rank(), world = get_world_size();
-  if (world % dp != 0) {
+  if (world % (dp * cp) != 0) {
     if (rank == 0)
-      std::fprintf(stderr, "--dp %lld does not divide %d ranks\n", static_cast<long long>(dp),
-                   world);
+      std::fprintf(stderr, "--dp %lld x --cp %lld does not divide %d ranks\n",
+                   static_cast<long long>(dp), static_cast<long long>(cp), world);
     return 2;
   }
-  auto mesh = init_device_mesh("cpu", {dp, world / dp}, {"dp", "tp"});
+  const int64_t tp = world / (dp * cp);
+  auto mesh = init_device_mesh("cpu", {dp, cp, tp}, {"dp", "cp", "tp"});
+  // Sequence parallelism would split the sequence over "tp" as well; with "cp" it stays off.
+  if (cp > 1) no_sp = true;
+  // One scaled_dot_product_attention call where LibTorch has it: under a sequence split its
+  // K/V blocks travel round the ring instead of being gathered.
+  c.fused_attention = cp > 1 && LLAMA_HAS_SDPA;
+  set_context_parallel_method(cp_method == "ring"        ? ContextParallelMethod::kRing
+                              : cp_method == "allgather" ? ContextParallelMethod::kAllGather
+                                                         : ContextParallelMethod::kAuto);
 
   // The hand-written RMSNorm's parameter handle, so Tessera can swap in a distributed one.
   register_member_accessor<llama::RMSNormImpl>(
@@ -135,21 +160,27 @@ int run(int argc, char** argv) {
   plan.head_dim = c.head_dim();  // whole heads per rank, even when they do not divide
   // A batch split over "dp" stays a distributed tensor through the blocks (the attention's
   // reshapes read its global batch size), so the projections keep distributed outputs.
-  plan.local_output = dp == 1;
+  plan.local_output = dp == 1 && cp == 1;
   parallelize_module(model, mesh["tp"], llama::tensor_parallel_plan(plan));
   if (dp > 1) {
     for (const auto& layer : *model->layers) fully_shard(*layer, mesh["dp"]);
     fully_shard(*model, mesh["dp"]);
   }
+  std::shared_ptr<ReplicatedModule> over_cp;
+  if (cp > 1 && dp == 1) over_cp = replicate(model, mesh["cp"]);
   if (rank == 0) {
     std::printf(
-        "%lld-layer transformer, dim %lld, %lld heads, vocab %lld on %d ranks: %lld x %lld (dp x "
-        "tp, %s%s)\n",
+        "%lld-layer transformer, dim %lld, %lld heads, vocab %lld on %d ranks: %lld x %lld x "
+        "%lld (dp x cp x tp, %s%s%s)\n",
         static_cast<long long>(c.n_layers), static_cast<long long>(c.dim),
         static_cast<long long>(c.n_heads), static_cast<long long>(c.vocab_size), world,
-        static_cast<long long>(dp), static_cast<long long>(world / dp),
+        static_cast<long long>(dp), static_cast<long long>(cp), static_cast<long long>(tp),
         no_sp ? "tensor parallel" : "tensor + sequence parallel",
-        dp > 1 ? ", fully_shard over dp" : "");
+        dp > 1 ? ", fully_shard over dp" : "",
+        cp > 1 ? (c.fused_attention ? ", sequence split over cp, K/V by " + cp_method
+                                    : std::string(", sequence split over cp, K/V gathered"))
+                     .c_str()
+               : "");
     // The parameters the optimizer steps (with fully_shard: this rank's rows of its shard).
     const auto params = model->named_parameters();
     const auto& wq = params["layers.0.attention.wq.weight"];
@@ -166,10 +197,11 @@ int run(int argc, char** argv) {
   double loss = 0, training_seconds = 0;
   for (int step = 1; step <= steps; ++step) {
     Batch b = make_batch(batch, seq, c.vocab_size, 1000 + step);
-    if (dp > 1) {  // rows over "dp": the loss is the mean over the whole batch
-      const Placements rows = {Shard(0), Replicate()};
-      b = {distribute_tensor(b.tokens, mesh, rows, std::nullopt),
-           distribute_tensor(b.targets, mesh, rows, std::nullopt)};
+    if (dp > 1 || cp > 1) {  // rows over "dp", positions over "cp": the loss is the global mean
+      const Placements split = {dp > 1 ? Shard(0) : Replicate(), cp > 1 ? Shard(1) : Replicate(),
+                                Replicate()};
+      b = {distribute_tensor(b.tokens, mesh, split, std::nullopt),
+           distribute_tensor(b.targets, mesh, split, std::nullopt)};
     }
     const auto t0 = std::chrono::steady_clock::now();
     if (step == 2) {

@@ -9,6 +9,8 @@
 //    tensor sharded over "dp", the loss a global mean; then with replicate or fully_shard
 //    over "dp" on top;
 //  * data parallel alone: replicate and fully_shard on 2 and 3 ranks;
+//  * context parallel: the sequence split over "cp" (alone, with "dp", with "tp"), the
+//    attention in both forms (matmul-softmax, scaled_dot_product_attention);
 //  * the collectives of one training step (CommDebugMode) equal the analytic count.
 #include <cstdio>
 #include <map>
@@ -376,6 +378,86 @@ TEST(TpLlama, ReplicateAndFullyShardMatchOneDevice) {
         {std::chrono::seconds(600)});
     record(what + " replicate", ddp[0]);
     record(what + " fully_shard", fsdp[0]);
+  }
+}
+
+// Context parallelism: the tokens split along the sequence (7 positions: uneven) over "cp",
+// the model unchanged. On a 1-D mesh of 2 and 3 ranks and on 2x2 meshes with data parallel
+// (rows over "dp") and tensor parallel (heads over "tp") beside it, with the attention as
+// matmul-softmax-matmul (K and V gathered by the matmul rules) and, where LibTorch has it,
+// as scaled_dot_product_attention(is_causal) under the ring and the all-gather.
+TEST(TpLlama, ContextParallelMatchesOneDevice) {
+  register_rmsnorm_member();
+  const Task task = make_task(/*batch=*/3, /*seq=*/7, uneven_config().vocab_size, 14);
+  std::vector<bool> forms = {false};
+  if (LLAMA_HAS_SDPA && test::has_fused_cpu_attention()) forms.push_back(true);
+  for (const bool fused : forms) {
+    auto c = uneven_config();
+    c.fused_attention = fused;
+    const Reference ref = reference_run(c, task, 37);
+    std::vector<ContextParallelMethod> methods = {ContextParallelMethod::kAuto};
+    if (fused) methods = {ContextParallelMethod::kRing, ContextParallelMethod::kAllGather};
+    for (const auto method : methods) {
+      const auto before = set_context_parallel_method(method);
+      const std::string form = !fused                                      ? "matmul softmax"
+                               : method == ContextParallelMethod::kRing ? "sdpa ring"
+                                                                           : "sdpa all-gather";
+      enum class Wrap { kReplicate, kFullyShard, kTensorParallel };
+      struct Case {
+        std::vector<int64_t> shape;
+        std::vector<std::string> names;
+        Placements tokens;
+        Wrap wrap;
+      };
+      const std::vector<Case> cases = {
+          {{2}, {"cp"}, {Shard(1)}, Wrap::kReplicate},
+          {{3}, {"cp"}, {Shard(1)}, Wrap::kReplicate},
+          {{3}, {"cp"}, {Shard(1)}, Wrap::kFullyShard},
+          {{2, 2}, {"dp", "cp"}, {Shard(0), Shard(1)}, Wrap::kReplicate},
+          {{2, 2}, {"cp", "tp"}, {Shard(1), Replicate()}, Wrap::kTensorParallel},
+      };
+      for (const Case& k : cases) {
+        int world = 1;
+        std::string what = form + ", mesh";
+        for (size_t d = 0; d < k.shape.size(); ++d) {
+          world *= static_cast<int>(k.shape[d]);
+          what += " " + k.names[d] + "=" + std::to_string(k.shape[d]);
+        }
+        what += k.wrap == Wrap::kReplicate    ? ", replicate"
+                : k.wrap == Wrap::kFullyShard ? ", fully_shard"
+                                              : ", tensor parallel + replicate over cp";
+        std::vector<Trained> per_rank(world);
+        tessera::testing::run_ranks(
+            world,
+            [&](int rank) {
+              auto mesh = init_device_mesh("cpu", k.shape, k.names);
+              auto model = copy_of(ref.initial);
+              std::shared_ptr<ReplicatedModule> ddp;
+              if (k.wrap == Wrap::kTensorParallel) {
+                llama::PlanOptions o;
+                o.sequence_parallel = false;
+                o.local_output = false;  // activations keep their sequence split
+                o.head_dim = c.head_dim();
+                parallelize_module(model, mesh["tp"], llama::tensor_parallel_plan(o));
+                ddp = replicate(model, mesh["cp"]);
+              } else if (k.wrap == Wrap::kFullyShard) {
+                shard_llama(model, mesh);
+              } else {
+                ddp = replicate(model, mesh);
+              }
+              const auto tokens = distribute_tensor(task.tokens, mesh, k.tokens, std::nullopt);
+              const auto targets = distribute_tensor(task.targets, mesh, k.tokens, std::nullopt);
+              per_rank[rank] = train(model, tokens, targets);
+              expect_same(ref, per_rank[rank], model, what);
+              // Under the ring K and V travel point to point, never gathered.
+              if (fused && method == ContextParallelMethod::kRing)
+                EXPECT_GT(per_rank[rank].forward["send_recv"], 0) << what;
+            },
+            {std::chrono::seconds(600)});
+        record(what, per_rank[0]);
+      }
+      set_context_parallel_method(before);
+    }
   }
 }
 
