@@ -270,32 +270,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(const comm::Group& 
                                                              const at::Tensor& out,
                                                              const at::Tensor& lse) {
   const auto acc = accumulate_type(a.q.scalar_type());
-  at::Tensor dq = at::zeros(a.q.sizes(), a.q.options().dtype(acc));
-  at::Tensor dk = at::zeros(a.k.sizes(), a.k.options().dtype(acc));
-  at::Tensor dv = at::zeros(a.v.sizes(), a.v.options().dtype(acc));
+  // Accumulators, taken over from the first gradient that covers them whole (no zeros + add).
+  at::Tensor dq, dk, dv;
+  const auto add = [acc](at::Tensor& sum, const at::Tensor& t) {
+    if (sum.defined())
+      sum.add_(t);
+    else
+      sum = t.to(acc);
+  };
   const auto z = comm::HaloBoundary::Zeros;
   const int64_t q_lo = s.q_offset(s.me);
   // The previous step's dK / dV on their way home while this step computes.
   std::optional<std::pair<comm::PendingWindow, comm::PendingWindow>> homebound;
   const auto arrive = [&] {
     if (!homebound) return;
-    dk.add_(homebound->first.wait());
-    dv.add_(homebound->second.wait());
+    add(dk, homebound->first.wait());
+    add(dv, homebound->second.wait());
     homebound.reset();
   };
   walk_ring(pg, s, a, [&](int64_t step, const Block& b, const at::Tensor& k, const at::Tensor& v) {
     // This step's dK / dV of the block it holds (zeros when its queries skip the block).
     auto [dqb, dkb, dvb] = attend_backward(a, q_lo, b, k, v, grad_out, out, lse);
     if (dqb.defined()) {
-      dq.narrow(kSeq, b.row0, b.rows).add_(dqb);
+      if (!dq.defined() && b.rows < a.q.size(kSeq))
+        dq = at::zeros(a.q.sizes(), a.q.options().dtype(acc));
+      if (dq.defined())
+        dq.narrow(kSeq, b.row0, b.rows).add_(dqb);
+      else
+        dq = dqb.to(acc);
     } else {
       dkb = at::zeros(with_rows(a.k, k.size(kSeq), -1), a.k.options());
       dvb = at::zeros(with_rows(a.v, v.size(kSeq), -1), a.v.options());
     }
     arrive();
     if (step == 0) {  // our own block
-      dk.add_(dkb);
-      dv.add_(dvb);
+      add(dk, dkb);
+      add(dv, dvb);
       return;
     }
     const auto w = windows_at(s, step, a.causal);
@@ -303,6 +313,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(const comm::Group& 
                       comm::fetch_window_backward_async(pg, dvb, kSeq, s.kv_sizes, w, z, kTagDV));
   });
   arrive();
+  if (!dq.defined()) dq = at::zeros(a.q.sizes(), a.q.options().dtype(acc));
+  if (!dk.defined()) dk = at::zeros(a.k.sizes(), a.k.options().dtype(acc));
+  if (!dv.defined()) dv = at::zeros(a.v.sizes(), a.v.options().dtype(acc));
   return {dq.to(a.q.scalar_type()), dk.to(a.k.scalar_type()), dv.to(a.v.scalar_type())};
 }
 
