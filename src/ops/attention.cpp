@@ -263,24 +263,16 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const at::Tensor q = kc.tensor("query");
   const bool gqa = kc.has("enable_gqa") && kc.arg<bool>("enable_gqa");
   at::Tensor k = kc.tensor("key"), v = kc.tensor("value");
-  // Grouped-query heads: each K/V head serves q.size(1) / k.size(1) query heads, as the
-  // composite's repeat_interleave does (each head repeated in place; the sequence split is
-  // untouched). The K/V exchange then carries the repeated heads.
-  if (gqa && q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.size(1) == v.size(1) &&
-      k.size(1) > 0 && q.size(1) % k.size(1) == 0 && q.size(1) != k.size(1)) {
-    const int64_t groups = q.size(1) / k.size(1);
-    const auto repeat = [groups](const at::Tensor& t) {
-      auto sizes = t.sizes().vec();
-      return t.unsqueeze(2)
-          .expand({sizes[0], sizes[1], groups, sizes[2], sizes[3]})
-          .reshape({sizes[0], sizes[1] * groups, sizes[2], sizes[3]});
-    };
-    k = repeat(k);
-    v = repeat(v);
-  }
+  // Grouped-query heads: each K/V head serves q.size(1) / k.size(1) query heads. Repeated in
+  // place (as the composite's repeat_interleave) once the call is known to take the fused
+  // path; the sequence split is untouched, and the K/V exchange carries the repeated heads.
+  const bool grouped = gqa && q.dim() == 4 && k.dim() == 4 && v.dim() == 4 &&
+                       k.size(1) == v.size(1) && k.size(1) > 0 && q.size(1) % k.size(1) == 0 &&
+                       q.size(1) != k.size(1);
   // The fused kernel's own limits (LibTorch's backend choice checks the same).
   const bool fits = q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(3) == k.size(3) &&
-                    k.size(3) == v.size(3) && q.size(1) == k.size(1) && k.size(1) == v.size(1);
+                    k.size(3) == v.size(3) &&
+                    (grouped || (q.size(1) == k.size(1) && k.size(1) == v.size(1)));
   // The fused kernel takes an additive mask in the query's dtype; a boolean one becomes
   // that (0 where kept, -inf where not) as LibTorch's composite does; another dtype keeps
   // the composite path.
@@ -290,6 +282,17 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                .masked_fill(mask->logical_not(), -std::numeric_limits<double>::infinity());
   const bool mask_fits = !mask || mask->scalar_type() == q.scalar_type();
   if (q.device().is_cpu() && fits && mask_fits && kc.arg<double>("dropout_p") == 0.0) {
+    if (grouped) {
+      const int64_t groups = q.size(1) / k.size(1);
+      const auto repeat = [groups](const at::Tensor& t) {
+        auto sizes = t.sizes().vec();
+        return t.unsqueeze(2)
+            .expand({sizes[0], sizes[1], groups, sizes[2], sizes[3]})
+            .reshape({sizes[0], sizes[1] * groups, sizes[2], sizes[3]});
+      };
+      k = repeat(k);
+      v = repeat(v);
+    }
     static const auto fused =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("aten::_scaled_dot_product_flash_attention_for_cpu", "")

@@ -215,6 +215,7 @@ class Accumulator {
     if (!out_.defined() && b.rows == a_.q.size(kSeq)) {  // a first block with every row
       out_ = std::get<0>(r).to(acc());
       lse_ = l.to(acc());
+      if (mask.defined()) out_.masked_fill_(lse_.isneginf().unsqueeze(-1), 0.0);  // (as merge)
       return;
     }
     if (!out_.defined()) start();

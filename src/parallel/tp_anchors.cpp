@@ -57,7 +57,9 @@ at::Tensor linear_kernel(const at::Tensor& input, const at::Tensor& weight,
 // L (context parallelism's sequence, under a batch) does not survive that fold: the view
 // would gather it. As bmm against w expanded over the batch (a view, no copy), L stays a row
 // dim and keeps its split; w's gradient is the batch's sum, as on one device. Taken when L
-// is split and no batch dim but the first is (those are folded into bmm's batch).
+// is split and no batch dim but the first is (those are folded into bmm's batch). Cost: the
+// weight's gradient passes through a [batch, in, out] product before that sum (batch x the
+// weight, transient); with one sequence per rank, the long-context case, that is the weight.
 bool keep_row_split(const at::Tensor& self, const at::Tensor& other) {
   if (!tessera::is_dtensor(self) || self.dim() < 3 || other.dim() != 2) return false;
   const DTensorSpec& s = tessera::spec(self);
@@ -69,7 +71,9 @@ bool keep_row_split(const at::Tensor& self, const at::Tensor& other) {
 at::Tensor row_split_matmul(const at::Tensor& self, const at::Tensor& other) {
   if (!keep_row_split(self, other)) return at::native::matmul(self, other);
   const int64_t rows = self.size(-2), in = self.size(-1), out = other.size(1);
-  const at::Tensor x = self.reshape({-1, rows, in});  // (only the outermost dim may be split)
+  int64_t batch = 1;  // (not -1: a 0-row or 0-feature input has no size to infer it from)
+  for (int64_t d = 0; d + 2 < self.dim(); ++d) batch *= self.size(d);
+  const at::Tensor x = self.reshape({batch, rows, in});  // (only the outermost dim may be split)
   auto sizes = self.sizes().vec();
   sizes.back() = out;
   // (_unsafe_view, as matmul: the result is no view, so F::linear may add a bias in place)

@@ -1,5 +1,7 @@
 // Matrix products on every layout combination (cost-based strategy choice), forward and
 // backward, against one device; torch::nn::Linear-shaped code (matmul, linear) included.
+#include <torch/nn/modules/linear.h>
+
 #include "helpers.h"
 
 using namespace tessera;
@@ -96,5 +98,58 @@ TEST(Matrix, ColwiseRowwiseMlpCommunicatesOnce) {
     EXPECT_EQ(placements(y), (Placements{Partial()}));
     auto yr = redistribute(y, {Replicate()});
     EXPECT_EQ(comm.get_comm_counts()["all_reduce"], 1);
+  });
+}
+
+// NOTE: [Row splits through a linear layer]: torch::nn::Linear on [B, L, in] (and [A, B, L, in])
+// with L split (evenly, unevenly, with empty shards, L = 0) keeps the split and equals one
+// device, output and every gradient (input, weight, bias); with the batch split as well on a
+// 2x2 mesh.
+TEST(Matrix, LinearKeepsARowSplit) {
+  const test::Tolerance tol{1e-10, 1e-11};
+  test::Sweep sweep;
+  sweep.cases(10).run([&](test::Rng& rng, int64_t c) {
+    const bool grid = c % 5 == 4, four_d = c % 3 == 2;
+    const int world = grid ? 4 : static_cast<int>(rng.uniform(1, 3));
+    const int64_t L = c == 0 ? 0 : rng.uniform(1, 9);
+    std::vector<int64_t> shape =
+        four_d ? std::vector<int64_t>{2, 2, L, 5} : std::vector<int64_t>{3, L, 5};
+    const int64_t row_dim = static_cast<int64_t>(shape.size()) - 2;
+    torch::manual_seed(40 + c);
+    torch::nn::Linear proto(torch::nn::LinearOptions(5, 4).bias(rng.coin()));
+    proto->to(at::kDouble);
+    auto x = test::randn(shape, 50 + c, at::kDouble).requires_grad_();
+    auto expected = proto->forward(x);
+    auto g = test::randn(expected.sizes(), 60 + c, at::kDouble);
+    expected.backward(g);
+    std::vector<ShardTable> tables(shape.size());
+    tables[row_dim] = test::random_table(rng, L, grid ? 2 : world);
+    const Placements p = grid ? Placements{Shard(0), Shard(row_dim)} : Placements{Shard(row_dim)};
+    if (grid) tables[0] = {};
+    const std::string desc = sweep.label(c) + ": " + std::to_string(world) + " ranks, x " +
+                             shape_str(shape) + (grid ? ", batch x rows" : "");
+    tessera::testing::run_ranks(world, [&](int) {
+      at::set_num_threads(1);
+      auto mesh = grid ? init_device_mesh("cpu", {2, 2}) : init_device_mesh("cpu", {world});
+      torch::nn::Linear layer(proto->options);
+      layer->to(at::kDouble);
+      {
+        torch::NoGradGuard no_grad;
+        layer->weight.copy_(proto->weight);
+        if (proto->bias.defined()) layer->bias.copy_(proto->bias);
+      }
+      auto ddp = replicate(layer, mesh);
+      auto dx = test::make_dtensor_from_full(x.detach(), mesh, p, tables).requires_grad_();
+      auto got = layer->forward(dx);
+      EXPECT_EQ(spec(got).placements(), p) << desc;
+      EXPECT_TRUE(test::full_matches(got, expected, tol)) << desc << ": output";
+      got.backward(test::make_dtensor_from_full(g, mesh, p, tables));
+      EXPECT_TRUE(test::full_matches(dx.grad(), x.grad(), tol)) << desc << ": input grad";
+      EXPECT_TRUE(test::full_matches(layer->weight.grad(), proto->weight.grad(), tol))
+          << desc << ": weight grad";
+      if (proto->bias.defined())
+        EXPECT_TRUE(test::full_matches(layer->bias.grad(), proto->bias.grad(), tol))
+            << desc << ": bias grad";
+    });
   });
 }
