@@ -3,7 +3,9 @@
 // each), with the K/V ring and with the K/V all-gather (NOTE: [Ring attention]), against the
 // same step on one rank holding the whole sequence. Per sequence length: step time (median
 // of --reps) and peak memory per rank above its inputs (a counting CPU allocator charges
-// each allocation to the rank thread that makes it).
+// each allocation to the rank thread that makes it). Causal calls also run the ring without
+// its load balancing ("natural": each rank keeps its contiguous rows; NOTE: [Load-balanced
+// causal ring]).
 //
 //   ./build/bench/bench_context_parallel --ranks 1,2,4 --lengths 1024,2048,4096
 //
@@ -88,8 +90,10 @@ Result one_device(const Shape& s, int64_t L, int reps) {
   return r;
 }
 
-Result sharded(const Shape& s, int64_t L, int ranks, KVMethod method, int reps) {
+Result sharded(const Shape& s, int64_t L, int ranks, KVMethod method, int reps,
+               bool balance = true) {
   const KVMethod before = tessera::set_context_parallel_method(method);
+  const bool balance_before = tessera::set_context_parallel_load_balance(balance);
   std::vector<Result> per_rank(static_cast<size_t>(ranks));
   tessera::testing::run_ranks(ranks, [&](int rank) {
     at::set_num_threads(1);
@@ -111,6 +115,7 @@ Result sharded(const Shape& s, int64_t L, int ranks, KVMethod method, int reps) 
     t_counter = nullptr;
   });
   tessera::set_context_parallel_method(before);
+  tessera::set_context_parallel_load_balance(balance_before);
   Result r;
   for (const auto& x : per_rank) r.ms = std::max(r.ms, x.ms), r.peak = std::max(r.peak, x.peak);
   return r;
@@ -144,15 +149,18 @@ int run(int argc, char** argv) {
       "largest rank\n\n",
       static_cast<long>(s.batch), static_cast<long>(s.heads), static_cast<long>(s.head_dim),
       s.causal ? "causal" : "not causal", reps);
-  std::printf("%8s %6s | %10s %10s %10s | %10s %10s %10s\n", "L", "ranks", "1 rank ms", "gather ms",
-              "ring ms", "1 rank MiB", "gather MiB", "ring MiB");
+  std::printf("%8s %6s | %10s %10s %10s %10s | %10s %10s %10s %10s\n", "L", "ranks", "1 rank ms",
+              "gather ms", "ring ms", "natural ms", "1 rank MiB", "gather MiB", "ring MiB",
+              "natural MiB");
   for (const int64_t L : lengths) {
     const Result one = one_device(s, L, reps);
     for (const int p : ranks) {
       const Result g = sharded(s, L, p, KVMethod::kAllGather, reps);
       const Result r = sharded(s, L, p, KVMethod::kRing, reps);
-      std::printf("%8ld %6d | %10.1f %10.1f %10.1f | %10.1f %10.1f %10.1f\n", static_cast<long>(L),
-                  p, one.ms, g.ms, r.ms, mib(one.peak), mib(g.peak), mib(r.peak));
+      const Result n = s.causal ? sharded(s, L, p, KVMethod::kRing, reps, false) : r;
+      std::printf("%8ld %6d | %10.1f %10.1f %10.1f %10.1f | %10.1f %10.1f %10.1f %10.1f\n",
+                  static_cast<long>(L), p, one.ms, g.ms, r.ms, n.ms, mib(one.peak), mib(g.peak),
+                  mib(r.peak), mib(n.peak));
       std::fflush(stdout);
     }
   }

@@ -131,12 +131,12 @@ at::Tensor block_mask(const Args& a, int64_t q_lo, const Block& b) {
 }
 
 // Every member's K/V window at ring step `step`: the block it attends to then, or nothing.
-std::vector<comm::Window> windows_at(const SeqSplit& s, int64_t step, bool causal) {
-  const int64_t P = static_cast<int64_t>(s.q_sizes.size());
+// block_of(m, j) is what member m's queries do with member j's keys.
+template <class BlockOf>
+std::vector<comm::Window> windows_at(int64_t P, int64_t step, const BlockOf& block_of) {
   std::vector<comm::Window> w;
   for (int64_t m = 0; m < P; ++m) {
-    const int64_t j = (m - step + P) % P;
-    const Block b = block(s, m, j, causal);
+    const Block b = block_of(m, (m - step + P) % P);
     w.push_back(b.rows > 0 ? comm::Window{b.key_lo, b.key_lo + b.keys}
                            : comm::Window{b.key_lo, b.key_lo});
   }
@@ -148,30 +148,49 @@ struct Incoming {
   comm::PendingWindow k, v;
 };
 
-Incoming fetch(const comm::Group& pg, const SeqSplit& s, const Args& a, int64_t step) {
-  const auto w = windows_at(s, step, a.causal);
-  const auto z = comm::HaloBoundary::Zeros;
-  return {comm::fetch_window_async(pg, a.k, kSeq, s.kv_sizes, w, z, 0.0, kTagK),
-          comm::fetch_window_async(pg, a.v, kSeq, s.kv_sizes, w, z, 0.0, kTagV)};
-}
+// A ring over members whose K/V rows are kv_sizes (in member order along the sequence dim).
+template <class BlockOf>
+struct Ring {
+  const comm::Group& pg;
+  const std::vector<int64_t>& kv_sizes;
+  int64_t me;
+  BlockOf block_of;
 
-// Walks the ring: calls visit(step, block, k, v) for each step whose block this member's
-// queries see, with that block's K and V; the next step's blocks arrive meanwhile.
-template <class Visit>
-void walk_ring(const comm::Group& pg, const SeqSplit& s, const Args& a, Visit visit) {
-  const int64_t P = static_cast<int64_t>(s.q_sizes.size());
-  Incoming next;
-  if (P > 1) next = fetch(pg, s, a, 1);
-  for (int64_t step = 0; step < P; ++step) {
-    at::Tensor k = a.k, v = a.v;
-    if (step > 0) {
-      k = next.k.wait();
-      v = next.v.wait();
-      if (step + 1 < P) next = fetch(pg, s, a, step + 1);
-    }
-    const Block b = block(s, s.me, (s.me - step + P) % P, a.causal);
-    visit(step, b, k, v);
+  int64_t members() const { return static_cast<int64_t>(kv_sizes.size()); }
+  std::vector<comm::Window> windows(int64_t step) const {
+    return windows_at(members(), step, block_of);
   }
+
+  Incoming fetch(const Args& a, int64_t step) const {
+    const auto w = windows(step);
+    const auto z = comm::HaloBoundary::Zeros;
+    return {comm::fetch_window_async(pg, a.k, kSeq, kv_sizes, w, z, 0.0, kTagK),
+            comm::fetch_window_async(pg, a.v, kSeq, kv_sizes, w, z, 0.0, kTagV)};
+  }
+
+  // Calls visit(step, block, k, v) for each step with that step's block and its K and V;
+  // the next step's blocks arrive meanwhile.
+  template <class Visit>
+  void walk(const Args& a, Visit visit) const {
+    const int64_t P = members();
+    Incoming next;
+    if (P > 1) next = fetch(a, 1);
+    for (int64_t step = 0; step < P; ++step) {
+      at::Tensor k = a.k, v = a.v;
+      if (step > 0) {
+        k = next.k.wait();
+        v = next.v.wait();
+        if (step + 1 < P) next = fetch(a, step + 1);
+      }
+      visit(step, block_of(me, (me - step + P) % P), k, v);
+    }
+  }
+};
+
+template <class BlockOf>
+Ring<BlockOf> make_ring(const comm::Group& pg, const std::vector<int64_t>& kv_sizes, int64_t me,
+                        BlockOf block_of) {
+  return Ring<BlockOf>{pg, kv_sizes, me, std::move(block_of)};
 }
 
 std::vector<int64_t> with_rows(const at::Tensor& like, int64_t rows, int64_t last) {
@@ -179,6 +198,21 @@ std::vector<int64_t> with_rows(const at::Tensor& like, int64_t rows, int64_t las
   sizes[kSeq] = rows;
   if (last >= 0) sizes.back() = last;
   return sizes;
+}
+
+// Query-key pairs this thread's forward block calls scored (NOTE: [Load-balanced causal
+// ring]'s test reads it).
+int64_t& scored() {
+  thread_local int64_t n = 0;
+  return n;
+}
+
+// Pairs of `rows` rows x `keys` keys that a call scores: all, or under the kernel's
+// top-left is_causal, key j <= row i.
+int64_t pairs(int64_t rows, int64_t keys, bool causal) {
+  if (!causal) return rows * keys;
+  const int64_t tri = std::min(rows, keys);
+  return tri * (tri + 1) / 2 + (rows - tri) * keys;
 }
 
 // ---- ring --------------------------------------------------------------------------------
@@ -206,6 +240,7 @@ class Accumulator {
   void attend(int64_t q_lo, const Block& b, const at::Tensor& k, const at::Tensor& v) {
     if (b.rows == 0 || a_.q.numel() == 0) return;  // (the fused kernel divides by batch, heads)
     const at::Tensor mask = block_mask(a_, q_lo, b);
+    scored() += pairs(b.rows, k.size(kSeq), kernel_causal(a_, b));
     auto r = fused(a_.q.narrow(kSeq, b.row0, b.rows), k, v, mask, kernel_causal(a_, b), a_.scale);
     // The kernel answers a row its mask hides from every key of the block with out = 0 and
     // lse = 0; for the merge that row saw nothing (lse = -inf).
@@ -253,23 +288,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attend_backward(
                         block_mask(a, q_lo, b), kernel_causal(a, b), a.scale);
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> ring_forward(const comm::Group& pg, const SeqSplit& s,
-                                                const Args& a) {
+// This member's out / lse on ring `ring` (its queries' rows start at global row q_lo).
+template <class R>
+std::tuple<at::Tensor, at::Tensor> forward_on(const R& ring, const Args& a, int64_t q_lo) {
   Accumulator acc(a);
-  const int64_t q_lo = s.q_offset(s.me);
-  walk_ring(pg, s, a, [&](int64_t, const Block& b, const at::Tensor& k, const at::Tensor& v) {
+  ring.walk(a, [&](int64_t, const Block& b, const at::Tensor& k, const at::Tensor& v) {
     acc.attend(q_lo, b, k, v);
   });
   return acc.finish();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(const comm::Group& pg,
-                                                             const SeqSplit& s, const Args& a,
-                                                             const at::Tensor& grad_out,
-                                                             const at::Tensor& out,
-                                                             const at::Tensor& lse) {
+// (dq, dk, dv) on ring `ring`: each step's dK / dV go home while the next step computes.
+template <class R>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_on(const R& ring, const Args& a,
+                                                           int64_t q_lo, const at::Tensor& grad_out,
+                                                           const at::Tensor& out,
+                                                           const at::Tensor& lse) {
   const auto acc = accumulate_type(a.q.scalar_type());
   // Accumulators, taken over from the first gradient that covers them whole (no zeros + add).
   at::Tensor dq, dk, dv;
@@ -280,7 +314,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(const comm::Group& 
       sum = t.to(acc);
   };
   const auto z = comm::HaloBoundary::Zeros;
-  const int64_t q_lo = s.q_offset(s.me);
   // The previous step's dK / dV on their way home while this step computes.
   std::optional<std::pair<comm::PendingWindow, comm::PendingWindow>> homebound;
   const auto arrive = [&] {
@@ -289,7 +322,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(const comm::Group& 
     add(dv, homebound->second.wait());
     homebound.reset();
   };
-  walk_ring(pg, s, a, [&](int64_t step, const Block& b, const at::Tensor& k, const at::Tensor& v) {
+  ring.walk(a, [&](int64_t step, const Block& b, const at::Tensor& k, const at::Tensor& v) {
     // This step's dK / dV of the block it holds (zeros when its queries skip the block).
     auto [dqb, dkb, dvb] = attend_backward(a, q_lo, b, k, v, grad_out, out, lse);
     if (dqb.defined()) {
@@ -309,15 +342,193 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(const comm::Group& 
       add(dv, dvb);
       return;
     }
-    const auto w = windows_at(s, step, a.causal);
-    homebound.emplace(comm::fetch_window_backward_async(pg, dkb, kSeq, s.kv_sizes, w, z, kTagDK),
-                      comm::fetch_window_backward_async(pg, dvb, kSeq, s.kv_sizes, w, z, kTagDV));
+    const auto w = ring.windows(step);
+    homebound.emplace(
+        comm::fetch_window_backward_async(ring.pg, dkb, kSeq, ring.kv_sizes, w, z, kTagDK),
+        comm::fetch_window_backward_async(ring.pg, dvb, kSeq, ring.kv_sizes, w, z, kTagDV));
   });
   arrive();
   if (!dq.defined()) dq = at::zeros(a.q.sizes(), a.q.options().dtype(acc));
   if (!dk.defined()) dk = at::zeros(a.k.sizes(), a.k.options().dtype(acc));
   if (!dv.defined()) dv = at::zeros(a.v.sizes(), a.v.options().dtype(acc));
   return {dq.to(a.q.scalar_type()), dk.to(a.k.scalar_type()), dv.to(a.v.scalar_type())};
+}
+
+// ---- load-balanced causal ring ---------------------------------------------------------
+
+// NOTE: [Load-balanced causal ring]
+// Under is_causal, a member's work grows with its rows' positions: on P members the last
+// scores about 2P - 1 times the keys the first does, and the ring (each step waiting for the
+// block its owner sends after finishing the previous step) runs at the pace of the last.
+// Cut the sequence into 2P chunks, sizes within one of each other, and pair chunk a with
+// chunk 2P - 1 - a (a < P): each pair holds the same causal work. Member m takes one pair,
+// a_m chosen so that on an even split it already holds one of the two chunks (members m and
+// P - 1 - m swap one chunk each: half of each tensor moves). The two chunks of a member are
+// in position order, and for members m, j with a_j < a_m, j's low chunk precedes both of m's
+// and j's high chunk follows both; with a_j > a_m, j's two chunks lie between m's. So every
+// ring step is one unmasked call of equal work on every member (a_j < a_m: all rows against
+// j's low chunk; a_j > a_m: m's high chunk against j's whole block; its own pair: the
+// kernel's is_causal). No mask is built.
+// The layout the caller sees stays the natural one: the kernel deals q, k and v out at entry
+// and sends the results home at exit (halo windows: each chunk from / to its owners), so
+// every other op keeps reading positions in order. The price: about half of q, k, v (and of
+// out in backward) more moved per call, and their dealt copies held for the call.
+struct HeadTail {
+  std::vector<int64_t> pair;             // a_m: member m's low chunk
+  std::vector<comm::Window> head, tail;  // member m's low / high chunk, global rows
+  std::vector<int64_t> sizes;            // member m's rows in the dealt layout: head + tail
+
+  HeadTail(int64_t length, int64_t P) {
+    const int64_t parts = 2 * P, base = length / parts, extra = length % parts;
+    std::vector<int64_t> start(parts + 1, 0);
+    for (int64_t c = 0; c < parts; ++c) start[c + 1] = start[c] + base + (c < extra ? 1 : 0);
+    // Member m holds chunks 2m, 2m + 1 on an even split: the front half keeps its first,
+    // the back half its second (the middle member of an odd P holds a pair already).
+    pair.assign(P, 0);
+    for (int64_t m = 0; m < P / 2; ++m) {
+      pair[m] = 2 * m;
+      pair[P - 1 - m] = 2 * m + 1;
+    }
+    if (P % 2 == 1) pair[P / 2] = P - 1;
+    for (int64_t m = 0; m < P; ++m) {
+      const int64_t a = pair[m], b = parts - 1 - a;
+      head.push_back({start[a], start[a + 1]});
+      tail.push_back({start[b], start[b + 1]});
+      sizes.push_back(head.back().size() + tail.back().size());
+    }
+  }
+
+  // What member m's queries (its two chunks) do with member j's keys (its two chunks): rows
+  // and keys in the dealt layout (member j's keys start at the sum of the sizes before it).
+  Block block(int64_t m, int64_t j, const std::vector<int64_t>& offsets) const {
+    Block b;
+    b.key_lo = offsets[j];
+    if (m == j) {  // the own pair: causal in local order
+      b.keys = sizes[j];
+      b.rows = sizes[m];
+      b.cut = b.diagonal = b.rows > 1;
+    } else if (pair[j] < pair[m]) {  // j's low chunk precedes both of m's; its high follows
+      b.keys = head[j].size();
+      b.rows = sizes[m];
+    } else {  // j's two chunks lie between m's
+      b.keys = sizes[j];
+      b.row0 = head[m].size();
+      b.rows = tail[m].size();
+    }
+    if (b.keys == 0) b.rows = 0;
+    return b;
+  }
+};
+
+std::atomic<bool>& load_balance() {
+  static std::atomic<bool> on{[] {
+    const char* v = std::getenv("TESSERA_CP_LOAD_BALANCE");
+    return v == nullptr || *v == '\0' || std::strcmp(v, "0") != 0;
+  }()};
+  return on;
+}
+
+// Self-attention (queries and keys split alike) under is_causal, no mask, more than one
+// member, balancing on.
+bool balanced(const SeqSplit& s, const Args& a) {
+  return a.causal && !a.mask.defined() && s.q_sizes.size() > 1 && s.q_sizes == s.kv_sizes &&
+         load_balance().load(std::memory_order_relaxed);
+}
+
+// Tags kTagDeal + 2i, + 2i + 1: tensor i's two chunks (at most six tensors in flight).
+constexpr int kTagDeal = 0x3d0;
+
+// Each member's two chunks (low, then high) of each of `xs` (split along the sequence by
+// `natural`), every exchange in flight at once.
+std::vector<at::Tensor> deal(const comm::Group& pg, const std::vector<at::Tensor>& xs,
+                             const std::vector<int64_t>& natural, const HeadTail& ht) {
+  const auto z = comm::HaloBoundary::Zeros;
+  std::vector<comm::PendingWindow> pending;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const int tag = kTagDeal + 2 * static_cast<int>(i);
+    pending.push_back(comm::fetch_window_async(pg, xs[i], kSeq, natural, ht.head, z, 0.0, tag));
+    pending.push_back(comm::fetch_window_async(pg, xs[i], kSeq, natural, ht.tail, z, 0.0, tag + 1));
+  }
+  std::vector<at::Tensor> dealt;
+  for (size_t i = 0; i < xs.size(); ++i)
+    dealt.push_back(at::cat({pending[2 * i].wait(), pending[2 * i + 1].wait()}, kSeq));
+  return dealt;
+}
+
+// The inverse: each chunk of each of `ys` (the dealt layout) back to its natural owner.
+std::vector<at::Tensor> collect(const comm::Group& pg, const std::vector<at::Tensor>& ys,
+                                const std::vector<int64_t>& natural, const HeadTail& ht,
+                                int64_t me) {
+  const auto z = comm::HaloBoundary::Zeros;
+  const int64_t h = ht.head[me].size();
+  std::vector<comm::PendingWindow> pending;
+  for (size_t i = 0; i < ys.size(); ++i) {
+    const int tag = kTagDeal + 2 * static_cast<int>(i);
+    const at::Tensor& y = ys[i];
+    pending.push_back(comm::fetch_window_backward_async(pg, y.narrow(kSeq, 0, h), kSeq, natural,
+                                                        ht.head, z, tag));
+    pending.push_back(comm::fetch_window_backward_async(pg, y.narrow(kSeq, h, y.size(kSeq) - h),
+                                                        kSeq, natural, ht.tail, z, tag + 1));
+  }
+  std::vector<at::Tensor> home;
+  for (size_t i = 0; i < ys.size(); ++i)
+    home.push_back(pending[2 * i].wait() + pending[2 * i + 1].wait());
+  return home;
+}
+
+// The dealt layout's ring, with the offsets its blocks need.
+struct BalancedRing {
+  HeadTail ht;
+  std::vector<int64_t> offsets;
+
+  BalancedRing(const SeqSplit& s) : ht(s.kv_total(), static_cast<int64_t>(s.q_sizes.size())) {
+    offsets.assign(ht.sizes.size() + 1, 0);
+    for (size_t m = 0; m < ht.sizes.size(); ++m) offsets[m + 1] = offsets[m] + ht.sizes[m];
+  }
+  auto on(const comm::Group& pg, int64_t me) const {
+    return make_ring(pg, ht.sizes, me,
+                     [this](int64_t m, int64_t j) { return ht.block(m, j, offsets); });
+  }
+};
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> ring_forward(const comm::Group& pg, const SeqSplit& s,
+                                                const Args& a) {
+  if (balanced(s, a)) {
+    const BalancedRing br(s);
+    Args d = a;
+    {
+      auto in = deal(pg, {a.q, a.k, a.v}, s.q_sizes, br.ht);
+      d.q = std::move(in[0]), d.k = std::move(in[1]), d.v = std::move(in[2]);
+    }
+    auto [out, lse] = forward_on(br.on(pg, s.me), d, 0);
+    d = Args{};  // (the dealt copies go before the results are sent home)
+    const auto home = collect(pg, {out, lse}, s.q_sizes, br.ht, s.me);
+    return {home[0], home[1]};
+  }
+  const auto block_of = [&](int64_t m, int64_t j) { return block(s, m, j, a.causal); };
+  return forward_on(make_ring(pg, s.kv_sizes, s.me, block_of), a, s.q_offset(s.me));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(const comm::Group& pg,
+                                                             const SeqSplit& s, const Args& a,
+                                                             const at::Tensor& grad_out,
+                                                             const at::Tensor& out,
+                                                             const at::Tensor& lse) {
+  if (balanced(s, a)) {
+    const BalancedRing br(s);
+    auto in = deal(pg, {a.q, a.k, a.v, grad_out, out, lse}, s.q_sizes, br.ht);
+    Args d = a;
+    d.q = std::move(in[0]), d.k = std::move(in[1]), d.v = std::move(in[2]);
+    auto [dq, dk, dv] = backward_on(br.on(pg, s.me), d, 0, in[3], in[4], in[5]);
+    d = Args{}, in.clear();  // (the dealt copies go before the gradients are sent home)
+    const auto home = collect(pg, {dq, dk, dv}, s.q_sizes, br.ht, s.me);
+    return {home[0], home[1], home[2]};
+  }
+  const auto block_of = [&](int64_t m, int64_t j) { return block(s, m, j, a.causal); };
+  return backward_on(make_ring(pg, s.kv_sizes, s.me, block_of), a, s.q_offset(s.me), grad_out, out,
+                     lse);
 }
 
 namespace {
@@ -375,6 +586,8 @@ KVMethod kv_method_for(int64_t gathered_kv_bytes, int64_t members) {
   return members > 1 && gathered_kv_bytes > kRingFromBytes ? KVMethod::kRing : KVMethod::kAllGather;
 }
 
+int64_t scores_this_thread() { return scored(); }
+
 int64_t SeqSplit::q_offset(int64_t m) const {
   return std::accumulate(q_sizes.begin(), q_sizes.begin() + m, int64_t{0});
 }
@@ -392,6 +605,14 @@ namespace tessera {
 ContextParallelMethod set_context_parallel_method(ContextParallelMethod method) {
   return static_cast<ContextParallelMethod>(
       ops::attention::method().exchange(static_cast<int>(method)));
+}
+
+bool set_context_parallel_load_balance(bool on) {
+  return ops::attention::load_balance().exchange(on);
+}
+
+bool context_parallel_load_balance() {
+  return ops::attention::load_balance().load(std::memory_order_relaxed);
 }
 
 ContextParallelMethod context_parallel_method() {

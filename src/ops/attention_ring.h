@@ -39,6 +39,10 @@ using KVMethod = ContextParallelMethod;
 // per thread, so a change reaches threads (ranks) started after it.
 KVMethod kv_method_for(int64_t gathered_kv_bytes, int64_t members);
 
+// Query-key pairs the ring's forward calls on this thread have scored so far (a rank's share
+// of the causal work; tests compare ranks with it).
+int64_t scores_this_thread();
+
 // The sequence rows of the group's members: member m's queries are rows
 // [q_offset(m), q_offset(m) + q_sizes[m]) of the whole query, its keys / values rows
 // [kv_offset(m), ...) of the whole K / V.

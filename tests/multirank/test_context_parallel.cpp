@@ -29,6 +29,13 @@ struct PinMethod {
   KVMethod before;
 };
 
+// Pins the causal ring's load balancing for a scope (process-wide, as above).
+struct PinBalance {
+  explicit PinBalance(bool on) : before(set_context_parallel_load_balance(on)) {}
+  ~PinBalance() { set_context_parallel_load_balance(before); }
+  bool before;
+};
+
 // Runs `body` under the ring and under the all-gather; both must equal one device.
 template <class Body>
 void each_method(Body body) {
@@ -262,6 +269,87 @@ TEST(ContextParallel, RandomSplitsMatchOneDevice) {
   });
 }
 
+// The load-balanced causal ring (NOTE: [Load-balanced causal ring]) against one device:
+// lengths that 2P does not divide and shorter than 2P (empty chunks), random natural splits
+// (empty shards likely) on 1-5 ranks, and batch x sequence on a 2x2 mesh; balancing on and
+// off. The tensors keep their natural layout around the call.
+TEST(ContextParallel, LoadBalancedCausalRingMatchesOneDevice) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  const test::Tolerance tol{1e-10, 1e-11};
+  PinMethod ring(KVMethod::kRing);
+  test::Sweep sweep;
+  sweep.cases(14).run([&](test::Rng& rng, int64_t c) {
+    const bool two_d = c % 5 == 4;
+    const int world = two_d ? 4 : static_cast<int>(rng.uniform(1, 5));
+    const int seq_ranks = two_d ? 2 : world;
+    const int64_t L = c == 0 ? 0 : rng.uniform(1, 23), B = two_d ? 3 : rng.uniform(1, 2);
+    const int64_t H = rng.uniform(1, 3), E = rng.uniform(1, 5);
+    const ShardTable rows = test::random_table(rng, L, seq_ranks);
+    auto q = test::randn({B, H, L, E}, 600 + c, at::kDouble).requires_grad_();
+    auto k = test::randn({B, H, L, E}, 700 + c, at::kDouble).requires_grad_();
+    auto v = test::randn({B, H, L, E}, 800 + c, at::kDouble).requires_grad_();
+    auto expected = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+    auto g = test::randn(expected.sizes(), 900 + c, at::kDouble);
+    expected.backward(g);
+    std::string desc = sweep.label(c) + ": " + std::to_string(world) + " ranks, rows";
+    for (auto r : rows) desc += " " + std::to_string(r);
+    for (bool on : {true, false}) {
+      PinBalance balance(on);
+      tessera::testing::run_ranks(world, [&](int) {
+        at::set_num_threads(1);
+        auto mesh = two_d ? init_device_mesh("cpu", {2, 2}) : init_device_mesh("cpu", {world});
+        const Placements p = two_d ? Placements{Shard(0), Shard(2)} : Placements{Shard(2)};
+        const std::vector<ShardTable> tables = two_d ? std::vector<ShardTable>{{2, 1}, {}, rows}
+                                                     : std::vector<ShardTable>{{}, {}, rows};
+        auto lay = [&](const at::Tensor& t) {
+          return test::make_dtensor_from_full(t.detach(), mesh, p, tables).requires_grad_();
+        };
+        auto dq = lay(q), dk = lay(k), dv = lay(v);
+        auto got = at::scaled_dot_product_attention(dq, dk, dv, {}, 0.0, true);
+        const std::string d = desc + (on ? ", balanced" : ", natural");
+        EXPECT_EQ(spec(got), spec(dq)) << d << ": the output keeps the query's layout";
+        EXPECT_TRUE(test::full_matches(got, expected, tol)) << d << ": output";
+        got.backward(test::make_dtensor_from_full(g, mesh, p, tables));
+        EXPECT_EQ(spec(dk.grad()), spec(dk)) << d << ": dk keeps the key's layout";
+        EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << d << ": dq";
+        EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << d << ": dk";
+        EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << d << ": dv";
+      });
+    }
+  });
+}
+
+// What the balancing is for: every rank scores the same query-key pairs (L a multiple of
+// 2P: exactly; the natural split leaves the last rank about 2P - 1 times the first's).
+TEST(ContextParallel, LoadBalancedRingEvensTheWork) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  PinMethod ring(KVMethod::kRing);
+  const int64_t L = 120;  // a multiple of 2P for P = 2..5
+  const auto x = test::randn({1, 2, L, 4}, 31, at::kDouble);
+  for (int world = 2; world <= 5; ++world) {
+    for (bool on : {true, false}) {
+      PinBalance balance(on);
+      std::vector<int64_t> scored(world);
+      tessera::testing::run_ranks(world, [&](int rank) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {world});
+        auto d = distribute_tensor(x, mesh, {Shard(2)});
+        const int64_t before = ops::attention::scores_this_thread();
+        (void)at::scaled_dot_product_attention(d, d, d, {}, 0.0, true);
+        scored[rank] = ops::attention::scores_this_thread() - before;
+      });
+      const auto [lo, hi] = std::minmax_element(scored.begin(), scored.end());
+      // Both count every visible pair once (per batch x head): the sum is one device's.
+      EXPECT_EQ(std::accumulate(scored.begin(), scored.end(), int64_t{0}), L * (L + 1) / 2)
+          << world << " ranks" << (on ? ", balanced" : "");
+      if (on)
+        EXPECT_EQ(*lo, *hi) << world << " ranks, balanced";
+      else
+        EXPECT_GT(*hi, 2 * *lo) << world << " ranks, natural";
+    }
+  }
+}
+
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
 // Grouped-query heads (enable_gqa, LibTorch 2.5 on): 4 query heads on 2 K/V heads and on 1
 // (multi-query), random sequence splits on 1-4 ranks, causal or not; and on a 2x2 mesh with
@@ -354,6 +442,7 @@ TEST(ContextParallel, CrossAttentionLengths) {
 TEST(ContextParallel, RingBytesAreTheBlocksSeen) {
   if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
   PinMethod pin(KVMethod::kRing);
+  PinBalance natural(false);  // (the balanced ring also deals the chunks out and back)
   for (bool causal : {false, true}) {
     for (const ShardTable& rows : std::vector<ShardTable>{{4, 3}, {3, 0, 4}, {2, 1, 3, 2, 1}}) {
       const int world = static_cast<int>(rows.size());

@@ -17,4 +17,12 @@ enum class ContextParallelMethod { kAuto, kRing, kAllGather };
 ContextParallelMethod set_context_parallel_method(ContextParallelMethod method);
 ContextParallelMethod context_parallel_method();
 
+// Causal self-attention on the ring deals every rank two chunks of the sequence, one from
+// each end, for the time of the call, so that all ranks score the same number of keys
+// (without it the last rank does about 2P - 1 times the first's work). Tensors keep their
+// layout outside the call. On by default; TESSERA_CP_LOAD_BALANCE=0 sets the start value off.
+// Process-wide, the same on every rank. Returns the previous setting.
+bool set_context_parallel_load_balance(bool on);
+bool context_parallel_load_balance();
+
 }  // namespace tessera
