@@ -182,6 +182,9 @@ int run(int argc, char** argv) {
   app.add_flag("--module-forward", config.module_forward,
                "the modules' own forward (Linear): shows the gathers of a Linear on a block cut "
                "along H and W");
+  app.add_flag("--global-block", config.global_block,
+               "a global self-attention block over every pixel after the NA blocks: context "
+               "parallel attention over the 4 blocks' pixels (docs/context_parallel.md)");
   app.add_flag("--double", use_double,
                "train in float64 (the check against one device then holds to ~1e-12)");
   CLI11_PARSE(app, argc, argv);
@@ -234,6 +237,7 @@ int run(int argc, char** argv) {
                   b.dilation > 1 ? (", d=" + std::to_string(b.dilation)).c_str() : "");
     int64_t n_params = 0;
     for (const auto& p : reference->parameters()) n_params += p.numel();
+    if (config.global_block) std::printf(" [global attention over every pixel]");
     std::printf(", rpb, %lld parameters (%s)\n", static_cast<long long>(n_params),
                 use_double ? "float64" : "float32");
     std::printf(
