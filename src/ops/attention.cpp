@@ -4,8 +4,9 @@
 //  - all-gather: K and V gathered whole in the plan; their gradients come back Partial(sum)
 //    over the mesh dims that split the sequence (the autograd engine's redistribute
 //    reduce-scatters them);
-//  - ring (sequence split along one mesh dim): K and V keep a sequence split along it and the
-//    ring kernels bring their blocks over; dK / dV come back in that layout.
+//  - ring (sequence split along one mesh dim, or along every dim of the mesh): K and V keep
+//    that sequence split and the ring kernels bring their blocks over; dK / dV come back in
+//    that layout.
 //
 // Ops: LibTorch 2.x's fused CPU kernel pair
 //   _scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal, *,
@@ -91,30 +92,37 @@ SpecPtr mask_layout(const DTensorSpec& mask, const DTensorSpec& q) {
   return std::make_shared<DTensorSpec>(mask.mesh(), p, mask.sizes(), mask.dtype(), tables);
 }
 
-// The mesh dim whose ring brings K/V over (NOTE: [Ring attention]): the one mesh dim that
-// shards the query's sequence, when the method for this size is the ring; else -1.
-int64_t ring_dim(const DTensorSpec& q, const DTensorSpec& k, const DTensorSpec& v) {
+// The mesh dims whose ring brings K/V over (NOTE: [Ring attention]), when the method for
+// this size is the ring: the one mesh dim that shards the query's sequence, or every dim of
+// the mesh when they all do (their members, row-major, are the mesh's own group, in the
+// order of the nested shard table: a sequence split over a whole 2-D mesh is one ring).
+// Empty: the all-gather.
+std::vector<int64_t> ring_dims(const DTensorSpec& q, const DTensorSpec& k, const DTensorSpec& v) {
   const auto dims = q.mesh_dims_sharding(kSeq);
-  if (dims.size() != 1) return -1;
+  if (dims.empty() || (dims.size() > 1 && static_cast<int64_t>(dims.size()) != q.mesh().ndim()))
+    return {};
   // What one rank would gather: the whole sequence of its batch and heads.
   const auto local = q.local_sizes();
   const int64_t bytes = k.sizes()[kSeq] * local[0] * local[1] * (k.sizes()[3] + v.sizes()[3]) *
                         static_cast<int64_t>(c10::elementSize(k.dtype()));
-  const int64_t members = q.mesh().size(dims[0]);
-  return attention::kv_method_for(bytes, members) == attention::KVMethod::kRing ? dims[0] : -1;
+  int64_t members = 1;
+  for (int64_t m : dims) members *= q.mesh().size(m);
+  return attention::kv_method_for(bytes, members) == attention::KVMethod::kRing
+             ? dims
+             : std::vector<int64_t>{};
 }
 
 // K / V for the ring kernels: the query's batch and heads split, and one sequence split
-// along mesh dim `m` for both: the key's own table when it arrives so split (the kernels take
-// any), else the query's when the lengths match, else even.
+// along the ring's mesh dims for both: the key's own table when it arrives so split (the
+// kernels take any), else the query's when the lengths match, else even.
 SpecPtr kv_ring_layout(const DTensorSpec& kv, const DTensorSpec& key, const DTensorSpec& q,
-                       int64_t m) {
+                       const std::vector<int64_t>& dims) {
   const SpecPtr base = kv_layout(kv, q);
   Placements p = base->placements();
-  p[m] = Shard(kSeq);
+  for (int64_t m : dims) p[m] = Shard(kSeq);
   std::vector<ShardTable> tables = base->shard_tables();
   tables.resize(kv.ndim());
-  const bool own = key.mesh_dims_sharding(kSeq) == std::vector<int64_t>{m};
+  const bool own = key.mesh_dims_sharding(kSeq) == dims;
   if (own && !key.shard_tables().empty())
     tables[kSeq] = key.shard_tables()[kSeq];
   else if (!own && key.sizes()[kSeq] == q.sizes()[kSeq] && !q.shard_tables().empty())
@@ -125,7 +133,7 @@ SpecPtr kv_ring_layout(const DTensorSpec& kv, const DTensorSpec& key, const DTen
 struct Layout {
   SpecPtr q, kv_k, kv_v, out, lse, mask;
   bool sharded_seq = false;
-  int64_t ring = -1;  // ring_dim(q, k, v)
+  std::vector<int64_t> ring;  // ring_dims(q, k, v); empty: the all-gather
 };
 
 Layout layout_of(const OpCall& call) {
@@ -136,9 +144,9 @@ Layout layout_of(const OpCall& call) {
               ": query, key and value must be [B, H, L, E]");
   Layout l;
   l.q = whole_along(q, {3});
-  l.ring = ring_dim(*l.q, k, v);
-  l.kv_k = l.ring >= 0 ? kv_ring_layout(k, k, *l.q, l.ring) : kv_layout(k, *l.q);
-  l.kv_v = l.ring >= 0 ? kv_ring_layout(v, k, *l.q, l.ring) : kv_layout(v, *l.q);
+  l.ring = ring_dims(*l.q, k, v);
+  l.kv_k = !l.ring.empty() ? kv_ring_layout(k, k, *l.q, l.ring) : kv_layout(k, *l.q);
+  l.kv_v = !l.ring.empty() ? kv_ring_layout(v, k, *l.q, l.ring) : kv_layout(v, *l.q);
   l.out = resized(*l.q, v.sizes()[3], false);
   l.lse = resized(*l.q, 0, true);
   l.sharded_seq = seq_sharded(*l.q);
@@ -192,12 +200,18 @@ LocalKernel local_kernel(const DTensorSpec& q, bool sharded_seq) {
   };
 }
 
-// The ring kernels (attention_ring.h) on this call's local tensors.
+// The ring kernels (attention_ring.h) on this call's local tensors, over the group of the
+// ring's mesh dim, or the mesh's own group when the ring spans every dim.
 DistributedKernel ring_kernel(const Layout& l, bool backward) {
-  const int64_t m = l.ring;
-  const std::vector<int64_t> q_sizes = l.q->shard_sizes(m), kv_sizes = l.kv_k->shard_sizes(m);
-  return [m, q_sizes, kv_sizes, backward](KernelCall& kc, const DeviceMesh& mesh) {
-    const attention::SeqSplit split{q_sizes, kv_sizes, mesh.local_rank(m)};
+  const std::vector<int64_t> dims = l.ring;
+  const bool one = dims.size() == 1;
+  const std::vector<int64_t> q_sizes = one ? l.q->shard_sizes(dims[0]) : l.q->shard_table(kSeq);
+  const std::vector<int64_t> kv_sizes =
+      one ? l.kv_k->shard_sizes(dims[0]) : l.kv_k->shard_table(kSeq);
+  return [dims, one, q_sizes, kv_sizes, backward](KernelCall& kc, const DeviceMesh& mesh) {
+    const int64_t me =
+        one ? mesh.local_rank(dims[0]) : detail::table_index(mesh, dims, mesh.coordinate());
+    const attention::SeqSplit split{q_sizes, kv_sizes, me};
     attention::Args a;
     a.q = kc.tensor("query");
     a.k = kc.tensor("key");
@@ -205,7 +219,7 @@ DistributedKernel ring_kernel(const Layout& l, bool backward) {
     if (kc.has("attn_mask") && !kc.arg("attn_mask").isNone()) a.mask = kc.tensor("attn_mask");
     a.causal = kc.arg<bool>("is_causal");
     a.scale = kc.arg("scale").toOptional<double>();
-    const auto pg = mesh.group(m);
+    const auto pg = one ? mesh.group(dims[0]) : mesh.mesh_group();
     if (!backward) {
       auto r = attention::ring_forward(pg, split, a);
       kc.finish({std::get<0>(r), std::get<1>(r)});
@@ -223,7 +237,7 @@ OpPlan sdpa_rule(const OpCall& call) {
   plan.input("query", l.q).input("key", l.kv_k).input("value", l.kv_v);
   if (l.mask) plan.input("attn_mask", l.mask);
   plan.output(l.out).output(l.lse);
-  if (l.ring >= 0)
+  if (!l.ring.empty())
     plan.distributed_kernel = ring_kernel(l, false);
   else
     plan.local_kernel = local_kernel(*l.q, l.sharded_seq);
@@ -243,7 +257,7 @@ OpPlan sdpa_backward_rule(const OpCall& call) {
   plan.input("grad_out", l.out).input("query", l.q).input("key", l.kv_k).input("value", l.kv_v);
   plan.input("out", l.out).input("logsumexp", l.lse);
   if (l.mask) plan.input("attn_mask", l.mask);
-  if (l.ring >= 0) {
+  if (!l.ring.empty()) {
     plan.output(l.q).output(l.kv_k).output(l.kv_v);
     plan.distributed_kernel = ring_kernel(l, true);
     return plan;

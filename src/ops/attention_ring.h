@@ -1,9 +1,9 @@
 #pragma once
-// The fused attention pair on queries whose sequence is sharded along one mesh dim, with the
-// K/V blocks brought over inside the kernel by a ring (NOTE: [Ring attention]).
-// src/ops/attention.cpp's rule chooses between it and its K/V all-gather plan, and hands
-// these kernels the local tensors and the sequence split; they talk over the group of that
-// mesh dim only.
+// The fused attention pair on queries whose sequence is sharded along one mesh dim (or along
+// every dim of the mesh, nested), with the K/V blocks brought over inside the kernel by a
+// ring (NOTE: [Ring attention]). src/ops/attention.cpp's rule chooses between it and its K/V
+// all-gather plan, and hands these kernels the local tensors and the sequence split; they
+// talk over the group of that mesh dim only (the mesh's own group when it spans them all).
 #include <tuple>
 #include <vector>
 

@@ -129,6 +129,46 @@ TEST(ContextParallel, BatchAndSequenceOnATwoByTwoMesh) {
                       std::string("2x2, batch 2+0, sequence 3+4, ") + (causal ? "causal" : "full"));
 }
 
+// The sequence split over every dim of a mesh (nested Shard(2) on a 2x2 and a 2x3 mesh,
+// uneven and empty pieces): one ring over the mesh's own group, in the table's order. Equal
+// to one device under both exchanges, causal (balanced and not) and not, with a mask; and
+// under the ring K/V go point to point (no all-gather) in forward and backward.
+TEST(ContextParallel, SequenceOverAWholeMeshIsOneRing) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  const auto mask = test::randn({7, 7}, 16, at::kDouble);
+  const Placements seq2 = {Shard(2), Shard(2)};
+  for (bool causal : {false, true}) {
+    const std::string c = causal ? ", causal" : "";
+    expect_one_device({2, 2}, seq2, {{}, {}, {2, 0, 3, 2}}, causal, {}, "2x2, 2+0+3+2" + c);
+    expect_one_device({2, 3}, seq2, {{}, {}, {1, 2, 0, 1, 2, 1}}, causal, {}, "2x3" + c);
+    for (bool on : {false, true}) {
+      PinBalance balance(on);
+      expect_one_device({2, 2}, seq2, {{}, {}, {1, 3, 3, 0}}, causal, {},
+                        std::string("2x2, 1+3+3+0") + c + (on ? ", balanced" : ", natural"));
+    }
+  }
+  expect_one_device({2, 2}, seq2, {{}, {}, {2, 2, 0, 3}}, false, mask, "2x2, mask");
+  PinMethod ring(KVMethod::kRing);
+  const auto x = test::randn({1, 2, 9, 4}, 17, at::kDouble);
+  tessera::testing::run_ranks(4, [&](int rank) {
+    at::set_num_threads(1);
+    auto mesh = init_device_mesh("cpu", {2, 2});
+    auto q = test::make_dtensor_from_full(x, mesh, seq2, {{}, {}, {3, 2, 0, 4}}).requires_grad_();
+    at::Tensor out;
+    {
+      CommDebugMode comm;
+      out = at::scaled_dot_product_attention(q, q, q);
+      const auto counts = comm.get_comm_counts();
+      EXPECT_EQ(counts.count("all_gather"), 0u) << "rank " << rank << ": " << comm.to_json();
+      if (rank != 2) EXPECT_GT(counts.at("send_recv"), 0) << "rank " << rank;
+    }
+    EXPECT_EQ(spec(out), spec(q));
+    CommDebugMode comm;
+    out.backward(at::ones_like(out));
+    EXPECT_EQ(comm.get_comm_counts().count("all_gather"), 0u) << "rank " << rank << ": backward";
+  });
+}
+
 TEST(ContextParallel, EmptyBatchShardAndHeadShards) {
   if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
   expect_one_device({3}, {Shard(0)}, {{0, 2, 0}}, true, {}, "batch 0+2+0");
