@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include "attention_ring.h"
+#include "tessera/tensor/dtensor_impl.h"
 #include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
@@ -45,18 +46,41 @@ SpecPtr whole_along(const DTensorSpec& s, std::initializer_list<int64_t> dims) {
   }));
 }
 
+// Query heads per K/V head (grouped-query attention; 1 when the counts match).
+int64_t groups(const DTensorSpec& q, const DTensorSpec& kv) {
+  return kv.sizes()[1] == 0 ? 1 : q.sizes()[1] / kv.sizes()[1];
+}
+
 // k / v: batch and heads split exactly as q's (whatever layout k / v arrive in: the kernel
-// needs the same local batch and heads), everything else whole.
+// needs the same local batch and heads; grouped K/V heads each rank's query heads / groups),
+// everything else whole.
 SpecPtr kv_layout(const DTensorSpec& kv, const DTensorSpec& q) {
   Placements p(kv.mesh().ndim(), Replicate());
   std::vector<ShardTable> tables(kv.ndim());
+  const int64_t g = groups(q, kv);
   for (int64_t m = 0; m < q.mesh().ndim(); ++m) {
     const Placement& qp = q.placement(m);
     if (!qp.is_shard() || qp.dim() >= kSeq) continue;
     p[m] = qp;
-    if (!q.shard_tables().empty()) tables[qp.dim()] = q.shard_tables()[qp.dim()];
+    ShardTable t = q.shard_table(qp.dim());
+    if (qp.dim() == 1)
+      for (int64_t& n : t) n /= g;
+    tables[qp.dim()] = std::move(t);
   }
   return std::make_shared<DTensorSpec>(kv.mesh(), p, kv.sizes(), kv.dtype(), tables);
+}
+
+// Whether K/V with these heads can be split as q's heads are: each rank's query heads a
+// whole number of groups (sdpa_entry repeats the K/V heads on the distributed tensors
+// otherwise).
+bool groups_split_with(const DTensorSpec& q, int64_t kv_heads) {
+  if (kv_heads == q.sizes()[1]) return true;
+  if (kv_heads <= 0 || q.sizes()[1] % kv_heads != 0) return false;
+  const int64_t g = q.sizes()[1] / kv_heads;
+  if (g == 1 || q.mesh_dims_sharding(1).empty()) return true;
+  for (int64_t n : q.shard_table(1))
+    if (n % g != 0) return false;
+  return true;
 }
 
 // q's layout with the last dim's size `last` (the output: Ev) or without it (logsumexp).
@@ -103,7 +127,8 @@ std::vector<int64_t> ring_dims(const DTensorSpec& q, const DTensorSpec& k, const
     return {};
   // What one rank would gather: the whole sequence of its batch and heads.
   const auto local = q.local_sizes();
-  const int64_t bytes = k.sizes()[kSeq] * local[0] * local[1] * (k.sizes()[3] + v.sizes()[3]) *
+  const int64_t bytes = k.sizes()[kSeq] * local[0] * (local[1] / groups(q, k)) *
+                        (k.sizes()[3] + v.sizes()[3]) *
                         static_cast<int64_t>(c10::elementSize(k.dtype()));
   int64_t members = 1;
   for (int64_t m : dims) members *= q.mesh().size(m);
@@ -142,6 +167,11 @@ Layout layout_of(const OpCall& call) {
   const DTensorSpec& v = *call.spec("value");
   TORCH_CHECK(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4, "tessera: ", call.describe(),
               ": query, key and value must be [B, H, L, E]");
+  TORCH_CHECK(k.sizes()[1] == v.sizes()[1] && groups_split_with(q, k.sizes()[1]),
+              "tessera: ", call.describe(), ": query ", q.str(), " with key ", k.str(),
+              " and value ", v.str(),
+              ": key and value need the same heads, and each rank's query heads a multiple of "
+              "them; split the heads so, or repeat the key and value heads");
   Layout l;
   l.q = whole_along(q, {3});
   l.ring = ring_dims(*l.q, k, v);
@@ -181,21 +211,25 @@ LocalKernel local_kernel(const DTensorSpec& q, bool sharded_seq) {
                                                                   : at::kFloat))});
       return;
     }
-    if (!sharded_seq || !kc.arg<bool>("is_causal")) return kc.call_op();
     attention::Args a;
     a.q = query;
     a.k = kc.tensor("key");
     a.v = kc.tensor("value");
     if (kc.has("attn_mask") && !kc.arg("attn_mask").isNone()) a.mask = kc.tensor("attn_mask");
-    a.causal = true;
+    a.causal = kc.arg<bool>("is_causal");
     a.scale = kc.arg("scale").toOptional<double>();
+    // Rows at their global positions under is_causal; otherwise the kernel as it is (with
+    // grouped K/V heads repeated for it).
+    const bool cut = sharded_seq && a.causal;
     if (!kc.has("grad_out")) {
-      auto r = attention::causal_forward(a, lo);
+      auto r = cut ? attention::causal_forward(a, lo) : attention::forward(a);
       kc.finish({std::get<0>(r), std::get<1>(r)});
       return;
     }
-    auto r = attention::causal_backward(a, lo, kc.tensor("grad_out"), kc.tensor("out"),
-                                        kc.tensor("logsumexp"));
+    const at::Tensor go = kc.tensor("grad_out"), out = kc.tensor("out");
+    const at::Tensor lse = kc.tensor("logsumexp");
+    auto r = cut ? attention::causal_backward(a, lo, go, out, lse)
+                 : attention::backward(a, go, out, lse);
     kc.finish({std::get<0>(r), std::get<1>(r), std::get<2>(r)});
   };
 }
@@ -277,9 +311,10 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const at::Tensor q = kc.tensor("query");
   const bool gqa = kc.has("enable_gqa") && kc.arg<bool>("enable_gqa");
   at::Tensor k = kc.tensor("key"), v = kc.tensor("value");
-  // Grouped-query heads: each K/V head serves q.size(1) / k.size(1) query heads. Repeated in
-  // place (as the composite's repeat_interleave) once the call is known to take the fused
-  // path; the sequence split is untouched, and the K/V exchange carries the repeated heads.
+  // Grouped-query heads: each K/V head serves q.size(1) / k.size(1) query heads. The fused op
+  // takes them so (its kernels repeat each block's heads, so the K/V exchange carries only
+  // theirs) where each rank's query heads are whole groups; otherwise they are repeated on
+  // the distributed tensors first (as the composite's repeat_interleave).
   const bool grouped = gqa && q.dim() == 4 && k.dim() == 4 && v.dim() == 4 &&
                        k.size(1) == v.size(1) && k.size(1) > 0 && q.size(1) % k.size(1) == 0 &&
                        q.size(1) != k.size(1);
@@ -296,7 +331,7 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                .masked_fill(mask->logical_not(), -std::numeric_limits<double>::infinity());
   const bool mask_fits = !mask || mask->scalar_type() == q.scalar_type();
   if (q.device().is_cpu() && fits && mask_fits && kc.arg<double>("dropout_p") == 0.0) {
-    if (grouped) {
+    if (grouped && !(is_dtensor(q) && groups_split_with(dtensor_impl(q)->spec(), k.size(1)))) {
       const int64_t groups = q.size(1) / k.size(1);
       const auto repeat = [groups](const at::Tensor& t) {
         auto sizes = t.sizes().vec();

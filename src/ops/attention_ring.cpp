@@ -46,6 +46,28 @@ using BackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, double, bool, const c10::optional<at::Tensor>&, c10::optional<double>);
 
+// Grouped-query heads: q.size(1) = groups x k.size(1), query head h served by K/V head
+// h / groups. The exchanges carry the K/V heads only; each call repeats them for its block
+// (not every LibTorch's kernel takes fewer K/V heads) and its dK / dV are summed back per
+// group.
+int64_t groups_of(const at::Tensor& q, const at::Tensor& k) {
+  return k.size(1) == q.size(1) || k.size(1) == 0 ? 1 : q.size(1) / k.size(1);
+}
+
+at::Tensor repeat_heads(const at::Tensor& t, int64_t groups) {
+  if (groups == 1) return t;
+  const auto s = t.sizes();
+  return t.unsqueeze(2)
+      .expand({s[0], s[1], groups, s[2], s[3]})
+      .reshape({s[0], s[1] * groups, s[2], s[3]});
+}
+
+at::Tensor sum_groups(const at::Tensor& t, int64_t groups) {
+  if (groups == 1) return t;
+  const auto s = t.sizes();
+  return t.reshape({s[0], s[1] / groups, groups, s[2], s[3]}).sum(2);
+}
+
 std::tuple<at::Tensor, at::Tensor> fused(const at::Tensor& q, const at::Tensor& k,
                                          const at::Tensor& v, const at::Tensor& mask, bool causal,
                                          c10::optional<double> scale) {
@@ -53,7 +75,8 @@ std::tuple<at::Tensor, at::Tensor> fused(const at::Tensor& q, const at::Tensor& 
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("aten::_scaled_dot_product_flash_attention_for_cpu", "")
           .typed<ForwardFn>();
-  return op.call(q, k, v, 0.0, causal,
+  const int64_t g = groups_of(q, k);
+  return op.call(q, repeat_heads(k, g), repeat_heads(v, g), 0.0, causal,
                  mask.defined() ? c10::optional<at::Tensor>(mask) : c10::nullopt, scale);
 }
 
@@ -65,8 +88,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward(
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "")
           .typed<BackwardFn>();
-  return op.call(grad_out, q, k, v, out, lse, 0.0, causal,
-                 mask.defined() ? c10::optional<at::Tensor>(mask) : c10::nullopt, scale);
+  const int64_t g = groups_of(q, k);
+  auto r = op.call(grad_out, q, repeat_heads(k, g), repeat_heads(v, g), out, lse, 0.0, causal,
+                   mask.defined() ? c10::optional<at::Tensor>(mask) : c10::nullopt, scale);
+  return {std::get<0>(r), sum_groups(std::get<1>(r), g), sum_groups(std::get<2>(r), g)};
 }
 
 at::ScalarType accumulate_type(at::ScalarType t) {
@@ -578,6 +603,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_backward(const Args& a, in
     dv.narrow(kSeq, b.key_lo, b.keys).add_(dvb);
   }
   return {dq.to(a.q.scalar_type()), dk.to(a.k.scalar_type()), dv.to(a.v.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor> forward(const Args& a) {
+  return fused(a.q, a.k, a.v, a.mask, a.causal, a.scale);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const Args& a, const at::Tensor& grad_out,
+                                                        const at::Tensor& out,
+                                                        const at::Tensor& lse) {
+  return fused_backward(grad_out, a.q, a.k, a.v, out, lse, a.mask, a.causal, a.scale);
 }
 
 KVMethod kv_method_for(int64_t gathered_kv_bytes, int64_t members) {

@@ -55,12 +55,20 @@ struct SeqSplit {
 };
 
 // The fused op's arguments, local ([b, h, rows, E]; the mask split with the query's rows and
-// whole along the keys, or undefined).
+// whole along the keys, or undefined). k and v may have fewer heads than q (grouped-query:
+// q's heads a multiple of theirs, query head h served by K/V head h / groups): every call
+// below takes them so, moves only them, and returns dk / dv with their heads.
 struct Args {
   at::Tensor q, k, v, mask;
   bool causal = false;
   c10::optional<double> scale;
 };
+
+// The fused pair on these local tensors as they are (is_causal top-left on them).
+std::tuple<at::Tensor, at::Tensor> forward(const Args& a);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const Args& a, const at::Tensor& grad_out,
+                                                        const at::Tensor& out,
+                                                        const at::Tensor& lse);
 
 // (out, logsumexp) of this member's queries against every member's keys.
 std::tuple<at::Tensor, at::Tensor> ring_forward(const comm::Group& pg, const SeqSplit& split,

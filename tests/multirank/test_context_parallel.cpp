@@ -219,9 +219,10 @@ TEST(ContextParallel, KeysAndValuesFollowTheQuerysHeads) {
 }
 
 // A random [2, 3, sum(rows), 4] float64 leaf, its sequence split by `rows`.
-at::Tensor seq_sharded(const DeviceMesh& mesh, const ShardTable& rows, uint64_t seed) {
+at::Tensor seq_sharded(const DeviceMesh& mesh, const ShardTable& rows, uint64_t seed,
+                       int64_t heads = 3) {
   const int64_t seq = std::accumulate(rows.begin(), rows.end(), int64_t{0});
-  return test::make_dtensor_from_full(test::randn({2, 3, seq, 4}, seed, at::kDouble), mesh,
+  return test::make_dtensor_from_full(test::randn({2, heads, seq, 4}, seed, at::kDouble), mesh,
                                       {Shard(2)}, {{}, {}, rows})
       .requires_grad_();
 }
@@ -393,7 +394,8 @@ TEST(ContextParallel, LoadBalancedRingEvensTheWork) {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
 // Grouped-query heads (enable_gqa, LibTorch 2.5 on): 4 query heads on 2 K/V heads and on 1
 // (multi-query), random sequence splits on 1-4 ranks, causal or not; and on a 2x2 mesh with
-// the heads split over one dim and the sequence over the other.
+// the heads split over one dim (unevenly too: a rank's query heads whole groups or not) and
+// the sequence over the other.
 TEST(ContextParallel, GroupedQueryHeadsMatchOneDevice) {
   if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
   const test::Tolerance tol{1e-10, 1e-11};
@@ -404,6 +406,8 @@ TEST(ContextParallel, GroupedQueryHeadsMatchOneDevice) {
     const int64_t L = rng.uniform(1, 11), kv_heads = grid ? 2 : rng.uniform(1, 2);
     const bool causal = rng.coin();
     const ShardTable rows = test::random_table(rng, L, grid ? 2 : world);
+    const std::vector<ShardTable> head_tables = {{2, 2}, {4, 0}, {0, 4}, {1, 3}};
+    const ShardTable heads = grid ? head_tables[rng.uniform(0, 3)] : ShardTable{};
     auto q = test::randn({2, 4, L, 3}, 600 + c, at::kDouble).requires_grad_();
     auto k = test::randn({2, kv_heads, L, 3}, 700 + c, at::kDouble).requires_grad_();
     auto v = test::randn({2, kv_heads, L, 3}, 800 + c, at::kDouble).requires_grad_();
@@ -415,17 +419,23 @@ TEST(ContextParallel, GroupedQueryHeadsMatchOneDevice) {
                        std::to_string(kv_heads) + " K/V heads, rows";
     for (auto r : rows) desc += " " + std::to_string(r);
     desc += causal ? ", causal" : "";
-    desc += grid ? ", heads x sequence" : "";
+    desc += grid ? ", heads " + std::to_string(heads[0]) + "+" + std::to_string(heads[1]) +
+                       " x sequence"
+                 : "";
     each_method([&] {
       tessera::testing::run_ranks(world, [&](int) {
         at::set_num_threads(1);
         auto mesh = grid ? init_device_mesh("cpu", {2, 2}) : init_device_mesh("cpu", {world});
         const Placements p = grid ? Placements{Shard(1), Shard(2)} : Placements{Shard(2)};
-        const std::vector<ShardTable> tables = {{}, {}, rows};
-        auto lay = [&](const at::Tensor& t) {
-          return test::make_dtensor_from_full(t.detach(), mesh, p, tables).requires_grad_();
+        // K/V heads: as the query's where a rank's query heads are whole groups, else even.
+        const int64_t per = 4 / kv_heads;  // query heads per K/V head
+        ShardTable kv_table;
+        if (grid && heads[0] % per == 0 && heads[1] % per == 0)
+          kv_table = {heads[0] / per, heads[1] / per};
+        auto lay = [&](const at::Tensor& t, const ShardTable& h) {
+          return test::make_dtensor_from_full(t.detach(), mesh, p, {{}, h, rows}).requires_grad_();
         };
-        auto dq = lay(q), dk = lay(k), dv = lay(v);
+        auto dq = lay(q, heads), dk = lay(k, kv_table), dv = lay(v, kv_table);
         auto got = at::scaled_dot_product_attention(dq, dk, dv, {}, 0.0, causal, c10::nullopt,
                                                     /*enable_gqa=*/true);
         EXPECT_TRUE(test::full_matches(got, expected, tol)) << desc << ": output";
@@ -437,6 +447,53 @@ TEST(ContextParallel, GroupedQueryHeadsMatchOneDevice) {
       });
     });
   });
+}
+
+// Grouped-query heads on the ring: K and V travel with their own heads, not repeated for the
+// query's, so each rank receives exactly the K/V blocks its queries see at the K/V heads'
+// bytes (and backward their dK / dV likewise): 1/4 of what repeated heads would move here.
+TEST(ContextParallel, GroupedQueryRingMovesOnlyTheKVHeads) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  PinMethod pin(KVMethod::kRing);
+  PinBalance natural(false);
+  for (bool causal : {false, true}) {
+    for (const ShardTable& rows : std::vector<ShardTable>{{4, 3}, {3, 0, 4}, {2, 1, 3, 2, 1}}) {
+      const int world = static_cast<int>(rows.size());
+      const int64_t row_bytes = 2 * 1 * 4 * 8;  // B x (one K/V head) x E doubles per row
+      std::vector<int64_t> offset(world + 1, 0);
+      for (int r = 0; r < world; ++r) offset[r + 1] = offset[r] + rows[r];
+      const auto sees = [&](int m, int j) {
+        if (rows[m] == 0 || rows[j] == 0) return false;
+        return !causal || offset[m + 1] - 1 >= offset[j];
+      };
+      tessera::testing::run_ranks(world, [&](int rank) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {world});
+        auto q = seq_sharded(mesh, rows, 64, 4), k = seq_sharded(mesh, rows, 65, 1);
+        auto v = seq_sharded(mesh, rows, 66, 1);
+        int64_t blocks = 0, seen_by = 0;
+        for (int j = 0; j < world; ++j)
+          if (j != rank && sees(rank, j)) blocks += rows[j];
+        for (int m = 0; m < world; ++m)
+          if (m != rank && sees(m, rank)) ++seen_by;
+        const std::string desc = std::to_string(world) + " ranks, rank " + std::to_string(rank) +
+                                 (causal ? ", causal" : "");
+        at::Tensor out;
+        {
+          CommDebugMode comm;
+          out = at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, causal, c10::nullopt,
+                                                 /*enable_gqa=*/true);
+          EXPECT_EQ(comm.total_bytes_received(), 2 * blocks * row_bytes)
+              << desc << ": forward " << comm.to_json();
+        }
+        CommDebugMode comm;
+        out.backward(at::ones_like(out));
+        EXPECT_EQ(comm.total_bytes_received(), 2 * (blocks + seen_by * rows[rank]) * row_bytes)
+            << desc << ": backward " << comm.to_json();
+        EXPECT_EQ(k.grad().sizes(), k.sizes()) << desc;
+      });
+    }
+  }
 }
 #endif
 
