@@ -22,6 +22,11 @@ namespace {
 
 constexpr int64_t kSeq = 2;
 constexpr int64_t kRingFromBytes = int64_t{16} << 20;
+// Rows per member from which `kAuto` deals a causal ring out head-tail: below it the two
+// extra exchanges cost more than the even work saves (BENCHMARKS.md, "The load-balanced
+// causal ring": on 2 ranks 0.52x at 512 rows each, 0.87x at 1,024, even to 1.07x at 2,048,
+// 1.30x at 4,096).
+constexpr int64_t kBalanceFromRows = 2048;
 constexpr int kTagK = 0x3c0, kTagV = 0x3c1, kTagDK = 0x3c2, kTagDV = 0x3c3;
 
 KVMethod method_from_env() {
@@ -453,11 +458,10 @@ std::atomic<bool>& load_balance() {
   return on;
 }
 
-// Self-attention (queries and keys split alike) under is_causal, no mask, more than one
-// member, balancing on.
+// Self-attention (queries and keys split alike) under is_causal, no mask, and balances().
 bool balanced(const SeqSplit& s, const Args& a) {
-  return a.causal && !a.mask.defined() && s.q_sizes.size() > 1 && s.q_sizes == s.kv_sizes &&
-         load_balance().load(std::memory_order_relaxed);
+  return a.causal && !a.mask.defined() && s.q_sizes == s.kv_sizes &&
+         balances(s.kv_total(), static_cast<int64_t>(s.q_sizes.size()));
 }
 
 // Tags kTagDeal + 2i, + 2i + 1: tensor i's two chunks (at most six tensors in flight).
@@ -619,6 +623,12 @@ KVMethod kv_method_for(int64_t gathered_kv_bytes, int64_t members) {
   const auto m = static_cast<KVMethod>(method().load(std::memory_order_relaxed));
   if (m != KVMethod::kAuto) return m;
   return members > 1 && gathered_kv_bytes > kRingFromBytes ? KVMethod::kRing : KVMethod::kAllGather;
+}
+
+bool balances(int64_t length, int64_t members) {
+  if (members < 2 || !load_balance().load(std::memory_order_relaxed)) return false;
+  const auto m = static_cast<KVMethod>(method().load(std::memory_order_relaxed));
+  return m != KVMethod::kAuto || length >= kBalanceFromRows * members;
 }
 
 int64_t scores_this_thread() { return scored(); }

@@ -39,6 +39,12 @@ using KVMethod = ContextParallelMethod;
 // per thread, so a change reaches threads (ranks) started after it.
 KVMethod kv_method_for(int64_t gathered_kv_bytes, int64_t members);
 
+// Whether a causal self-attention ring of `length` rows over `members` members deals them out
+// head-tail (NOTE: [Load-balanced causal ring] in attention_ring.cpp): the public switch on,
+// and under `kAuto` at least 2,048 rows per member (below, the dealing costs more than the
+// balance saves; a forced `kRing` balances at any size).
+bool balances(int64_t length, int64_t members);
+
 // Query-key pairs the ring's forward calls on this thread have scored so far (a rank's share
 // of the causal work; tests compare ranks with it).
 int64_t scores_this_thread();

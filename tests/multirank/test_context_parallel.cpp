@@ -590,6 +590,26 @@ TEST(ContextParallel, ExchangeChoice) {
   EXPECT_EQ(ops::attention::kv_method_for(1, 4), KVMethod::kRing);
 }
 
+// The head-tail dealing of a causal ring: under kAuto from 2,048 rows per rank, where it pays;
+// a forced ring deals at any size; never on one rank or with the switch off.
+TEST(ContextParallel, BalanceChoice) {
+  using ops::attention::balances;
+  PinBalance on(true);
+  {
+    PinMethod pin(KVMethod::kAuto);
+    EXPECT_TRUE(balances(4096, 2));
+    EXPECT_FALSE(balances(4095, 2));
+    EXPECT_TRUE(balances(16384, 8));
+    EXPECT_FALSE(balances(16383, 8));
+    EXPECT_FALSE(balances(1 << 20, 1));
+  }
+  PinMethod ring(KVMethod::kRing);
+  EXPECT_TRUE(balances(3, 2));
+  EXPECT_FALSE(balances(3, 1));
+  PinBalance off(false);
+  EXPECT_FALSE(balances(1 << 20, 2));
+}
+
 // The fused kernel's own dropout would draw per rank: a direct call with dropout raises on
 // every rank, whatever the layout (scaled_dot_product_attention keeps the composite path).
 TEST(ContextParallel, FusedKernelDropoutRaises) {
