@@ -4,13 +4,12 @@
 // of the local op. For the hottest ops (elementwise arithmetic, the optimizer's in-place
 // updates, mm, view, detach, sum) a typed kernel at our key goes first. It remembers, per
 // thread, calls that needed nothing but the op on the local shards: no redistribution, no
-// kernel, no implicit conversion, one result. Such a call is keyed by the op, the *identity*
-// of each input spec (specs are shared between results of one decision, so a training loop
-// meets the same objects every step; entries own them, so an address is never reused while
-// cached) and the non-tensor arguments that can change the result's layout or dtype. A hit
-// calls the typed local op and wraps its result with the remembered spec; anything else
-// boxes the arguments and runs the fallback, which reports whether the call may be
-// replayed.
+// kernel, no implicit conversion, one result. Such a call is keyed by the op, each input
+// spec (found by its stored hash; the same object, the common case, compares by address,
+// an equal one by value) and the non-tensor arguments that can change the result's layout
+// or dtype. A hit calls the typed local op and wraps its result with the remembered spec;
+// anything else boxes the arguments and runs the fallback, which reports whether the call
+// may be replayed.
 #include <array>
 #include <type_traits>
 
@@ -99,9 +98,12 @@ struct Entry {
 constexpr size_t kSlots = 256;
 thread_local std::array<Entry, kSlots> t_entries;
 
+// Slots are chosen by the specs' values (their stored hash), not their addresses: the
+// parameters of one shape each have their own spec object, and an optimizer step over many
+// of them would otherwise need an entry per parameter and op, and evict its own entries.
 size_t slot_of(const void* op, const Probe& p) {
   uint64_t h = detail::hash_mix(0, reinterpret_cast<uint64_t>(op));
-  for (const auto* s : p.specs) h = detail::hash_mix(h, reinterpret_cast<uint64_t>(s->get()));
+  for (const auto* s : p.specs) h = detail::hash_mix(h, (*s)->hash());
   for (int64_t x : p.extras) h = detail::hash_mix(h, static_cast<uint64_t>(x));
   return h % kSlots;
 }
@@ -109,8 +111,11 @@ size_t slot_of(const void* op, const Probe& p) {
 const Entry* lookup(const void* op, const Probe& p, size_t slot) {
   const Entry& e = t_entries[slot];
   if (e.op != op || e.specs.size() != p.specs.size() || e.extras != p.extras) return nullptr;
-  for (size_t i = 0; i < p.specs.size(); ++i)
-    if (e.specs[i].get() != p.specs[i]->get()) return nullptr;
+  for (size_t i = 0; i < p.specs.size(); ++i) {
+    const DTensorSpec* mine = e.specs[i].get();
+    const DTensorSpec* theirs = p.specs[i]->get();
+    if (mine != theirs && !(*mine == *theirs)) return nullptr;
+  }
   return &e;
 }
 
@@ -130,6 +135,18 @@ void remember(const void* op, const Probe& p, size_t slot, const detail::Fallbac
   for (const auto* s : p.specs) e.specs.push_back(*s);
   e.extras = p.extras;
   e.output = r.output;
+}
+
+// A view of a contiguous shard (view_of_contiguous_shard makes it so) with `sizes` of its
+// numel, built as ATen's view builds its result (an alias of the storage, the new sizes,
+// contiguous strides) without a second dispatch or a stride search: for the shard, below
+// autograd (the wrapper is the view autograd tracks), that is all view does.
+at::Tensor contiguous_view(const at::Tensor& local, c10::SymIntArrayRef sizes) {
+  auto impl = c10::make_intrusive<c10::TensorImpl>(
+      c10::TensorImpl::VIEW, c10::Storage(local.storage()), local.key_set(), local.dtype());
+  impl->set_storage_offset(local.storage_offset());
+  impl->set_sizes_contiguous(c10::asIntArrayRefUnchecked(sizes));
+  return at::Tensor(std::move(impl));
 }
 
 template <class Op, class Sig = typename Op::schema>
@@ -180,7 +197,16 @@ struct FastKernel<Op, Ret(Args...)> {
   // The local op: shards for distributed tensors, the remembered local sizes for a SymInt[].
   template <size_t... I>
   static Ret call_local(const Entry& e, std::index_sequence<I...>, Args... args) {
-    return Op::call(local_at<I>(e, std::forward<Args>(args))...);
+    if constexpr (std::is_same_v<Op, at::_ops::view>) {
+      return view_local(e, args...);
+    } else {
+      return Op::call(local_at<I>(e, std::forward<Args>(args))...);
+    }
+  }
+  static at::Tensor view_local(const Entry& e, const at::Tensor& self, c10::SymIntArrayRef size) {
+    const at::Tensor& local = local_arg(self);
+    TORCH_INTERNAL_ASSERT_DEBUG_ONLY(local.is_contiguous());
+    return contiguous_view(local, local_at<1>(e, size));
   }
   template <size_t I, class A>
   static decltype(auto) local_at(const Entry& e, A&& a) {
