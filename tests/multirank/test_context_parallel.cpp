@@ -227,6 +227,57 @@ at::Tensor seq_sharded(const DeviceMesh& mesh, const ShardTable& rows, uint64_t 
       .requires_grad_();
 }
 
+// The natural ring's bytes on 2, 3 and 5 ranks (uneven and empty shards), causal and not,
+// against the blocks each rank's queries see: `q_heads` query heads on `kv_heads` K/V heads
+// (grouped-query attention when fewer; the bytes are the K/V heads').
+void expect_ring_bytes(int64_t q_heads, int64_t kv_heads) {
+  PinMethod pin(KVMethod::kRing);
+  PinBalance natural(false);  // (the balanced ring also deals the chunks out and back)
+  for (bool causal : {false, true}) {
+    for (const ShardTable& rows : std::vector<ShardTable>{{4, 3}, {3, 0, 4}, {2, 1, 3, 2, 1}}) {
+      const int world = static_cast<int>(rows.size());
+      const int64_t row_bytes = 2 * kv_heads * 4 * 8;  // B x K/V heads x E doubles per row
+      std::vector<int64_t> offset(world + 1, 0);
+      for (int r = 0; r < world; ++r) offset[r + 1] = offset[r] + rows[r];
+      // Whether rank m's queries see a key of rank j's block.
+      const auto sees = [&](int m, int j) {
+        if (rows[m] == 0 || rows[j] == 0) return false;
+        return !causal || offset[m + 1] - 1 >= offset[j];
+      };
+      tessera::testing::run_ranks(world, [&](int rank) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {world});
+        auto q = seq_sharded(mesh, rows, 61, q_heads), k = seq_sharded(mesh, rows, 62, kv_heads);
+        auto v = seq_sharded(mesh, rows, 63, kv_heads);
+        int64_t blocks = 0, seen_by = 0;
+        for (int j = 0; j < world; ++j)
+          if (j != rank && sees(rank, j)) blocks += rows[j];
+        for (int m = 0; m < world; ++m)
+          if (m != rank && sees(m, rank)) ++seen_by;
+        const std::string desc = std::to_string(world) + " ranks, rank " + std::to_string(rank) +
+                                 (causal ? ", causal" : "");
+        at::Tensor out;
+        {
+          CommDebugMode comm;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+          out = at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, causal, c10::nullopt,
+                                                 /*enable_gqa=*/q_heads != kv_heads);
+#else
+          out = at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, causal);
+#endif
+          EXPECT_EQ(comm.total_bytes_received(), 2 * blocks * row_bytes)
+              << desc << ": forward " << comm.to_json();
+        }
+        CommDebugMode comm;
+        out.backward(at::ones_like(out));
+        EXPECT_EQ(comm.total_bytes_received(), 2 * (blocks + seen_by * rows[rank]) * row_bytes)
+            << desc << ": backward " << comm.to_json();
+        EXPECT_EQ(k.grad().sizes(), k.sizes()) << desc;
+      });
+    }
+  }
+}
+
 // Bytes: the forward gathers K and V along the sequence and nothing else moves (queries stay);
 // each rank receives at least the rows it lacks, (S - s_r) of K and of V, and at most the
 // padded all-gather's (P - 1) x max(s) rows. The backward moves only dK and dV home, within
@@ -450,50 +501,11 @@ TEST(ContextParallel, GroupedQueryHeadsMatchOneDevice) {
 }
 
 // Grouped-query heads on the ring: K and V travel with their own heads, not repeated for the
-// query's, so each rank receives exactly the K/V blocks its queries see at the K/V heads'
-// bytes (and backward their dK / dV likewise): 1/4 of what repeated heads would move here.
+// query's: the same blocks as above at the K/V heads' bytes (1/4 of what repeated heads would
+// move here), forward and backward.
 TEST(ContextParallel, GroupedQueryRingMovesOnlyTheKVHeads) {
   if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
-  PinMethod pin(KVMethod::kRing);
-  PinBalance natural(false);
-  for (bool causal : {false, true}) {
-    for (const ShardTable& rows : std::vector<ShardTable>{{4, 3}, {3, 0, 4}, {2, 1, 3, 2, 1}}) {
-      const int world = static_cast<int>(rows.size());
-      const int64_t row_bytes = 2 * 1 * 4 * 8;  // B x (one K/V head) x E doubles per row
-      std::vector<int64_t> offset(world + 1, 0);
-      for (int r = 0; r < world; ++r) offset[r + 1] = offset[r] + rows[r];
-      const auto sees = [&](int m, int j) {
-        if (rows[m] == 0 || rows[j] == 0) return false;
-        return !causal || offset[m + 1] - 1 >= offset[j];
-      };
-      tessera::testing::run_ranks(world, [&](int rank) {
-        at::set_num_threads(1);
-        auto mesh = init_device_mesh("cpu", {world});
-        auto q = seq_sharded(mesh, rows, 64, 4), k = seq_sharded(mesh, rows, 65, 1);
-        auto v = seq_sharded(mesh, rows, 66, 1);
-        int64_t blocks = 0, seen_by = 0;
-        for (int j = 0; j < world; ++j)
-          if (j != rank && sees(rank, j)) blocks += rows[j];
-        for (int m = 0; m < world; ++m)
-          if (m != rank && sees(m, rank)) ++seen_by;
-        const std::string desc = std::to_string(world) + " ranks, rank " + std::to_string(rank) +
-                                 (causal ? ", causal" : "");
-        at::Tensor out;
-        {
-          CommDebugMode comm;
-          out = at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, causal, c10::nullopt,
-                                                 /*enable_gqa=*/true);
-          EXPECT_EQ(comm.total_bytes_received(), 2 * blocks * row_bytes)
-              << desc << ": forward " << comm.to_json();
-        }
-        CommDebugMode comm;
-        out.backward(at::ones_like(out));
-        EXPECT_EQ(comm.total_bytes_received(), 2 * (blocks + seen_by * rows[rank]) * row_bytes)
-            << desc << ": backward " << comm.to_json();
-        EXPECT_EQ(k.grad().sizes(), k.sizes()) << desc;
-      });
-    }
-  }
+  expect_ring_bytes(4, 1);
 }
 #endif
 
@@ -538,45 +550,7 @@ TEST(ContextParallel, CrossAttentionLengths) {
 // blocks again, plus its own block's dK and dV from every rank that saw it.
 TEST(ContextParallel, RingBytesAreTheBlocksSeen) {
   if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
-  PinMethod pin(KVMethod::kRing);
-  PinBalance natural(false);  // (the balanced ring also deals the chunks out and back)
-  for (bool causal : {false, true}) {
-    for (const ShardTable& rows : std::vector<ShardTable>{{4, 3}, {3, 0, 4}, {2, 1, 3, 2, 1}}) {
-      const int world = static_cast<int>(rows.size());
-      const int64_t row_bytes = 2 * 3 * 4 * 8;  // B x H x E doubles per sequence row
-      std::vector<int64_t> offset(world + 1, 0);
-      for (int r = 0; r < world; ++r) offset[r + 1] = offset[r] + rows[r];
-      // Whether rank m's queries see a key of rank j's block.
-      const auto sees = [&](int m, int j) {
-        if (rows[m] == 0 || rows[j] == 0) return false;
-        return !causal || offset[m + 1] - 1 >= offset[j];
-      };
-      tessera::testing::run_ranks(world, [&](int rank) {
-        at::set_num_threads(1);
-        auto mesh = init_device_mesh("cpu", {world});
-        auto q = seq_sharded(mesh, rows, 61), k = seq_sharded(mesh, rows, 62);
-        auto v = seq_sharded(mesh, rows, 63);
-        int64_t blocks = 0, seen_by = 0;
-        for (int j = 0; j < world; ++j)
-          if (j != rank && sees(rank, j)) blocks += rows[j];
-        for (int m = 0; m < world; ++m)
-          if (m != rank && sees(m, rank)) ++seen_by;
-        const std::string desc = std::to_string(world) + " ranks, rank " + std::to_string(rank) +
-                                 (causal ? ", causal" : "");
-        at::Tensor out;
-        {
-          CommDebugMode comm;
-          out = at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, causal);
-          EXPECT_EQ(comm.total_bytes_received(), 2 * blocks * row_bytes)
-              << desc << ": forward " << comm.to_json();
-        }
-        CommDebugMode comm;
-        out.backward(at::ones_like(out));
-        EXPECT_EQ(comm.total_bytes_received(), 2 * (blocks + seen_by * rows[rank]) * row_bytes)
-            << desc << ": backward " << comm.to_json();
-      });
-    }
-  }
+  expect_ring_bytes(3, 3);
 }
 
 // The automatic choice: the all-gather for small K/V, the ring once the gathered K and V pass
