@@ -8,6 +8,7 @@
 #include <limits>
 #include <numeric>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -29,14 +30,21 @@ constexpr int64_t kRingFromBytes = int64_t{16} << 20;
 constexpr int64_t kBalanceFromRows = 2048;
 constexpr int kTagK = 0x3c0, kTagV = 0x3c1, kTagDK = 0x3c2, kTagDV = 0x3c3;
 
-KVMethod method_from_env() {
-  const char* v = std::getenv("TESSERA_CP_METHOD");
-  if (v == nullptr || *v == '\0' || std::strcmp(v, "auto") == 0) return KVMethod::kAuto;
-  if (std::strcmp(v, "ring") == 0) return KVMethod::kRing;
-  if (std::strcmp(v, "allgather") == 0) return KVMethod::kAllGather;
-  TORCH_CHECK(false, "tessera: attention: TESSERA_CP_METHOD=", v,
-              " is not one of auto, ring, allgather; unset it or give one of those");
+// The position of environment variable `name`'s value `v` among `words`; `fallback` when
+// unset or empty. Anything else raises, naming the variable, its value and the choices.
+int env_choice(const char* name, const char* v, const std::vector<const char*>& words,
+               int fallback) {
+  if (v == nullptr || *v == '\0') return fallback;
+  std::string choices;
+  for (size_t i = 0; i < words.size(); ++i) {
+    if (std::strcmp(v, words[i]) == 0) return static_cast<int>(i);
+    choices += (i ? ", " : "") + std::string(words[i]);
+  }
+  TORCH_CHECK(false, "tessera: attention: ", name, "=", v, " is not one of ", choices,
+              "; unset it or give one of those");
 }
+
+KVMethod method_from_env() { return method_from(std::getenv("TESSERA_CP_METHOD")); }
 
 std::atomic<int>& method() {
   static std::atomic<int> m{static_cast<int>(method_from_env())};
@@ -451,10 +459,7 @@ struct HeadTail {
 };
 
 std::atomic<bool>& load_balance() {
-  static std::atomic<bool> on{[] {
-    const char* v = std::getenv("TESSERA_CP_LOAD_BALANCE");
-    return v == nullptr || *v == '\0' || std::strcmp(v, "0") != 0;
-  }()};
+  static std::atomic<bool> on{load_balance_from(std::getenv("TESSERA_CP_LOAD_BALANCE"))};
   return on;
 }
 
@@ -510,7 +515,8 @@ struct BalancedRing {
   HeadTail ht;
   std::vector<int64_t> offsets;
 
-  BalancedRing(const SeqSplit& s) : ht(s.kv_total(), static_cast<int64_t>(s.q_sizes.size())) {
+  explicit BalancedRing(const SeqSplit& s)
+      : ht(s.kv_total(), static_cast<int64_t>(s.q_sizes.size())) {
     offsets.assign(ht.sizes.size() + 1, 0);
     for (size_t m = 0; m < ht.sizes.size(); ++m) offsets[m + 1] = offsets[m] + ht.sizes[m];
   }
@@ -629,6 +635,18 @@ bool balances(int64_t length, int64_t members) {
   if (members < 2 || !load_balance().load(std::memory_order_relaxed)) return false;
   const auto m = static_cast<KVMethod>(method().load(std::memory_order_relaxed));
   return m != KVMethod::kAuto || length >= kBalanceFromRows * members;
+}
+
+KVMethod method_from(const char* value) {
+  static const std::vector<KVMethod> methods = {KVMethod::kAuto, KVMethod::kRing,
+                                                KVMethod::kAllGather};
+  return methods[env_choice("TESSERA_CP_METHOD", value, {"auto", "ring", "allgather"}, 0)];
+}
+
+bool load_balance_from(const char* value) {
+  const int i =
+      env_choice("TESSERA_CP_LOAD_BALANCE", value, {"0", "1", "off", "on", "false", "true"}, 1);
+  return i % 2 == 1;
 }
 
 int64_t scores_this_thread() { return scored(); }

@@ -45,6 +45,12 @@ KVMethod kv_method_for(int64_t gathered_kv_bytes, int64_t members);
 // balance saves; a forced `kRing` balances at any size).
 bool balances(int64_t length, int64_t members);
 
+// The start values read from TESSERA_CP_METHOD (auto, ring, allgather; unset: auto) and
+// TESSERA_CP_LOAD_BALANCE (0 / off / false, 1 / on / true; unset: on). Any other value
+// raises, naming the variable and the choices.
+KVMethod method_from(const char* value);
+bool load_balance_from(const char* value);
+
 // Query-key pairs the ring's forward calls on this thread have scored so far (a rank's share
 // of the causal work; tests compare ranks with it).
 int64_t scores_this_thread();

@@ -564,6 +564,32 @@ TEST(ContextParallel, ExchangeChoice) {
   EXPECT_EQ(ops::attention::kv_method_for(1, 4), KVMethod::kRing);
 }
 
+// The environment's start values: the words each switch takes; anything else is an error
+// naming the variable (not silently the default: TESSERA_CP_LOAD_BALANCE=off turns it off).
+TEST(ContextParallel, EnvironmentSwitches) {
+  using ops::attention::load_balance_from;
+  using ops::attention::method_from;
+  EXPECT_TRUE(load_balance_from(nullptr));
+  EXPECT_TRUE(load_balance_from(""));
+  for (const char* off : {"0", "off", "false"}) EXPECT_FALSE(load_balance_from(off)) << off;
+  for (const char* on : {"1", "on", "true"}) EXPECT_TRUE(load_balance_from(on)) << on;
+  EXPECT_EQ(method_from(nullptr), KVMethod::kAuto);
+  EXPECT_EQ(method_from("auto"), KVMethod::kAuto);
+  EXPECT_EQ(method_from("ring"), KVMethod::kRing);
+  EXPECT_EQ(method_from("allgather"), KVMethod::kAllGather);
+  const auto raises = [](const std::function<void()>& f, const std::string& name) {
+    try {
+      f();
+      ADD_FAILURE() << "no error for a bad " << name;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    }
+  };
+  for (const char* bad : {"no", "2", "On"})
+    raises([&] { load_balance_from(bad); }, "TESSERA_CP_LOAD_BALANCE");
+  for (const char* bad : {"gather", "Ring"}) raises([&] { method_from(bad); }, "TESSERA_CP_METHOD");
+}
+
 // The head-tail dealing of a causal ring: under kAuto from 2,048 rows per rank, where it pays;
 // a forced ring deals at any size; never on one rank or with the switch off.
 TEST(ContextParallel, BalanceChoice) {
