@@ -333,14 +333,8 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (q.device().is_cpu() && fits && mask_fits && kc.arg<double>("dropout_p") == 0.0) {
     if (grouped && !(is_dtensor(q) && groups_split_with(dtensor_impl(q)->spec(), k.size(1)))) {
       const int64_t groups = q.size(1) / k.size(1);
-      const auto repeat = [groups](const at::Tensor& t) {
-        auto sizes = t.sizes().vec();
-        return t.unsqueeze(2)
-            .expand({sizes[0], sizes[1], groups, sizes[2], sizes[3]})
-            .reshape({sizes[0], sizes[1] * groups, sizes[2], sizes[3]});
-      };
-      k = repeat(k);
-      v = repeat(v);
+      k = attention::repeat_heads(k, groups);
+      v = attention::repeat_heads(v, groups);
     }
     static const auto fused =
         c10::Dispatcher::singleton()

@@ -67,14 +67,6 @@ int64_t groups_of(const at::Tensor& q, const at::Tensor& k) {
   return k.size(1) == q.size(1) || k.size(1) == 0 ? 1 : q.size(1) / k.size(1);
 }
 
-at::Tensor repeat_heads(const at::Tensor& t, int64_t groups) {
-  if (groups == 1) return t;
-  const auto s = t.sizes();
-  return t.unsqueeze(2)
-      .expand({s[0], s[1], groups, s[2], s[3]})
-      .reshape({s[0], s[1] * groups, s[2], s[3]});
-}
-
 at::Tensor sum_groups(const at::Tensor& t, int64_t groups) {
   if (groups == 1) return t;
   const auto s = t.sizes();
@@ -635,6 +627,14 @@ bool balances(int64_t length, int64_t members) {
   if (members < 2 || !load_balance().load(std::memory_order_relaxed)) return false;
   const auto m = static_cast<KVMethod>(method().load(std::memory_order_relaxed));
   return m != KVMethod::kAuto || length >= kBalanceFromRows * members;
+}
+
+at::Tensor repeat_heads(const at::Tensor& t, int64_t groups) {
+  if (groups == 1) return t;
+  const auto s = t.sizes();
+  return t.unsqueeze(2)
+      .expand({s[0], s[1], groups, s[2], s[3]})
+      .reshape({s[0], s[1] * groups, s[2], s[3]});
 }
 
 KVMethod method_from(const char* value) {

@@ -76,6 +76,10 @@ struct Args {
   c10::optional<double> scale;
 };
 
+// [B, H, L, E] with each head repeated `groups` times in a row (head h of the result is
+// head h / groups of t), as LibTorch's repeat_interleave over heads; t itself when groups is 1.
+at::Tensor repeat_heads(const at::Tensor& t, int64_t groups);
+
 // The fused pair on these local tensors as they are (is_causal top-left on them).
 std::tuple<at::Tensor, at::Tensor> forward(const Args& a);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const Args& a, const at::Tensor& grad_out,
