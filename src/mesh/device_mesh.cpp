@@ -242,7 +242,7 @@ DeviceMesh DeviceMesh::sub(const std::vector<int64_t>& dims) const {
     std::string tag = m.tag + "/sub";
     for (auto d : dims) {
       s->shape.push_back(m.shape[d]);
-      s->names.push_back(m.names[d]);
+      if (!m.names.empty()) s->names.push_back(m.names[d]);  // (an unnamed mesh's stay so)
       s->coord.push_back(m.coord[d]);
       s->groups.push_back(m.groups[d]);
       s->group_ranks.push_back(m.group_ranks[d]);

@@ -181,6 +181,11 @@ TEST(MeshSlice, PermutedMeshReordersDimsAndNesting) {
     EXPECT_TRUE(at::equal(full_tensor(d), full));
     const auto back = redistribute(d, {Shard(0), Replicate()});  // gather over dp only
     EXPECT_TRUE(at::equal(to_local(back), full.narrow(0, tp_off[tp], tp_rows[tp])));
+    // A mesh without dim names permutes too, and stays unnamed.
+    auto unnamed = init_device_mesh("cpu", {2, 3}).permute({1, 0});
+    EXPECT_EQ(unnamed.shape(), (Shape{3, 2}));
+    EXPECT_TRUE(unnamed.dim_names().empty());
+    EXPECT_EQ(unnamed.ranks(), (Ranks{0, 3, 1, 4, 2, 5}));
     expect_error([&] { mesh.permute({0, 0}); }, "every mesh dim exactly once");
     expect_error([&] { mesh.permute({1}); }, "every mesh dim exactly once");
   });
