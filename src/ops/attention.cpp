@@ -4,9 +4,9 @@
 //  - all-gather: K and V gathered whole in the plan; their gradients come back Partial(sum)
 //    over the mesh dims that split the sequence (the autograd engine's redistribute
 //    reduce-scatters them);
-//  - ring (sequence split along one mesh dim, or along every dim of the mesh): K and V keep
-//    that sequence split and the ring kernels bring their blocks over; dK / dV come back in
-//    that layout.
+//  - ring (sequence split along any mesh dims: one ring over their members per slice of the
+//    others): K and V keep that sequence split and the ring kernels bring their blocks over;
+//    dK / dV come back in that layout.
 //
 // Ops: LibTorch 2.x's fused CPU kernel pair
 //   _scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal, *,
@@ -20,12 +20,15 @@
 // block (attention::causal_forward); a given mask is split with the query's rows (and batch
 // and heads where it has them).
 #include <limits>
+#include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include "attention_ring.h"
+#include "tessera/comm/collectives.h"
 #include "tessera/tensor/dtensor_impl.h"
 #include "tessera/tensor/rule.h"
 
@@ -116,15 +119,22 @@ SpecPtr mask_layout(const DTensorSpec& mask, const DTensorSpec& q) {
   return std::make_shared<DTensorSpec>(mask.mesh(), p, mask.sizes(), mask.dtype(), tables);
 }
 
+// Whether the members along `dims` have one group a ring can run on: a mesh dim's own, the
+// mesh's, or that of the slice of the mesh over those dims, which is reached by their names
+// (a mesh without dim names gathers K and V instead).
+bool has_ring_group(const DeviceMesh& mesh, const std::vector<int64_t>& dims) {
+  return dims.size() == 1 || static_cast<int64_t>(dims.size()) == mesh.ndim() ||
+         !mesh.dim_names().empty();
+}
+
 // The mesh dims whose ring brings K/V over (NOTE: [Ring attention]), when the method for
-// this size is the ring: the one mesh dim that shards the query's sequence, or every dim of
-// the mesh when they all do (their members, row-major, are the mesh's own group, in the
-// order of the nested shard table: a sequence split over a whole 2-D mesh is one ring).
+// this size is the ring: those that shard the query's sequence. Their members, row-major
+// over those dims, are the order of the nested shard table (a sequence split over a 2-D
+// field's mesh is one ring; beside a data-parallel dim, one ring per slice of it).
 // Empty: the all-gather.
 std::vector<int64_t> ring_dims(const DTensorSpec& q, const DTensorSpec& k, const DTensorSpec& v) {
   const auto dims = q.mesh_dims_sharding(kSeq);
-  if (dims.empty() || (dims.size() > 1 && static_cast<int64_t>(dims.size()) != q.mesh().ndim()))
-    return {};
+  if (dims.empty() || !has_ring_group(q.mesh(), dims)) return {};
   // What one rank would gather: the whole sequence of its batch and heads.
   const auto local = q.local_sizes();
   const int64_t bytes = k.sizes()[kSeq] * local[0] * (local[1] / groups(q, k)) *
@@ -234,8 +244,23 @@ LocalKernel local_kernel(const DTensorSpec& q, bool sharded_seq) {
   };
 }
 
+// The group of the ring along `dims` (has_ring_group): the mesh dim's, the mesh's, or the
+// slice's over those dims, whose ranks are row-major over them as the shard table's members
+// (`me` checks it).
+compat::BackendPtr ring_group(const DeviceMesh& mesh, const std::vector<int64_t>& dims,
+                              int64_t me) {
+  if (dims.size() == 1) return mesh.group(dims[0]);
+  if (static_cast<int64_t>(dims.size()) == mesh.ndim()) return mesh.mesh_group();
+  std::vector<std::string> names;
+  for (int64_t d : dims) names.push_back(mesh.dim_names().at(d));
+  auto pg = mesh[names].mesh_group();
+  TORCH_INTERNAL_ASSERT(comm::group_rank(pg) == me, "ring member ", me, " is rank ",
+                        comm::group_rank(pg), " of its slice's group");
+  return pg;
+}
+
 // The ring kernels (attention_ring.h) on this call's local tensors, over the group of the
-// ring's mesh dim, or the mesh's own group when the ring spans every dim.
+// ring's mesh dims (ring_group).
 DistributedKernel ring_kernel(const Layout& l, bool backward) {
   const std::vector<int64_t> dims = l.ring;
   const bool one = dims.size() == 1;
@@ -253,7 +278,7 @@ DistributedKernel ring_kernel(const Layout& l, bool backward) {
     if (kc.has("attn_mask") && !kc.arg("attn_mask").isNone()) a.mask = kc.tensor("attn_mask");
     a.causal = kc.arg<bool>("is_causal");
     a.scale = kc.arg("scale").toOptional<double>();
-    const auto pg = one ? mesh.group(dims[0]) : mesh.mesh_group();
+    const auto pg = ring_group(mesh, dims, me);
     if (!backward) {
       auto r = attention::ring_forward(pg, split, a);
       kc.finish({std::get<0>(r), std::get<1>(r)});

@@ -84,11 +84,13 @@ TEST(ContextParallel, SequenceShardedAttentionMatchesOneDevice) {
   });
 }
 
-// One case: q, k, v [2, 3, 7, 4] laid out with `placements` / `tables` on `shape`, `mask`
-// (undefined: none) given whole to every rank, against one device.
+// One case: q, k, v [2, 3, 7, 4] laid out with `placements` / `tables` on `shape` (dims
+// named `names`, or unnamed), `mask` (undefined: none) given whole to every rank, against one
+// device.
 void expect_one_device_with(const std::vector<int64_t>& shape, const Placements& placements,
                             const std::vector<ShardTable>& tables, bool causal,
-                            const at::Tensor& mask, const std::string& desc) {
+                            const at::Tensor& mask, const std::string& desc,
+                            const std::vector<std::string>& names = {}) {
   const test::Tolerance tol{1e-10, 1e-11};
   auto q = test::randn({2, 3, 7, 4}, 11, at::kDouble).requires_grad_();
   auto k = test::randn({2, 3, 7, 4}, 12, at::kDouble).requires_grad_();
@@ -100,7 +102,7 @@ void expect_one_device_with(const std::vector<int64_t>& shape, const Placements&
   expected.backward(g);
   tessera::testing::run_ranks(test::mesh_world(shape), [&](int) {
     at::set_num_threads(1);
-    auto mesh = init_device_mesh("cpu", shape);
+    auto mesh = init_device_mesh("cpu", shape, names);
     auto lay = [&](const at::Tensor& t) {
       return test::make_dtensor_from_full(t.detach(), mesh, placements, tables).requires_grad_();
     };
@@ -118,8 +120,9 @@ void expect_one_device_with(const std::vector<int64_t>& shape, const Placements&
 // The same under each K/V exchange.
 void expect_one_device(const std::vector<int64_t>& shape, const Placements& placements,
                        const std::vector<ShardTable>& tables, bool causal, const at::Tensor& mask,
-                       const std::string& desc) {
-  each_method([&] { expect_one_device_with(shape, placements, tables, causal, mask, desc); });
+                       const std::string& desc, const std::vector<std::string>& names = {}) {
+  each_method(
+      [&] { expect_one_device_with(shape, placements, tables, causal, mask, desc, names); });
 }
 
 TEST(ContextParallel, BatchAndSequenceOnATwoByTwoMesh) {
@@ -160,7 +163,63 @@ TEST(ContextParallel, SequenceOverAWholeMeshIsOneRing) {
       out = at::scaled_dot_product_attention(q, q, q);
       const auto counts = comm.get_comm_counts();
       EXPECT_EQ(counts.count("all_gather"), 0u) << "rank " << rank << ": " << comm.to_json();
-      if (rank != 2) EXPECT_GT(counts.at("send_recv"), 0) << "rank " << rank;
+      if (rank != 2) {
+        EXPECT_GT(counts.at("send_recv"), 0) << "rank " << rank;
+      }
+    }
+    EXPECT_EQ(spec(out), spec(q));
+    CommDebugMode comm;
+    out.backward(at::ones_like(out));
+    EXPECT_EQ(comm.get_comm_counts().count("all_gather"), 0u) << "rank " << rank << ": backward";
+  });
+}
+
+// The sequence split over some of a mesh's dims (two of three; the third splits the batch or
+// the heads): one ring per slice of the others, over the slice's members in the table's
+// order. Equal to one device under both exchanges, causal (balanced and not) and not, with a
+// mask; under the ring K/V go point to point only. A mesh without dim names has no way to its
+// slices' groups and gathers K and V (still equal to one device).
+TEST(ContextParallel, SequenceOverSomeMeshDimsIsARingPerSlice) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  const std::vector<int64_t> cube = {2, 2, 2};
+  const std::vector<std::string> names = {"a", "b", "c"};
+  const Placements batch_seq = {Shard(0), Shard(2), Shard(2)};
+  const Placements seq_heads_seq = {Shard(2), Shard(1), Shard(2)};
+  const auto mask = test::randn({7, 7}, 17, at::kDouble);
+  for (bool causal : {false, true}) {
+    const std::string c = causal ? ", causal" : "";
+    expect_one_device(cube, batch_seq, {{1, 1}, {}, {2, 0, 3, 2}}, causal, {},
+                      "batch over a, sequence over b c" + c, names);
+    expect_one_device(cube, seq_heads_seq, {{}, {2, 1}, {1, 3, 3, 0}}, causal, {},
+                      "sequence over a c, heads over b" + c, names);
+    {
+      PinBalance balance(false);
+      expect_one_device(cube, batch_seq, {{2, 0}, {}, {1, 3, 3, 0}}, causal, {},
+                        "batch 2+0, sequence over b c, natural" + c, names);
+    }
+    expect_one_device(cube, batch_seq, {{1, 1}, {}, {2, 0, 3, 2}}, causal, {},
+                      "unnamed mesh (gathers)" + c);
+  }
+  expect_one_device(cube, batch_seq, {{1, 1}, {}, {3, 1, 0, 3}}, false, mask, "mask", names);
+
+  // Under the ring: no all-gather in forward or backward, and every rank with queries and a
+  // peer holding keys receives blocks.
+  PinMethod ring(KVMethod::kRing);
+  auto x = test::randn({2, 3, 7, 4}, 18, at::kDouble);
+  tessera::testing::run_ranks(8, [&](int rank) {
+    at::set_num_threads(1);
+    auto mesh = init_device_mesh("cpu", cube, names);
+    auto q = test::make_dtensor_from_full(x, mesh, batch_seq, {{1, 1}, {}, {2, 2, 0, 3}})
+                 .requires_grad_();
+    at::Tensor out;
+    {
+      CommDebugMode comm;
+      out = at::scaled_dot_product_attention(q, q, q);
+      const auto counts = comm.get_comm_counts();
+      EXPECT_EQ(counts.count("all_gather"), 0u) << "rank " << rank << ": " << comm.to_json();
+      if (rank % 4 != 2) {
+        EXPECT_GT(counts.at("send_recv"), 0) << "rank " << rank;
+      }
     }
     EXPECT_EQ(spec(out), spec(q));
     CommDebugMode comm;
