@@ -12,7 +12,8 @@
 // then the root) keeps 1/N of every tensor-parallel shard per rank, gathered for use; each
 // sequence is split over "cp" (context parallelism: the attention is
 // scaled_dot_product_attention, whose K/V blocks go round a ring on LibTorch 2.x), with the
-// parameters replicated over "cp" (replicate() sums their gradients).
+// parameters replicated over "cp" (replicate() sums their gradients). Sequence parallelism
+// composes with it: between the blocks each rank's positions are split again over "tp".
 //
 //   tessera-run -n 4 ./build/examples/tp_transformer [--steps 40] [--no-sequence-parallel]
 //   tessera-run -n 4 ./build/examples/tp_transformer --dp 2
@@ -106,8 +107,8 @@ int run(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--cp", cp,
-                 "context-parallel size: each sequence split over it (sequence parallelism "
-                 "between the blocks is then off)")
+                 "context-parallel size: each sequence split over it (with sequence "
+                 "parallelism, split over \"tp\" too between the blocks)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   std::string cp_method = "ring";
@@ -134,8 +135,6 @@ int run(int argc, char** argv) {
   }
   const int64_t tp = world / (dp * cp);
   auto mesh = init_device_mesh("cpu", {dp, cp, tp}, {"dp", "cp", "tp"});
-  // Sequence parallelism would split the sequence over "tp" as well; with "cp" it stays off.
-  if (cp > 1) no_sp = true;
   // One scaled_dot_product_attention call where LibTorch has it: under a sequence split its
   // K/V blocks travel round the ring instead of being gathered.
   c.fused_attention = cp > 1 && LLAMA_HAS_SDPA;

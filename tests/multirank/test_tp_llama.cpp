@@ -383,7 +383,8 @@ TEST(TpLlama, ReplicateAndFullyShardMatchOneDevice) {
 
 // Context parallelism: the tokens split along the sequence (7 positions: uneven) over "cp",
 // the model unchanged. On a 1-D mesh of 2 and 3 ranks and on 2x2 meshes with data parallel
-// (rows over "dp") and tensor parallel (heads over "tp") beside it, with the attention as
+// (rows over "dp") and tensor parallel (heads over "tp", with and without sequence parallelism
+// splitting the positions over "tp" too between the blocks) beside it, with the attention as
 // matmul-softmax-matmul (K and V gathered by the matmul rules) and, where LibTorch has it,
 // as scaled_dot_product_attention(is_causal) under the ring and the all-gather.
 TEST(TpLlama, ContextParallelMatchesOneDevice) {
@@ -399,10 +400,10 @@ TEST(TpLlama, ContextParallelMatchesOneDevice) {
     if (fused) methods = {ContextParallelMethod::kRing, ContextParallelMethod::kAllGather};
     for (const auto method : methods) {
       const auto before = set_context_parallel_method(method);
-      const std::string form = !fused                                      ? "matmul softmax"
+      const std::string form = !fused                                   ? "matmul softmax"
                                : method == ContextParallelMethod::kRing ? "sdpa ring"
-                                                                           : "sdpa all-gather";
-      enum class Wrap { kReplicate, kFullyShard, kTensorParallel };
+                                                                        : "sdpa all-gather";
+      enum class Wrap { kReplicate, kFullyShard, kTensorParallel, kSequenceParallel };
       struct Case {
         std::vector<int64_t> shape;
         std::vector<std::string> names;
@@ -415,6 +416,7 @@ TEST(TpLlama, ContextParallelMatchesOneDevice) {
           {{3}, {"cp"}, {Shard(1)}, Wrap::kFullyShard},
           {{2, 2}, {"dp", "cp"}, {Shard(0), Shard(1)}, Wrap::kReplicate},
           {{2, 2}, {"cp", "tp"}, {Shard(1), Replicate()}, Wrap::kTensorParallel},
+          {{2, 2}, {"cp", "tp"}, {Shard(1), Replicate()}, Wrap::kSequenceParallel},
       };
       for (const Case& k : cases) {
         int world = 1;
@@ -425,7 +427,9 @@ TEST(TpLlama, ContextParallelMatchesOneDevice) {
         }
         what += k.wrap == Wrap::kReplicate    ? ", replicate"
                 : k.wrap == Wrap::kFullyShard ? ", fully_shard"
-                                              : ", tensor parallel + replicate over cp";
+                : k.wrap == Wrap::kTensorParallel
+                    ? ", tensor parallel + replicate over cp"
+                    : ", tensor + sequence parallel + replicate over cp";
         std::vector<Trained> per_rank(world);
         tessera::testing::run_ranks(
             world,
@@ -433,9 +437,12 @@ TEST(TpLlama, ContextParallelMatchesOneDevice) {
               auto mesh = init_device_mesh("cpu", k.shape, k.names);
               auto model = copy_of(ref.initial);
               std::shared_ptr<ReplicatedModule> ddp;
-              if (k.wrap == Wrap::kTensorParallel) {
+              const bool tp = k.wrap == Wrap::kTensorParallel || k.wrap == Wrap::kSequenceParallel;
+              if (tp) {
                 llama::PlanOptions o;
-                o.sequence_parallel = false;
+                // Sequence parallelism: between the blocks the positions are split over "cp"
+                // and, nested inside that, over "tp".
+                o.sequence_parallel = k.wrap == Wrap::kSequenceParallel;
                 o.local_output = false;  // activations keep their sequence split
                 o.head_dim = c.head_dim();
                 parallelize_module(model, mesh["tp"], llama::tensor_parallel_plan(o));
@@ -450,8 +457,13 @@ TEST(TpLlama, ContextParallelMatchesOneDevice) {
               per_rank[rank] = train(model, tokens, targets);
               expect_same(ref, per_rank[rank], model, what);
               // Under the ring K and V travel point to point, never gathered.
-              if (fused && method == ContextParallelMethod::kRing)
+              if (fused && method == ContextParallelMethod::kRing) {
                 EXPECT_GT(per_rank[rank].forward["send_recv"], 0) << what;
+              }
+              // Sequence parallelism ran: the blocks' outputs reduce-scattered over "tp".
+              if (k.wrap == Wrap::kSequenceParallel) {
+                EXPECT_GT(per_rank[rank].forward["reduce_scatter"], 0) << what;
+              }
             },
             {std::chrono::seconds(600)});
         record(what, per_rank[0]);
