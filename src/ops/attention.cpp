@@ -345,7 +345,8 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                        q.size(1) != k.size(1);
   // The fused kernel's own limits (LibTorch's backend choice checks the same).
   const bool fits = q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(3) == k.size(3) &&
-                    k.size(3) == v.size(3) &&
+                    k.size(3) == v.size(3) && q.scalar_type() == k.scalar_type() &&
+                    k.scalar_type() == v.scalar_type() &&
                     (grouped || (q.size(1) == k.size(1) && k.size(1) == v.size(1)));
   // The fused kernel takes an additive mask in the query's dtype; a boolean one becomes
   // that (0 where kept, -inf where not) as LibTorch's composite does; another dtype keeps
@@ -354,7 +355,10 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (mask && mask->scalar_type() == at::kBool)
     mask = at::zeros(mask->sizes(), q.options())
                .masked_fill(mask->logical_not(), -std::numeric_limits<double>::infinity());
-  const bool mask_fits = !mask || mask->scalar_type() == q.scalar_type();
+  // A mask and is_causal together: LibTorch's own input checks decide (2.x refuses the pair),
+  // so the composite path answers as one device does.
+  const bool mask_fits =
+      !mask || (mask->scalar_type() == q.scalar_type() && !kc.arg<bool>("is_causal"));
   if (q.device().is_cpu() && fits && mask_fits && kc.arg<double>("dropout_p") == 0.0) {
     if (grouped && !(is_dtensor(q) && groups_split_with(dtensor_impl(q)->spec(), k.size(1)))) {
       const int64_t groups = q.size(1) / k.size(1);

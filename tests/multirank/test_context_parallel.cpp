@@ -246,6 +246,64 @@ TEST(ContextParallel, MaskedCallsEqualOneDevice) {
   expect_one_device({2}, {Shard(2)}, {{}, {}, {2, 5}}, false, keep, "boolean mask, 2+5");
 }
 
+// Calls LibTorch's scaled_dot_product_attention refuses or treats specially on one device (a
+// mask with is_causal, mixed dtypes, query heads no multiple of the K/V heads): the sharded
+// call does what one device does, the same error on every rank or the same values.
+TEST(ContextParallel, RefusedCallsAsOneDevice) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  struct Bad {
+    std::string what;
+    at::Tensor q, k, v, mask;
+    bool causal, gqa;
+  };
+  const auto x = test::randn({2, 4, 7, 4}, 20, at::kDouble);
+  const auto mask = test::randn({7, 7}, 19, at::kDouble);
+  const std::vector<Bad> calls = {
+      {"mask with is_causal", x, x, x, mask, true, false},
+      {"float32 key", x, x.to(at::kFloat), x, {}, false, false},
+      {"4 query heads on 3 K/V heads", x, x.narrow(1, 0, 3), x.narrow(1, 0, 3), {}, false, true},
+  };
+  for (const Bad& b : calls) {
+    SCOPED_TRACE(b.what);
+    const auto mask_of = [&](const at::Tensor& m) {
+      return m.defined() ? c10::optional<at::Tensor>(m) : c10::nullopt;
+    };
+    const auto call = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+      return at::scaled_dot_product_attention(q, k, v, mask_of(b.mask), 0.0, b.causal, c10::nullopt,
+                                              b.gqa);
+    };
+    std::string refused;
+    at::Tensor expected;
+    try {
+      expected = call(b.q, b.k, b.v);
+    } catch (const c10::Error& e) {
+      refused = e.what_without_backtrace();
+    }
+    const ShardTable rows = {3, 4};
+    const auto lay = [&](const at::Tensor& t, const DeviceMesh& mesh) {
+      return test::make_dtensor_from_full(t, mesh, {Shard(2)}, {{}, {}, rows});
+    };
+    each_method([&] {
+      if (refused.empty()) {
+        tessera::testing::run_ranks(2, [&](int) {
+          at::set_num_threads(1);
+          auto mesh = init_device_mesh("cpu", {2});
+          EXPECT_TRUE(test::full_matches(call(lay(b.q, mesh), lay(b.k, mesh), lay(b.v, mesh)),
+                                         expected, {1e-6, 1e-6}));
+        });
+        return;
+      }
+      test::expect_error_everywhere(2,
+                                    [&](int) {
+                                      at::set_num_threads(1);
+                                      auto mesh = init_device_mesh("cpu", {2});
+                                      call(lay(b.q, mesh), lay(b.k, mesh), lay(b.v, mesh));
+                                    },
+                                    {refused.substr(0, refused.find('\n'))});
+    });
+  }
+}
+
 // K and V in other layouts than the query's split heads (replicated, sequence shards, batch
 // shards) are brought to the query's batch and heads split first.
 TEST(ContextParallel, KeysAndValuesFollowTheQuerysHeads) {
