@@ -356,9 +356,11 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     mask = at::zeros(mask->sizes(), q.options())
                .masked_fill(mask->logical_not(), -std::numeric_limits<double>::infinity());
   // A mask and is_causal together: LibTorch's own input checks decide (2.x refuses the pair),
-  // so the composite path answers as one device does.
-  const bool mask_fits =
-      !mask || (mask->scalar_type() == q.scalar_type() && !kc.arg<bool>("is_causal"));
+  // so the composite path answers as one device does. A mask that requires grad (a learned
+  // bias) takes the composite path too, as LibTorch's backend choice does: the fused op has
+  // no gradient for it.
+  const bool mask_fits = !mask || (mask->scalar_type() == q.scalar_type() &&
+                                   !kc.arg<bool>("is_causal") && !mask->requires_grad());
   if (q.device().is_cpu() && fits && mask_fits && kc.arg<double>("dropout_p") == 0.0) {
     if (grouped && !(is_dtensor(q) && groups_split_with(dtensor_impl(q)->spec(), k.size(1)))) {
       const int64_t groups = q.size(1) / k.size(1);

@@ -246,6 +246,41 @@ TEST(ContextParallel, MaskedCallsEqualOneDevice) {
   expect_one_device({2}, {Shard(2)}, {{}, {}, {2, 5}}, false, keep, "boolean mask, 2+5");
 }
 
+// A mask that requires grad (a learned bias, as T5's relative positions) takes LibTorch's
+// math path on one device, which gives it a gradient; the sharded call gives it the same, for
+// a mask given whole to every rank and for a replicated distributed one.
+TEST(ContextParallel, LearnedMaskGetsItsGradient) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  const test::Tolerance tol{1e-10, 1e-11};
+  auto q = test::randn({2, 3, 7, 4}, 21, at::kDouble).requires_grad_();
+  auto bias = test::randn({3, 7, 7}, 22, at::kDouble).requires_grad_();
+  auto expected = at::scaled_dot_product_attention(q, q, q, bias);
+  auto g = test::randn(expected.sizes(), 23, at::kDouble);
+  expected.backward(g);
+  ASSERT_TRUE(bias.grad().defined());
+  each_method([&] {
+    for (bool distributed : {false, true}) {
+      const std::string what = distributed ? "replicated distributed bias" : "plain bias";
+      tessera::testing::run_ranks(2, [&](int) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {2});
+        const std::vector<ShardTable> rows = {{}, {}, {4, 3}};
+        auto dq = test::make_dtensor_from_full(q.detach(), mesh, {Shard(2)}, rows).requires_grad_();
+        auto b = distributed ? distribute_tensor(bias.detach(), mesh, {Replicate()}, std::nullopt)
+                             : bias.detach().clone();
+        b.requires_grad_();
+        auto got = at::scaled_dot_product_attention(dq, dq, dq, b);
+        EXPECT_TRUE(test::full_matches(got, expected, tol)) << what << ": output";
+        got.backward(test::make_dtensor_from_full(g, mesh, {Shard(2)}, rows));
+        EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << what << ": dq";
+        ASSERT_TRUE(b.grad().defined()) << what << ": the bias has no gradient";
+        // (The plain bias's gradient arrives distributed; its global value is compared.)
+        EXPECT_TRUE(test::full_matches(b.grad(), bias.grad(), tol)) << what << ": bias gradient";
+      });
+    }
+  });
+}
+
 // Calls LibTorch's scaled_dot_product_attention refuses or treats specially on one device (a
 // mask with is_causal, mixed dtypes, query heads no multiple of the K/V heads): the sharded
 // call does what one device does, the same error on every rank or the same values.
