@@ -70,6 +70,28 @@ at::Tensor contiguous_concat(const std::vector<at::Tensor>& blocks, int64_t dim)
   return blocks[0].as_strided(shape, c10::contiguous_strides(shape));
 }
 
+// Padded blocks gathered back to back (`largest` rows each, its shard's rows first) along a
+// dim with only size-1 dims before it, moved left in their own buffer until they touch: each
+// block's new place ends before the next block's old one begins, so moving them in order
+// overwrites nothing unread. The result views the buffer (its padding's bytes stay allocated
+// at its end; callers keep that under 1/8), saving the new allocation a concatenation makes,
+// whose pages the kernel would fault in and zero (BENCHMARKS.md, "Uneven all-gathers").
+at::Tensor compact_in_place(const at::Tensor& all, const std::vector<int64_t>& sizes,
+                            int64_t largest, const std::vector<int64_t>& shape) {
+  TORCH_INTERNAL_ASSERT(all.is_contiguous());
+  const int64_t n = static_cast<int64_t>(sizes.size());
+  const int64_t row = nbytes(all) / (n * largest);
+  auto* base = static_cast<char*>(all.data_ptr());
+  int64_t at_row = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (sizes[i] > 0 && at_row != i * largest)
+      std::memmove(base + at_row * row, base + i * largest * row,
+                   static_cast<size_t>(sizes[i] * row));
+    at_row += sizes[i];
+  }
+  return all.as_strided(shape, c10::contiguous_strides(shape), all.storage_offset());
+}
+
 // The one all-to-all-v: member j gets send[j] (contiguous blocks of one dtype); returns the
 // received blocks, shaped by recv_shapes. `flat_in` may pass the already packed input.
 std::vector<at::Tensor> exchange(const Group& pg, const std::vector<at::Tensor>& send,
@@ -224,6 +246,8 @@ at::Tensor all_gather_wire(const Group& pg, const at::Tensor& x, int64_t dim,
     }
     const at::Tensor all =
         all_gather_wire(pg, padded, dim, std::vector<int64_t>(static_cast<size_t>(n), largest));
+    if (leading_dims_trivial(shape, dim) && all.is_cpu() && 8 * (n * largest - total) <= total)
+      return compact_in_place(all, sizes, largest, shape);
     std::vector<at::Tensor> blocks;
     for (int i = 0; i < n; ++i) blocks.push_back(all.narrow(dim, i * largest, sizes[i]));
     if (leading_dims_trivial(shape, dim)) return contiguous_concat(blocks, dim);

@@ -203,6 +203,49 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 // Known plans: the planner must pick the single cheapest primitive.
+// comm::all_gather of uneven shards equals their concatenation, on every path it takes
+// (comm/collectives.cpp): near-even shards padded and compacted in the gathered buffer (dim
+// 0, or a dim after size-1 ones), padded and concatenated (padding over 1/8, or a dim after
+// a larger one), and far-apart shards by all-to-all-v; 1- to 8-byte elements, empty shards.
+TEST(RedistributePlan, UnevenAllGatherIsTheConcatenation) {
+  const std::vector<std::vector<int64_t>> tables = {
+      {8, 8, 7}, {5, 4}, {9, 9, 9, 8}, {3, 2, 3}, {4, 1, 4}, {6, 0, 6, 6}, {0, 5}, {1, 0, 0}};
+  struct Layout {
+    std::vector<int64_t> shape;  // the gathered dim's size is the table's total
+    int64_t dim;
+  };
+  const std::vector<Layout> layouts = {{{0, 3}, 0}, {{1, 0, 2}, 1}, {{2, 0, 3}, 1}};
+  for (const auto& sizes : tables) {
+    const int n = static_cast<int>(sizes.size());
+    int64_t total = 0;
+    for (int64_t v : sizes) total += v;
+    for (const at::ScalarType dtype : {at::kFloat, at::kLong, at::kByte}) {
+      for (const Layout& l : layouts) {
+        auto shape = l.shape;
+        shape[l.dim] = total;
+        // Distinct values everywhere, so a block out of place shows.
+        const auto full = at::arange(c10::multiply_integers(shape), at::kLong)
+                              .remainder(251)
+                              .view(shape)
+                              .to(dtype);
+        const std::string what = std::to_string(n) + " ranks, table " +
+                                 c10::str(at::IntArrayRef(sizes)) + ", dim " +
+                                 std::to_string(l.dim) + " of " + c10::str(at::IntArrayRef(shape)) +
+                                 ", " + c10::toString(dtype);
+        tessera::testing::run_ranks(n, [&](int rank) {
+          auto mesh = init_device_mesh("cpu", {n});
+          int64_t lo = 0;
+          for (int r = 0; r < rank; ++r) lo += sizes[r];
+          const auto mine = full.narrow(l.dim, lo, sizes[rank]).contiguous();
+          const auto got = comm::all_gather(mesh.group(0), mine, l.dim, sizes);
+          EXPECT_TRUE(got.is_contiguous()) << what;
+          EXPECT_TRUE(at::equal(got, full)) << what << ", rank " << rank;
+        });
+      }
+    }
+  }
+}
+
 TEST(RedistributePlan, NamedPrimitives) {
   tessera::testing::run_ranks(4, [](int) {
     auto mesh = init_device_mesh("cpu", {2, 2});
