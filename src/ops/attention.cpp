@@ -327,10 +327,11 @@ OpPlan sdpa_backward_rule(const OpCall& call) {
 }
 
 // scaled_dot_product_attention is composite: on a distributed tensor LibTorch's backend
-// choice falls to its math path (bmm, softmax), which gathers the sequence. On CPU shards
-// it is sent to the fused op pair above instead (autograd from derivatives.yaml). Calls with
-// dropout keep the composite path: its dropout draws as one device does (the fused kernel's
-// would draw per rank).
+// choice falls to its math path (bmm, softmax), which gathers the sequence. On CPU shards,
+// and on other devices' shards of a split sequence, it is sent to the fused op pair above
+// instead (autograd from derivatives.yaml; off the CPU its kernels are matrix products per
+// block). Calls with dropout keep the composite path: its dropout draws as one device does
+// (the fused kernel's would draw per rank).
 void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   KernelCall kc(op, *stack);
   const at::Tensor q = kc.tensor("query");
@@ -361,7 +362,10 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   // no gradient for it.
   const bool mask_fits = !mask || (mask->scalar_type() == q.scalar_type() &&
                                    !kc.arg<bool>("is_causal") && !mask->requires_grad());
-  if (q.device().is_cpu() && fits && mask_fits && kc.arg<double>("dropout_p") == 0.0) {
+  // Other devices take the fused op (run by matrix products per block, NOTE: [Block kernels])
+  // where the query's sequence is sharded, which the composite path would gather.
+  const bool here = q.device().is_cpu() || (is_dtensor(q) && seq_sharded(dtensor_impl(q)->spec()));
+  if (here && fits && mask_fits && kc.arg<double>("dropout_p") == 0.0) {
     if (grouped && !(is_dtensor(q) && groups_split_with(dtensor_impl(q)->spec(), k.size(1)))) {
       const int64_t groups = q.size(1) / k.size(1);
       k = attention::repeat_heads(k, groups);

@@ -73,14 +73,27 @@ at::Tensor sum_groups(const at::Tensor& t, int64_t groups) {
   return t.reshape({s[0], s[1] / groups, groups, s[2], s[3]}).sum(2);
 }
 
+std::atomic<int>& block_kernel() {
+  static std::atomic<int> k{static_cast<int>(BlockKernel::kFusedOnCpu)};
+  return k;
+}
+
+// NOTE: [Block kernels] in attention_ring.h.
+bool by_products(const at::Tensor& q) {
+  return !q.device().is_cpu() ||
+         block_kernel().load(std::memory_order_relaxed) == static_cast<int>(BlockKernel::kProducts);
+}
+
 std::tuple<at::Tensor, at::Tensor> fused(const at::Tensor& q, const at::Tensor& k,
                                          const at::Tensor& v, const at::Tensor& mask, bool causal,
                                          c10::optional<double> scale) {
+  const int64_t g = groups_of(q, k);
+  if (by_products(q))
+    return products_forward(q, repeat_heads(k, g), repeat_heads(v, g), mask, causal, scale);
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("aten::_scaled_dot_product_flash_attention_for_cpu", "")
           .typed<ForwardFn>();
-  const int64_t g = groups_of(q, k);
   return op.call(q, repeat_heads(k, g), repeat_heads(v, g), 0.0, causal,
                  mask.defined() ? c10::optional<at::Tensor>(mask) : c10::nullopt, scale);
 }
@@ -89,11 +102,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& mask, bool causal,
     c10::optional<double> scale) {
+  const int64_t g = groups_of(q, k);
+  if (by_products(q)) {
+    auto r = products_backward(grad_out, q, repeat_heads(k, g), repeat_heads(v, g), out, lse, mask,
+                               causal, scale);
+    return {std::get<0>(r), sum_groups(std::get<1>(r), g), sum_groups(std::get<2>(r), g)};
+  }
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "")
           .typed<BackwardFn>();
-  const int64_t g = groups_of(q, k);
   auto r = op.call(grad_out, q, repeat_heads(k, g), repeat_heads(v, g), out, lse, 0.0, causal,
                    mask.defined() ? c10::optional<at::Tensor>(mask) : c10::nullopt, scale);
   return {std::get<0>(r), sum_groups(std::get<1>(r), g), sum_groups(std::get<2>(r), g)};
@@ -650,6 +668,10 @@ bool load_balance_from(const char* value) {
 }
 
 int64_t scores_this_thread() { return scored(); }
+
+BlockKernel set_block_kernel(BlockKernel kernel) {
+  return static_cast<BlockKernel>(block_kernel().exchange(static_cast<int>(kernel)));
+}
 
 int64_t SeqSplit::q_offset(int64_t m) const {
   return std::accumulate(q_sizes.begin(), q_sizes.begin() + m, int64_t{0});

@@ -80,6 +80,25 @@ struct Args {
 // head h / groups of t), as LibTorch's repeat_interleave over heads; t itself when groups is 1.
 at::Tensor repeat_heads(const at::Tensor& t, int64_t groups);
 
+// NOTE: [Block kernels]
+// Every call below computes its blocks with one of two kernels: LibTorch's fused CPU pair, or
+// matrix products (products_forward / products_backward: any device, any dtype) with the fused
+// kernel's conventions (log-sum-exp in float32, float64 for double; a row hidden from every
+// key gives out 0 and log-sum-exp 0). CPU tensors take the fused pair; other devices take the
+// products (LibTorch's fused CUDA kernels are not wired in: their signatures and log-sum-exp
+// layouts differ per version). kProducts sends CPU tensors through the products too, so the
+// tests check on CPU the path other devices take. Process-wide; returns the previous.
+enum class BlockKernel { kFusedOnCpu, kProducts };
+BlockKernel set_block_kernel(BlockKernel kernel);
+
+std::tuple<at::Tensor, at::Tensor> products_forward(const at::Tensor& q, const at::Tensor& k,
+                                                    const at::Tensor& v, const at::Tensor& mask,
+                                                    bool causal, c10::optional<double> scale);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> products_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& mask, bool causal,
+    c10::optional<double> scale);
+
 // The fused pair on these local tensors as they are (is_causal top-left on them).
 std::tuple<at::Tensor, at::Tensor> forward(const Args& a);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const Args& a, const at::Tensor& grad_out,

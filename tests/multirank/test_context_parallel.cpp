@@ -15,6 +15,7 @@
 #if TORCH_VERSION_MAJOR >= 2  // LibTorch 1.13 has no scaled_dot_product_attention
 
 using namespace tessera;
+namespace attention = tessera::ops::attention;
 
 namespace {
 
@@ -36,13 +37,31 @@ struct PinBalance {
   bool before;
 };
 
-// Runs `body` under the ring and under the all-gather; both must equal one device.
+// Pins the kernel of each block for a scope (NOTE: [Block kernels]; process-wide, as above).
+struct PinKernel {
+  explicit PinKernel(attention::BlockKernel k) : before(attention::set_block_kernel(k)) {}
+  ~PinKernel() { attention::set_block_kernel(before); }
+  attention::BlockKernel before;
+};
+
+const std::vector<attention::BlockKernel> kKernels = {attention::BlockKernel::kFusedOnCpu,
+                                                      attention::BlockKernel::kProducts};
+const char* kernel_name(attention::BlockKernel k) {
+  return k == attention::BlockKernel::kProducts ? "matrix products" : "fused kernel";
+}
+
+// Runs `body` under the ring and under the all-gather, each with LibTorch's fused CPU kernel
+// and with the matrix products other devices run; all must equal one device.
 template <class Body>
 void each_method(Body body) {
   for (const KVMethod m : {KVMethod::kRing, KVMethod::kAllGather}) {
-    SCOPED_TRACE(m == KVMethod::kRing ? "ring" : "all-gather");
-    PinMethod pin(m);
-    body();
+    for (const auto kernel : kKernels) {
+      SCOPED_TRACE(std::string(m == KVMethod::kRing ? "ring, " : "all-gather, ") +
+                   kernel_name(kernel));
+      PinMethod pin(m);
+      PinKernel pin_kernel(kernel);
+      body();
+    }
   }
 }
 
@@ -130,6 +149,53 @@ TEST(ContextParallel, BatchAndSequenceOnATwoByTwoMesh) {
   for (bool causal : {false, true})
     expect_one_device({2, 2}, {Shard(0), Shard(2)}, {{2, 0}, {}, {3, 4}}, causal, {},
                       std::string("2x2, batch 2+0, sequence 3+4, ") + (causal ? "causal" : "full"));
+}
+
+// The matrix-product blocks (the kernels of non-CPU devices) in float32, as CUDA jobs run:
+// the ring, causal balanced and not, and a masked all-gather, against one device's fused
+// float32 kernel.
+TEST(ContextParallel, MatrixProductBlocksInFloat32) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  const test::Tolerance tol{2e-5, 2e-5};
+  PinKernel products(attention::BlockKernel::kProducts);
+  auto q = test::randn({2, 3, 13, 8}, 31).requires_grad_();
+  auto k = test::randn({2, 3, 13, 8}, 32).requires_grad_();
+  auto v = test::randn({2, 3, 13, 8}, 33).requires_grad_();
+  const auto mask = test::randn({13, 13}, 34);
+  struct Case {
+    KVMethod method;
+    bool causal, balanced, masked;
+  };
+  for (const Case& c :
+       {Case{KVMethod::kRing, true, true, false}, Case{KVMethod::kRing, true, false, false},
+        Case{KVMethod::kRing, false, false, true},
+        Case{KVMethod::kAllGather, false, false, true}}) {
+    const std::string what = std::string(c.method == KVMethod::kRing ? "ring" : "all-gather") +
+                             (c.causal ? ", causal" : "") + (c.balanced ? ", balanced" : "") +
+                             (c.masked ? ", mask" : "");
+    for (auto* t : {&q, &k, &v}) t->mutable_grad() = at::Tensor();
+    const c10::optional<at::Tensor> m = c.masked ? c10::optional<at::Tensor>(mask) : c10::nullopt;
+    auto expected = at::scaled_dot_product_attention(q, k, v, m, 0.0, c.causal);
+    auto g = test::randn(expected.sizes(), 35);
+    expected.backward(g);
+    PinMethod pin(c.method);
+    PinBalance balance(c.balanced);
+    tessera::testing::run_ranks(3, [&](int) {
+      at::set_num_threads(1);
+      auto mesh = init_device_mesh("cpu", {3});
+      const std::vector<ShardTable> tables = {{}, {}, {5, 0, 8}};
+      auto lay = [&](const at::Tensor& t) {
+        return test::make_dtensor_from_full(t.detach(), mesh, {Shard(2)}, tables).requires_grad_();
+      };
+      auto dq = lay(q), dk = lay(k), dv = lay(v);
+      auto got = at::scaled_dot_product_attention(dq, dk, dv, m, 0.0, c.causal);
+      EXPECT_TRUE(test::full_matches(got, expected, tol)) << what << ": output";
+      got.backward(test::make_dtensor_from_full(g, mesh, {Shard(2)}, tables));
+      EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << what << ": dq";
+      EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << what << ": dk";
+      EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << what << ": dv";
+    });
+  }
 }
 
 // The sequence split over every dim of a mesh (nested Shard(2) on a 2x2 and a 2x3 mesh,
@@ -244,6 +310,14 @@ TEST(ContextParallel, MaskedCallsEqualOneDevice) {
                     "[B, 1, L, S] mask on 2x2");
   const auto keep = test::randn({7, 7}, 17, at::kDouble).gt(-1.0);  // boolean, no empty rows
   expect_one_device({2}, {Shard(2)}, {{}, {}, {2, 5}}, false, keep, "boolean mask, 2+5");
+  // Row 2 hidden from every key (one device's fused kernel gives it 0), row 5 from all keys
+  // but the last (so from every block but one).
+  auto holes = keep.clone();
+  holes[2].fill_(false);
+  holes[5].fill_(false);
+  holes[5][6] = true;
+  expect_one_device({2}, {Shard(2)}, {{}, {}, {3, 4}}, false, holes, "rows hidden, 3+4");
+  expect_one_device({3}, {Shard(2)}, {{}, {}, {2, 2, 3}}, false, holes, "rows hidden, 2+2+3");
 }
 
 // A mask that requires grad (a learned bias, as T5's relative positions) takes LibTorch's
@@ -537,8 +611,10 @@ TEST(ContextParallel, LoadBalancedCausalRingMatchesOneDevice) {
     expected.backward(g);
     std::string desc = sweep.label(c) + ": " + std::to_string(world) + " ranks, rows";
     for (auto r : rows) desc += " " + std::to_string(r);
-    for (bool on : {true, false}) {
+    for (const auto [on, kernel] : {std::pair{true, kKernels[0]}, std::pair{false, kKernels[0]},
+                                    std::pair{true, kKernels[1]}}) {
       PinBalance balance(on);
+      PinKernel pin_kernel(kernel);
       tessera::testing::run_ranks(world, [&](int) {
         at::set_num_threads(1);
         auto mesh = two_d ? init_device_mesh("cpu", {2, 2}) : init_device_mesh("cpu", {world});
@@ -550,7 +626,7 @@ TEST(ContextParallel, LoadBalancedCausalRingMatchesOneDevice) {
         };
         auto dq = lay(q), dk = lay(k), dv = lay(v);
         auto got = at::scaled_dot_product_attention(dq, dk, dv, {}, 0.0, true);
-        const std::string d = desc + (on ? ", balanced" : ", natural");
+        const std::string d = desc + (on ? ", balanced, " : ", natural, ") + kernel_name(kernel);
         EXPECT_EQ(spec(got), spec(dq)) << d << ": the output keeps the query's layout";
         EXPECT_TRUE(test::full_matches(got, expected, tol)) << d << ": output";
         got.backward(test::make_dtensor_from_full(g, mesh, p, tables));

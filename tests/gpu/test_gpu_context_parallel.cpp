@@ -1,0 +1,102 @@
+// Context parallelism on CUDA shards: scaled_dot_product_attention on queries whose sequence
+// is split over the mesh, under the ring and the all-gather, causal (balanced) and not, with a
+// mask, in float64 and float32, forward and every gradient against one device's SDPA on the
+// GPU. Off the CPU each block runs as matrix products (NOTE: [Block kernels] in
+// src/ops/attention_ring.h); the tier pins that kernel so its CPU run checks the same path.
+#include <torch/version.h>
+
+#include "gpu_helpers.h"
+#include "ops/attention_ring.h"
+
+#if TORCH_VERSION_MAJOR >= 2  // LibTorch 1.13 has no scaled_dot_product_attention
+
+using namespace tessera;
+using gpu_test::GpuMesh;
+namespace attention = tessera::ops::attention;
+
+namespace {
+
+struct Pins {
+  Pins(ContextParallelMethod m, bool balance)
+      : method(set_context_parallel_method(m)),
+        balanced(set_context_parallel_load_balance(balance)),
+        kernel(attention::set_block_kernel(attention::BlockKernel::kProducts)) {}
+  ~Pins() {
+    set_context_parallel_method(method);
+    set_context_parallel_load_balance(balanced);
+    attention::set_block_kernel(kernel);
+  }
+  ContextParallelMethod method;
+  bool balanced;
+  attention::BlockKernel kernel;
+};
+
+}  // namespace
+
+class GpuContextParallel : public ::testing::TestWithParam<GpuMesh> {};
+
+TEST_P(GpuContextParallel, SequenceShardedAttentionMatchesOneDevice) {
+  TESSERA_REQUIRE_GPU_MESH(GetParam());
+  if (!test::has_fused_cpu_attention()) GTEST_SKIP() << "no fused attention in this LibTorch";
+  const GpuMesh& m = GetParam();
+  const int world = m.world();
+  // 13 rows over the ranks, one shard empty where there are three.
+  const ShardTable rows = world == 1   ? ShardTable{13}
+                          : world == 2 ? ShardTable{6, 7}
+                                       : ShardTable{5, 0, 8};
+  struct Case {
+    ContextParallelMethod method;
+    bool causal, masked;
+  };
+  for (const at::ScalarType dtype : {at::kDouble, at::kFloat}) {
+    const test::Tolerance tol =
+        dtype == at::kDouble ? test::Tolerance{1e-10, 1e-11} : test::Tolerance{2e-5, 2e-5};
+    const auto dev = gpu_test::cuda();
+    auto q = gpu_test::randn({2, 3, 13, 8}, 61, dev, dtype).requires_grad_();
+    auto k = gpu_test::randn({2, 3, 13, 8}, 62, dev, dtype).requires_grad_();
+    auto v = gpu_test::randn({2, 3, 13, 8}, 63, dev, dtype).requires_grad_();
+    const auto mask = gpu_test::randn({13, 13}, 64, dev, dtype);
+    for (const Case& c : {Case{ContextParallelMethod::kRing, true, false},
+                          Case{ContextParallelMethod::kRing, false, true},
+                          Case{ContextParallelMethod::kAllGather, true, false},
+                          Case{ContextParallelMethod::kAllGather, false, true}}) {
+      const bool ring = c.method == ContextParallelMethod::kRing;
+      const std::string what = m.name() + ", " + c10::toString(dtype) +
+                               (ring ? ", ring" : ", all-gather") + (c.causal ? ", causal" : "") +
+                               (c.masked ? ", mask" : "");
+      for (auto* t : {&q, &k, &v}) t->mutable_grad() = at::Tensor();
+      const auto mk = c.masked ? c10::optional<at::Tensor>(mask) : c10::nullopt;
+      auto expected = at::scaled_dot_product_attention(q, k, v, mk, 0.0, c.causal);
+      auto g = gpu_test::randn(expected.sizes(), 65, dev, dtype);
+      expected.backward(g);
+      Pins pins(c.method, /*balance=*/true);
+      gpu_test::on_gpu_mesh(m, [&](const DeviceMesh& mesh) {
+        const std::vector<ShardTable> tables = {{}, {}, rows};
+        auto lay = [&](const at::Tensor& t) {
+          return test::make_dtensor_from_full(t.detach(), mesh, {Shard(2)}, tables)
+              .requires_grad_();
+        };
+        auto dq = lay(q), dk = lay(k), dv = lay(v);
+        CommDebugMode comm;
+        auto got = at::scaled_dot_product_attention(dq, dk, dv, mk, 0.0, c.causal);
+        if (ring && world > 1) {
+          EXPECT_EQ(comm.get_comm_counts().count("all_gather"), 0u) << what << ": K/V gathered";
+        }
+        ASSERT_TRUE(gpu_test::on_mesh_device(got, mesh)) << what;
+        EXPECT_TRUE(test::full_matches(got, expected, tol)) << what << ": output";
+        got.backward(test::make_dtensor_from_full(g, mesh, {Shard(2)}, tables));
+        EXPECT_TRUE(gpu_test::on_mesh_device(dq.grad(), mesh)) << what;
+        EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << what << ": dq";
+        EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << what << ": dk";
+        EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << what << ": dv";
+      });
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Meshes, GpuContextParallel,
+                         ::testing::Values(GpuMesh{"cuda:gloo", {2}}, GpuMesh{"cuda:gloo", {3}},
+                                           GpuMesh{"cuda", {1}}, GpuMesh{"cuda", {2}}),
+                         gpu_test::mesh_param_name);
+
+#endif
