@@ -5,7 +5,8 @@
 // of --reps) and peak memory per rank above its inputs (a counting CPU allocator charges
 // each allocation to the rank thread that makes it). Causal calls also run the ring without
 // its load balancing ("natural": each rank keeps its contiguous rows; NOTE: [Load-balanced
-// causal ring]).
+// causal ring]). --kernel products runs every sharded block as matrix products, the kernel
+// of non-CPU devices (NOTE: [Block kernels]), in tiles of at most --tile scores.
 //
 //   ./build/bench/bench_context_parallel --ranks 1,2,4 --lengths 1024,2048,4096
 //
@@ -23,6 +24,7 @@
 
 #include "bench_main.h"
 #include "counting_allocator.h"
+#include "ops/attention_ring.h"
 #include "tessera/tessera.h"
 #include "tessera/testing/run_ranks.h"
 
@@ -135,8 +137,19 @@ int run(int argc, char** argv) {
   app.add_option("--reps", reps, "timed steps (median)")->capture_default_str();
   bool full = false;
   app.add_flag("--full", full, "non-causal attention (default: causal)");
+  std::string kernel = "fused";
+  app.add_option("--kernel", kernel, "the sharded blocks' kernel")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"fused", "products"}));
+  int64_t tile = int64_t{1} << 24;
+  app.add_option("--tile", tile, "with --kernel products: scores per tile over batch and heads")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   s.causal = !full;
+  namespace attention = tessera::ops::attention;
+  attention::set_block_kernel(kernel == "products" ? attention::BlockKernel::kProducts
+                                                   : attention::BlockKernel::kFusedOnCpu);
+  attention::set_products_tile(tile);
   if (!c10::Dispatcher::singleton().findOp(
           {"aten::_scaled_dot_product_flash_attention_for_cpu", ""})) {
     std::printf("bench_context_parallel: skipped (this LibTorch has no fused CPU attention)\n");
@@ -146,9 +159,12 @@ int run(int argc, char** argv) {
   std::printf(
       "q, k, v [%ld, %ld heads, L, %ld], float32, %s; step = forward + backward; "
       "median of %d after 1 warm-up; peak = bytes allocated above the inputs, the "
-      "largest rank\n\n",
+      "largest rank; sharded blocks by %s\n\n",
       static_cast<long>(s.batch), static_cast<long>(s.heads), static_cast<long>(s.head_dim),
-      s.causal ? "causal" : "not causal", reps);
+      s.causal ? "causal" : "not causal", reps,
+      kernel == "products"
+          ? ("matrix products, tiles of " + std::to_string(tile) + " scores").c_str()
+          : "LibTorch's fused CPU kernel");
   std::printf("%8s %6s | %10s %10s %10s %10s | %10s %10s %10s %10s\n", "L", "ranks", "1 rank ms",
               "gather ms", "ring ms", "natural ms", "1 rank MiB", "gather MiB", "ring MiB",
               "natural MiB");

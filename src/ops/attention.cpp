@@ -326,6 +326,16 @@ OpPlan sdpa_backward_rule(const OpCall& call) {
   return plan;
 }
 
+// The masks LibTorch's fused kernel takes (its backend choice sends others to the math path):
+// [L or 1, S or 1] or [B or 1, H or 1, L or 1, S or 1].
+bool mask_shape_fits(const at::Tensor& m, const at::Tensor& q, const at::Tensor& k) {
+  const auto fits = [](int64_t d, int64_t n) { return d == n || d == 1; };
+  if ((m.dim() != 2 && m.dim() != 4) || !fits(m.size(-2), q.size(2)) ||
+      !fits(m.size(-1), k.size(2)))
+    return false;
+  return m.dim() == 2 || (fits(m.size(0), q.size(0)) && fits(m.size(1), q.size(1)));
+}
+
 // scaled_dot_product_attention is composite: on a distributed tensor LibTorch's backend
 // choice falls to its math path (bmm, softmax), which gathers the sequence. On CPU shards,
 // and on other devices' shards of a split sequence, it is sent to the fused op pair above
@@ -356,12 +366,13 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (mask && mask->scalar_type() == at::kBool)
     mask = at::zeros(mask->sizes(), q.options())
                .masked_fill(mask->logical_not(), -std::numeric_limits<double>::infinity());
-  // A mask and is_causal together: LibTorch's own input checks decide (2.x refuses the pair),
-  // so the composite path answers as one device does. A mask that requires grad (a learned
-  // bias) takes the composite path too, as LibTorch's backend choice does: the fused op has
-  // no gradient for it.
-  const bool mask_fits = !mask || (mask->scalar_type() == q.scalar_type() &&
-                                   !kc.arg<bool>("is_causal") && !mask->requires_grad());
+  // A mask and is_causal together: LibTorch's own input checks decide, so the composite path
+  // answers as one device does. A mask that requires grad (a learned bias) or of a shape the
+  // fused kernel does not take takes the composite path too, as LibTorch's backend choice
+  // does: the fused op has no gradient for it.
+  const bool mask_fits =
+      !mask || (mask->scalar_type() == q.scalar_type() && !kc.arg<bool>("is_causal") &&
+                !mask->requires_grad() && mask_shape_fits(*mask, q, k));
   // Other devices take the fused op (run by matrix products per block, NOTE: [Block kernels])
   // where the query's sequence is sharded, which the composite path would gather.
   const bool here = q.device().is_cpu() || (is_dtensor(q) && seq_sharded(dtensor_impl(q)->spec()));

@@ -167,7 +167,7 @@ bool kernel_causal(const Args& a, const Block& b) { return b.diagonal && !a.mask
 at::Tensor block_mask(const Args& a, int64_t q_lo, const Block& b) {
   at::Tensor m;
   if (a.mask.defined()) {
-    m = a.mask.narrow(-1, b.key_lo, b.keys);
+    m = a.mask.size(-1) == 1 ? a.mask : a.mask.narrow(-1, b.key_lo, b.keys);  // (or broadcast)
     if (m.size(-2) == a.q.size(kSeq) && (b.row0 > 0 || b.rows < m.size(-2)))
       m = m.narrow(-2, b.row0, b.rows);
   }
@@ -265,20 +265,6 @@ int64_t pairs(int64_t rows, int64_t keys, bool causal) {
 
 // ---- ring --------------------------------------------------------------------------------
 
-// out / lse rows [row0, row0 + n) merged with one block's (o, l): by log-sum-exp, in the
-// accumulators' dtype. A row that none of the block's keys reach (masked) has l = -inf.
-void merge(at::Tensor& out, at::Tensor& lse, const Block& b, at::Tensor o, at::Tensor l) {
-  at::Tensor oa = out.narrow(kSeq, b.row0, b.rows), la = lse.narrow(kSeq, b.row0, b.rows);
-  l = l.to(lse.scalar_type());
-  o = o.to(out.scalar_type()).masked_fill_(l.isneginf().unsqueeze(-1), 0.0);
-  const at::Tensor merged = at::logaddexp(la, l);
-  // -inf - -inf is NaN where neither side has seen a key yet: both weights are 0 there.
-  const at::Tensor wa = (la - merged).exp_().nan_to_num_(0.0).unsqueeze(-1);
-  const at::Tensor wb = (l - merged).exp_().nan_to_num_(0.0).unsqueeze(-1);
-  oa.mul_(wa).add_(o.mul_(wb));
-  la.copy_(merged);
-}
-
 // The out / lse of this member's queries, accumulated block by block.
 class Accumulator {
  public:
@@ -302,7 +288,8 @@ class Accumulator {
       return;
     }
     if (!out_.defined()) start();
-    merge(out_, lse_, b, std::get<0>(r), l);
+    merge_lse(out_.narrow(kSeq, b.row0, b.rows), lse_.narrow(kSeq, b.row0, b.rows), std::get<0>(r),
+              l);
   }
 
   // A row hidden from every key gets out = 0 and lse = 0, as from the kernel on one device

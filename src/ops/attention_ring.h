@@ -1,9 +1,9 @@
 #pragma once
-// The fused attention pair on queries whose sequence is sharded along one mesh dim (or along
-// every dim of the mesh, nested), with the K/V blocks brought over inside the kernel by a
-// ring (NOTE: [Ring attention]). src/ops/attention.cpp's rule chooses between it and its K/V
-// all-gather plan, and hands these kernels the local tensors and the sequence split; they
-// talk over the group of that mesh dim only (the mesh's own group when it spans them all).
+// The fused attention pair on queries whose sequence is sharded along one or more mesh dims
+// (nested), with the K/V blocks brought over inside the kernel by a ring (NOTE: [Ring
+// attention]). src/ops/attention.cpp's rule chooses between it and its K/V all-gather plan,
+// and hands these kernels the local tensors, the sequence split and the group of the ring's
+// members (a mesh dim's, the mesh's, or a slice's over those dims: ring_group there).
 #include <tuple>
 #include <vector>
 
@@ -90,6 +90,16 @@ at::Tensor repeat_heads(const at::Tensor& t, int64_t groups);
 // tests check on CPU the path other devices take. Process-wide; returns the previous.
 enum class BlockKernel { kFusedOnCpu, kProducts };
 BlockKernel set_block_kernel(BlockKernel kernel);
+
+// The products walk a block in tiles of rows and keys holding at most `scores` scores over
+// the batch and heads (default 2^24: 64 MiB in float32), so their memory is bounded as the
+// fused kernels' is; tests make the tiles tiny. Process-wide; returns the previous.
+int64_t set_products_tile(int64_t scores);
+
+// out / lse (rows of a query, lse without the last dim) merged in place with another set of
+// keys' (o, l) by log-sum-exp, in out's and lse's dtype; a row that neither has seen a key yet
+// (lse -inf on both sides) stays out 0, lse -inf.
+void merge_lse(at::Tensor out, at::Tensor lse, at::Tensor o, at::Tensor l);
 
 std::tuple<at::Tensor, at::Tensor> products_forward(const at::Tensor& q, const at::Tensor& k,
                                                     const at::Tensor& v, const at::Tensor& mask,

@@ -38,10 +38,17 @@ struct PinBalance {
 };
 
 // Pins the kernel of each block for a scope (NOTE: [Block kernels]; process-wide, as above).
+// The matrix products run in tiles of at most `tile` scores over batch and heads (tiny by
+// default, so that every block is cut into many tiles of rows and keys).
 struct PinKernel {
-  explicit PinKernel(attention::BlockKernel k) : before(attention::set_block_kernel(k)) {}
-  ~PinKernel() { attention::set_block_kernel(before); }
+  explicit PinKernel(attention::BlockKernel k, int64_t tile = 40)
+      : before(attention::set_block_kernel(k)), tile_before(attention::set_products_tile(tile)) {}
+  ~PinKernel() {
+    attention::set_block_kernel(before);
+    attention::set_products_tile(tile_before);
+  }
   attention::BlockKernel before;
+  int64_t tile_before;
 };
 
 const std::vector<attention::BlockKernel> kKernels = {attention::BlockKernel::kFusedOnCpu,
@@ -152,12 +159,11 @@ TEST(ContextParallel, BatchAndSequenceOnATwoByTwoMesh) {
 }
 
 // The matrix-product blocks (the kernels of non-CPU devices) in float32, as CUDA jobs run:
-// the ring, causal balanced and not, and a masked all-gather, against one device's fused
-// float32 kernel.
+// the ring, causal balanced and not, masked all-gathers, tiles from one score to the whole
+// block, against one device's fused float32 kernel.
 TEST(ContextParallel, MatrixProductBlocksInFloat32) {
   if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
   const test::Tolerance tol{2e-5, 2e-5};
-  PinKernel products(attention::BlockKernel::kProducts);
   auto q = test::randn({2, 3, 13, 8}, 31).requires_grad_();
   auto k = test::randn({2, 3, 13, 8}, 32).requires_grad_();
   auto v = test::randn({2, 3, 13, 8}, 33).requires_grad_();
@@ -166,13 +172,16 @@ TEST(ContextParallel, MatrixProductBlocksInFloat32) {
     KVMethod method;
     bool causal, balanced, masked;
   };
-  for (const Case& c :
-       {Case{KVMethod::kRing, true, true, false}, Case{KVMethod::kRing, true, false, false},
-        Case{KVMethod::kRing, false, false, true},
-        Case{KVMethod::kAllGather, false, false, true}}) {
+  // Tiles of scores over batch and heads (6 here): from one score to the whole block.
+  for (const auto& [c, tile] : {std::pair{Case{KVMethod::kRing, true, true, false}, 40},
+                                std::pair{Case{KVMethod::kRing, true, false, false}, 1 << 24},
+                                std::pair{Case{KVMethod::kRing, false, false, true}, 100},
+                                std::pair{Case{KVMethod::kAllGather, false, false, true}, 1},
+                                std::pair{Case{KVMethod::kAllGather, true, false, false}, 50}}) {
     const std::string what = std::string(c.method == KVMethod::kRing ? "ring" : "all-gather") +
                              (c.causal ? ", causal" : "") + (c.balanced ? ", balanced" : "") +
-                             (c.masked ? ", mask" : "");
+                             (c.masked ? ", mask" : "") + ", tiles of " + std::to_string(tile);
+    PinKernel products(attention::BlockKernel::kProducts, tile);
     for (auto* t : {&q, &k, &v}) t->mutable_grad() = at::Tensor();
     const c10::optional<at::Tensor> m = c.masked ? c10::optional<at::Tensor>(mask) : c10::nullopt;
     auto expected = at::scaled_dot_product_attention(q, k, v, m, 0.0, c.causal);
@@ -266,6 +275,18 @@ TEST(ContextParallel, SequenceOverSomeMeshDimsIsARingPerSlice) {
     expect_one_device(cube, batch_seq, {{1, 1}, {}, {2, 0, 3, 2}}, causal, {},
                       "unnamed mesh (gathers)" + c);
   }
+  {  // the unnamed mesh does gather (its slices' groups are reached by name)
+    PinMethod ring(KVMethod::kRing);
+    auto x = test::randn({2, 3, 7, 4}, 19, at::kDouble);
+    tessera::testing::run_ranks(8, [&](int rank) {
+      at::set_num_threads(1);
+      auto mesh = init_device_mesh("cpu", cube);
+      auto q = test::make_dtensor_from_full(x, mesh, batch_seq, {{1, 1}, {}, {2, 2, 0, 3}});
+      CommDebugMode comm;
+      at::scaled_dot_product_attention(q, q, q);
+      EXPECT_GT(comm.get_comm_counts().count("all_gather"), 0u) << "rank " << rank;
+    });
+  }
   expect_one_device(cube, batch_seq, {{1, 1}, {}, {3, 1, 0, 3}}, false, mask, "mask", names);
 
   // Under the ring: no all-gather in forward or backward, and every rank with queries and a
@@ -318,6 +339,12 @@ TEST(ContextParallel, MaskedCallsEqualOneDevice) {
   holes[5][6] = true;
   expect_one_device({2}, {Shard(2)}, {{}, {}, {3, 4}}, false, holes, "rows hidden, 3+4");
   expect_one_device({3}, {Shard(2)}, {{}, {}, {2, 2, 3}}, false, holes, "rows hidden, 2+2+3");
+  // A shape the fused kernel does not take (one device's math path), [H, L, S], and one it
+  // takes, [L, 1], broadcast over the keys (every block sees the one column).
+  expect_one_device({2}, {Shard(2)}, {{}, {}, {3, 4}}, false,
+                    test::randn({3, 7, 7}, 24, at::kDouble), "[H, L, S] mask");
+  expect_one_device({2}, {Shard(2)}, {{}, {}, {3, 4}}, false, test::randn({7, 1}, 25, at::kDouble),
+                    "[L, 1] mask");
 }
 
 // A mask that requires grad (a learned bias, as T5's relative positions) takes LibTorch's
@@ -327,14 +354,16 @@ TEST(ContextParallel, LearnedMaskGetsItsGradient) {
   if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
   const test::Tolerance tol{1e-10, 1e-11};
   auto q = test::randn({2, 3, 7, 4}, 21, at::kDouble).requires_grad_();
-  auto bias = test::randn({3, 7, 7}, 22, at::kDouble).requires_grad_();
-  auto expected = at::scaled_dot_product_attention(q, q, q, bias);
-  auto g = test::randn(expected.sizes(), 23, at::kDouble);
-  expected.backward(g);
-  ASSERT_TRUE(bias.grad().defined());
-  each_method([&] {
+  for (const std::vector<int64_t>& shape : {std::vector<int64_t>{7, 7}, {3, 7, 7}}) {
+    auto bias = test::randn(shape, 22, at::kDouble).requires_grad_();
+    q.mutable_grad() = at::Tensor();
+    auto expected = at::scaled_dot_product_attention(q, q, q, bias);
+    auto g = test::randn(expected.sizes(), 23, at::kDouble);
+    expected.backward(g);
+    ASSERT_TRUE(bias.grad().defined());
     for (bool distributed : {false, true}) {
-      const std::string what = distributed ? "replicated distributed bias" : "plain bias";
+      const std::string what = std::string(distributed ? "replicated distributed" : "plain") +
+                               " bias of " + std::to_string(shape.size()) + " dims";
       tessera::testing::run_ranks(2, [&](int) {
         at::set_num_threads(1);
         auto mesh = init_device_mesh("cpu", {2});
@@ -352,7 +381,7 @@ TEST(ContextParallel, LearnedMaskGetsItsGradient) {
         EXPECT_TRUE(test::full_matches(b.grad(), bias.grad(), tol)) << what << ": bias gradient";
       });
     }
-  });
+  }
 }
 
 // Calls LibTorch's scaled_dot_product_attention refuses or treats specially on one device (a
