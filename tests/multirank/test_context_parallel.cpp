@@ -151,6 +151,26 @@ void expect_one_device(const std::vector<int64_t>& shape, const Placements& plac
       [&] { expect_one_device_with(shape, placements, tables, causal, mask, desc, names); });
 }
 
+// Self-attention of `q` (requires grad) under the ring: no all-gather forward or backward,
+// the output in q's layout, and K/V blocks received where `receives` (a rank with queries and
+// a peer holding keys).
+void expect_ring_only(const at::Tensor& q, int rank, bool receives) {
+  at::Tensor out;
+  {
+    CommDebugMode comm;
+    out = at::scaled_dot_product_attention(q, q, q);
+    const auto counts = comm.get_comm_counts();
+    EXPECT_EQ(counts.count("all_gather"), 0u) << "rank " << rank << ": " << comm.to_json();
+    if (receives) {
+      EXPECT_GT(counts.at("send_recv"), 0) << "rank " << rank;
+    }
+  }
+  EXPECT_EQ(spec(out), spec(q));
+  CommDebugMode comm;
+  out.backward(at::ones_like(out));
+  EXPECT_EQ(comm.get_comm_counts().count("all_gather"), 0u) << "rank " << rank << ": backward";
+}
+
 TEST(ContextParallel, BatchAndSequenceOnATwoByTwoMesh) {
   if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
   for (bool causal : {false, true})
@@ -232,20 +252,7 @@ TEST(ContextParallel, SequenceOverAWholeMeshIsOneRing) {
     at::set_num_threads(1);
     auto mesh = init_device_mesh("cpu", {2, 2});
     auto q = test::make_dtensor_from_full(x, mesh, seq2, {{}, {}, {3, 2, 0, 4}}).requires_grad_();
-    at::Tensor out;
-    {
-      CommDebugMode comm;
-      out = at::scaled_dot_product_attention(q, q, q);
-      const auto counts = comm.get_comm_counts();
-      EXPECT_EQ(counts.count("all_gather"), 0u) << "rank " << rank << ": " << comm.to_json();
-      if (rank != 2) {
-        EXPECT_GT(counts.at("send_recv"), 0) << "rank " << rank;
-      }
-    }
-    EXPECT_EQ(spec(out), spec(q));
-    CommDebugMode comm;
-    out.backward(at::ones_like(out));
-    EXPECT_EQ(comm.get_comm_counts().count("all_gather"), 0u) << "rank " << rank << ": backward";
+    expect_ring_only(q, rank, /*receives=*/rank != 2);
   });
 }
 
@@ -298,20 +305,7 @@ TEST(ContextParallel, SequenceOverSomeMeshDimsIsARingPerSlice) {
     auto mesh = init_device_mesh("cpu", cube, names);
     auto q = test::make_dtensor_from_full(x, mesh, batch_seq, {{1, 1}, {}, {2, 2, 0, 3}})
                  .requires_grad_();
-    at::Tensor out;
-    {
-      CommDebugMode comm;
-      out = at::scaled_dot_product_attention(q, q, q);
-      const auto counts = comm.get_comm_counts();
-      EXPECT_EQ(counts.count("all_gather"), 0u) << "rank " << rank << ": " << comm.to_json();
-      if (rank % 4 != 2) {
-        EXPECT_GT(counts.at("send_recv"), 0) << "rank " << rank;
-      }
-    }
-    EXPECT_EQ(spec(out), spec(q));
-    CommDebugMode comm;
-    out.backward(at::ones_like(out));
-    EXPECT_EQ(comm.get_comm_counts().count("all_gather"), 0u) << "rank " << rank << ": backward";
+    expect_ring_only(q, rank, /*receives=*/rank % 4 != 2);
   });
 }
 
