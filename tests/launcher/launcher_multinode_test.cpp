@@ -2,6 +2,10 @@
 // and its errors, and a failure on one node stopping the other.
 #include <gtest/gtest.h>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <random>
 #include <string>
@@ -13,9 +17,29 @@ namespace {
 
 using namespace tessera::testing_launcher;
 
+// Whether a listener could take `port` on loopback now.
+bool free_now(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  close(fd);
+  return ok;
+}
+
+// A port for node 0's launcher: below Linux's ephemeral range (32768 on), where the other
+// tests' connections and listeners on port 0 get theirs (a port drawn from that range was
+// taken between the draw and the launcher's listen), and free when drawn.
 std::string some_port() {
   std::random_device rd;
-  return std::to_string(20000 + rd() % 30000);
+  for (int tries = 0; tries < 100; ++tries) {
+    const int port = 20000 + static_cast<int>(rd() % 12000);
+    if (free_now(port)) return std::to_string(port);
+  }
+  return std::to_string(20000 + rd() % 12000);
 }
 
 std::vector<std::string> node_args(int node, const std::string& port, std::vector<std::string> rest,
