@@ -22,10 +22,6 @@ std::atomic<int64_t>& tile_budget() {
   return n;
 }
 
-at::ScalarType accumulate_type(at::ScalarType t) {
-  return t == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 double scale_of(const at::Tensor& q, c10::optional<double> scale) {
   return scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
 }
@@ -144,6 +140,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> products_backward(
     keys(dk).add_(at::matmul(ds.transpose(-2, -1), rows(q).to(acc)), s);
   }
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
+}
+
+at::ScalarType accumulate_type(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
 }
 
 int64_t set_products_tile(int64_t scores) {

@@ -117,10 +117,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward(
   return {std::get<0>(r), sum_groups(std::get<1>(r), g), sum_groups(std::get<2>(r), g)};
 }
 
-at::ScalarType accumulate_type(at::ScalarType t) {
-  return t == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 // The causal mask of query rows [row_lo, row_lo + rows) against keys [key_lo, key_lo +
 // keys), global positions, top-left aligned as is_causal on one device: key j is visible
 // from row i when j <= i. Additive, in `opts`' dtype (the fused kernel takes no boolean).

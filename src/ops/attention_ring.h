@@ -96,6 +96,10 @@ BlockKernel set_block_kernel(BlockKernel kernel);
 // fused kernels' is; tests make the tiles tiny. Process-wide; returns the previous.
 int64_t set_products_tile(int64_t scores);
 
+// The dtype outputs and log-sum-exps accumulate in: float64 for double, else float32 (as
+// the fused kernel's log-sum-exp).
+at::ScalarType accumulate_type(at::ScalarType t);
+
 // out / lse (rows of a query, lse without the last dim) merged in place with another set of
 // keys' (o, l) by log-sum-exp, in out's and lse's dtype; a row that neither has seen a key yet
 // (lse -inf on both sides) stays out 0, lse -inf.

@@ -634,8 +634,8 @@ TEST(ContextParallel, LoadBalancedCausalRingMatchesOneDevice) {
     expected.backward(g);
     std::string desc = sweep.label(c) + ": " + std::to_string(world) + " ranks, rows";
     for (auto r : rows) desc += " " + std::to_string(r);
-    for (const auto [on, kernel] : {std::pair{true, kKernels[0]}, std::pair{false, kKernels[0]},
-                                    std::pair{true, kKernels[1]}}) {
+    for (const auto& [on, kernel] : {std::pair{true, kKernels[0]}, std::pair{false, kKernels[0]},
+                                     std::pair{true, kKernels[1]}}) {
       PinBalance balance(on);
       PinKernel pin_kernel(kernel);
       tessera::testing::run_ranks(world, [&](int) {
