@@ -40,8 +40,13 @@ using Allocator = bench::CountingAllocator<bench::LiveBytes, &charged>;
 
 double mib(int64_t b) { return static_cast<double>(b) / (1024.0 * 1024.0); }
 
+// Grouped-query heads (enable_gqa) where K/V have fewer heads than the query.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
-#if TORCH_VERSION_MAJOR >= 2
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+  return at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal, c10::nullopt,
+                                          q.size(1) != k.size(1));
+#elif TORCH_VERSION_MAJOR >= 2
+  TORCH_CHECK(q.size(1) == k.size(1), "bench_context_parallel: --kv-heads needs LibTorch 2.5");
   return at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal);
 #else
   (void)q, (void)k, (void)v, (void)causal;
@@ -50,7 +55,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 struct Shape {
-  int64_t batch = 1, heads = 8, head_dim = 64;
+  int64_t batch = 1, heads = 8, kv_heads = 8, head_dim = 64;
   bool causal = true;
 };
 
@@ -80,8 +85,9 @@ Result one_device(const Shape& s, int64_t L, int reps) {
   bench::LiveBytes mine;
   t_counter = &mine;
   const std::vector<int64_t> dims = {s.batch, s.heads, L, s.head_dim};
-  auto q = at::randn(dims).requires_grad_(), k = at::randn(dims).requires_grad_();
-  auto v = at::randn(dims).requires_grad_();
+  const std::vector<int64_t> kv_dims = {s.batch, s.kv_heads, L, s.head_dim};
+  auto q = at::randn(dims).requires_grad_(), k = at::randn(kv_dims).requires_grad_();
+  auto v = at::randn(kv_dims).requires_grad_();
   const auto g = at::randn(dims);
   Result r = measure(mine, reps, [&] {
     q.mutable_grad() = at::Tensor(), k.mutable_grad() = at::Tensor(),
@@ -103,12 +109,14 @@ Result sharded(const Shape& s, int64_t L, int ranks, KVMethod method, int reps,
     t_counter = &mine;
     auto mesh = tessera::init_device_mesh("cpu", {ranks});
     const std::vector<int64_t> dims = {s.batch, s.heads, L, s.head_dim};
-    auto lay = [&](uint64_t seed) {
+    const std::vector<int64_t> kv_dims = {s.batch, s.kv_heads, L, s.head_dim};
+    auto lay = [&](uint64_t seed, const std::vector<int64_t>& d) {
       at::manual_seed(seed);
-      return tessera::distribute_tensor(at::randn(dims), mesh, {tessera::Shard(2)});
+      return tessera::distribute_tensor(at::randn(d), mesh, {tessera::Shard(2)});
     };
-    auto q = lay(1).requires_grad_(), k = lay(2).requires_grad_(), v = lay(3).requires_grad_();
-    const auto g = lay(4);
+    auto q = lay(1, dims).requires_grad_(), k = lay(2, kv_dims).requires_grad_();
+    auto v = lay(3, kv_dims).requires_grad_();
+    const auto g = lay(4, dims);
     per_rank[static_cast<size_t>(rank)] = measure(mine, reps, [&] {
       q.mutable_grad() = at::Tensor(), k.mutable_grad() = at::Tensor(),
       v.mutable_grad() = at::Tensor();
@@ -132,6 +140,8 @@ int run(int argc, char** argv) {
   app.add_option("--ranks", ranks, "rank counts (threads)")->delimiter(',');
   app.add_option("--lengths", lengths, "sequence lengths")->delimiter(',');
   app.add_option("--heads", s.heads)->capture_default_str();
+  int64_t kv_heads = 0;
+  app.add_option("--kv-heads", kv_heads, "K/V heads, grouped-query (default: --heads)");
   app.add_option("--head-dim", s.head_dim)->capture_default_str();
   app.add_option("--batch", s.batch)->capture_default_str();
   app.add_option("--reps", reps, "timed steps (median)")->capture_default_str();
@@ -146,6 +156,7 @@ int run(int argc, char** argv) {
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   s.causal = !full;
+  s.kv_heads = kv_heads > 0 ? kv_heads : s.heads;
   namespace attention = tessera::ops::attention;
   attention::set_block_kernel(kernel == "products" ? attention::BlockKernel::kProducts
                                                    : attention::BlockKernel::kFusedOnCpu);
@@ -157,11 +168,11 @@ int run(int argc, char** argv) {
   }
   at::set_num_threads(1);
   std::printf(
-      "q, k, v [%ld, %ld heads, L, %ld], float32, %s; step = forward + backward; "
+      "q, k, v [%ld, %ld heads (K/V %ld), L, %ld], float32, %s; step = forward + backward; "
       "median of %d after 1 warm-up; peak = bytes allocated above the inputs, the "
       "largest rank; sharded blocks by %s\n\n",
-      static_cast<long>(s.batch), static_cast<long>(s.heads), static_cast<long>(s.head_dim),
-      s.causal ? "causal" : "not causal", reps,
+      static_cast<long>(s.batch), static_cast<long>(s.heads), static_cast<long>(s.kv_heads),
+      static_cast<long>(s.head_dim), s.causal ? "causal" : "not causal", reps,
       kernel == "products"
           ? ("matrix products, tiles of " + std::to_string(tile) + " scores").c_str()
           : "LibTorch's fused CPU kernel");

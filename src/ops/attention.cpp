@@ -348,9 +348,10 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const bool gqa = kc.has("enable_gqa") && kc.arg<bool>("enable_gqa");
   at::Tensor k = kc.tensor("key"), v = kc.tensor("value");
   // Grouped-query heads: each K/V head serves q.size(1) / k.size(1) query heads. The fused op
-  // takes them so (its kernels repeat each block's heads, so the K/V exchange carries only
-  // theirs) where each rank's query heads are whole groups; otherwise they are repeated on
-  // the distributed tensors first (as the composite's repeat_interleave).
+  // takes them so (the K/V exchange carries only theirs; the block kernels take them as they
+  // are or repeat per block, see groups_of in attention_ring.cpp) where each rank's query
+  // heads are whole groups; otherwise they are repeated on the distributed tensors first (as
+  // the composite's repeat_interleave).
   const bool grouped = gqa && q.dim() == 4 && k.dim() == 4 && v.dim() == 4 &&
                        k.size(1) == v.size(1) && k.size(1) > 0 && q.size(1) % k.size(1) == 0 &&
                        q.size(1) != k.size(1);

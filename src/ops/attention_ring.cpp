@@ -13,6 +13,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/version.h>
 #include <c10/util/Exception.h>
 
 #include "tessera/comm/halo.h"
@@ -60,11 +61,20 @@ using BackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, double, bool, const c10::optional<at::Tensor>&, c10::optional<double>);
 
 // Grouped-query heads: q.size(1) = groups x k.size(1), query head h served by K/V head
-// h / groups. The exchanges carry the K/V heads only; each call repeats them for its block
-// (not every LibTorch's kernel takes fewer K/V heads) and its dK / dV are summed back per
-// group.
+// h / groups. The exchanges carry the K/V heads only. The products take them as they are;
+// the fused CPU pair takes them from LibTorch 2.15 (2.6's computes garbage and its backward
+// crashes on them; versions between are not checked, so they repeat), else each call
+// repeats them for its block and its dK / dV are summed back per group.
 int64_t groups_of(const at::Tensor& q, const at::Tensor& k) {
   return k.size(1) == q.size(1) || k.size(1) == 0 ? 1 : q.size(1) / k.size(1);
+}
+
+// (A local gate rather than compat.h: only this file needs it.)
+constexpr bool kFusedTakesGroups = TORCH_VERSION_MAJOR > 2 ||
+                                   (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15);
+
+int64_t fused_repeats(const at::Tensor& q, const at::Tensor& k) {
+  return kFusedTakesGroups ? 1 : groups_of(q, k);
 }
 
 at::Tensor sum_groups(const at::Tensor& t, int64_t groups) {
@@ -87,13 +97,12 @@ bool by_products(const at::Tensor& q) {
 std::tuple<at::Tensor, at::Tensor> fused(const at::Tensor& q, const at::Tensor& k,
                                          const at::Tensor& v, const at::Tensor& mask, bool causal,
                                          c10::optional<double> scale) {
-  const int64_t g = groups_of(q, k);
-  if (by_products(q))
-    return products_forward(q, repeat_heads(k, g), repeat_heads(v, g), mask, causal, scale);
+  if (by_products(q)) return products_forward(q, k, v, mask, causal, scale);
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("aten::_scaled_dot_product_flash_attention_for_cpu", "")
           .typed<ForwardFn>();
+  const int64_t g = fused_repeats(q, k);
   return op.call(q, repeat_heads(k, g), repeat_heads(v, g), 0.0, causal,
                  mask.defined() ? c10::optional<at::Tensor>(mask) : c10::nullopt, scale);
 }
@@ -102,16 +111,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& mask, bool causal,
     c10::optional<double> scale) {
-  const int64_t g = groups_of(q, k);
-  if (by_products(q)) {
-    auto r = products_backward(grad_out, q, repeat_heads(k, g), repeat_heads(v, g), out, lse, mask,
-                               causal, scale);
-    return {std::get<0>(r), sum_groups(std::get<1>(r), g), sum_groups(std::get<2>(r), g)};
-  }
+  if (by_products(q)) return products_backward(grad_out, q, k, v, out, lse, mask, causal, scale);
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "")
           .typed<BackwardFn>();
+  const int64_t g = fused_repeats(q, k);
   auto r = op.call(grad_out, q, repeat_heads(k, g), repeat_heads(v, g), out, lse, 0.0, causal,
                    mask.defined() ? c10::optional<at::Tensor>(mask) : c10::nullopt, scale);
   return {std::get<0>(r), sum_groups(std::get<1>(r), g), sum_groups(std::get<2>(r), g)};

@@ -105,6 +105,9 @@ at::ScalarType accumulate_type(at::ScalarType t);
 // (lse -inf on both sides) stays out 0, lse -inf.
 void merge_lse(at::Tensor out, at::Tensor lse, at::Tensor o, at::Tensor l);
 
+// One block by the products: q [B, H, rows, E], k and v [B, H_kv, keys, E] with H a
+// multiple of H_kv (grouped-query heads taken as they are, never repeated); dk and dv come
+// back with H_kv heads.
 std::tuple<at::Tensor, at::Tensor> products_forward(const at::Tensor& q, const at::Tensor& k,
                                                     const at::Tensor& v, const at::Tensor& mask,
                                                     bool causal, c10::optional<double> scale);

@@ -1,8 +1,9 @@
 // Context parallelism on CUDA shards: scaled_dot_product_attention on queries whose sequence
 // is split over the mesh, under the ring and the all-gather, causal (balanced) and not, with a
-// mask, in float64 and float32, forward and every gradient against one device's SDPA on the
-// GPU. Off the CPU each block runs as matrix products (NOTE: [Block kernels] in
-// src/ops/attention_ring.h); the tier pins that kernel so its CPU run checks the same path.
+// mask, with grouped-query heads (3 query heads on 1 K/V head), in float64 and float32, forward and
+// every gradient against one device's SDPA on the GPU. Off the CPU each block runs as matrix
+// products (NOTE: [Block kernels] in src/ops/attention_ring.h); the tier pins that kernel so its
+// CPU run checks the same path.
 #include <torch/version.h>
 
 #include "gpu_helpers.h"
@@ -46,8 +47,11 @@ TEST_P(GpuContextParallel, SequenceShardedAttentionMatchesOneDevice) {
                                        : ShardTable{5, 0, 8};
   struct Case {
     ContextParallelMethod method;
-    bool causal, masked;
+    bool causal, masked, gqa = false;
   };
+  // enable_gqa is an argument of scaled_dot_product_attention from LibTorch 2.5.
+  constexpr bool kHasGqa =
+      TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5);
   for (const at::ScalarType dtype : {at::kDouble, at::kFloat}) {
     const test::Tolerance tol =
         dtype == at::kDouble ? test::Tolerance{1e-10, 1e-11} : test::Tolerance{2e-5, 2e-5};
@@ -55,18 +59,32 @@ TEST_P(GpuContextParallel, SequenceShardedAttentionMatchesOneDevice) {
     auto q = gpu_test::randn({2, 3, 13, 8}, 61, dev, dtype).requires_grad_();
     auto k = gpu_test::randn({2, 3, 13, 8}, 62, dev, dtype).requires_grad_();
     auto v = gpu_test::randn({2, 3, 13, 8}, 63, dev, dtype).requires_grad_();
+    auto k1 = gpu_test::randn({2, 1, 13, 8}, 66, dev, dtype).requires_grad_();
+    auto v1 = gpu_test::randn({2, 1, 13, 8}, 67, dev, dtype).requires_grad_();
     const auto mask = gpu_test::randn({13, 13}, 64, dev, dtype);
     for (const Case& c : {Case{ContextParallelMethod::kRing, true, false},
                           Case{ContextParallelMethod::kRing, false, true},
                           Case{ContextParallelMethod::kAllGather, true, false},
-                          Case{ContextParallelMethod::kAllGather, false, true}}) {
+                          Case{ContextParallelMethod::kAllGather, false, true},
+                          Case{ContextParallelMethod::kRing, true, false, true},
+                          Case{ContextParallelMethod::kAllGather, false, true, true}}) {
+      if (c.gqa && !kHasGqa) continue;
       const bool ring = c.method == ContextParallelMethod::kRing;
       const std::string what = m.name() + ", " + c10::toString(dtype) +
                                (ring ? ", ring" : ", all-gather") + (c.causal ? ", causal" : "") +
-                               (c.masked ? ", mask" : "");
-      for (auto* t : {&q, &k, &v}) t->mutable_grad() = at::Tensor();
+                               (c.masked ? ", mask" : "") + (c.gqa ? ", 3 heads on 1" : "");
+      at::Tensor& key = c.gqa ? k1 : k;
+      at::Tensor& value = c.gqa ? v1 : v;
+      for (auto* t : {&q, &key, &value}) t->mutable_grad() = at::Tensor();
       const auto mk = c.masked ? c10::optional<at::Tensor>(mask) : c10::nullopt;
-      auto expected = at::scaled_dot_product_attention(q, k, v, mk, 0.0, c.causal);
+      const auto sdpa = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& d) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+        return at::scaled_dot_product_attention(a, b, d, mk, 0.0, c.causal, c10::nullopt, c.gqa);
+#else
+        return at::scaled_dot_product_attention(a, b, d, mk, 0.0, c.causal);
+#endif
+      };
+      auto expected = sdpa(q, key, value);
       auto g = gpu_test::randn(expected.sizes(), 65, dev, dtype);
       expected.backward(g);
       Pins pins(c.method, /*balance=*/true);
@@ -76,9 +94,9 @@ TEST_P(GpuContextParallel, SequenceShardedAttentionMatchesOneDevice) {
           return test::make_dtensor_from_full(t.detach(), mesh, {Shard(2)}, tables)
               .requires_grad_();
         };
-        auto dq = lay(q), dk = lay(k), dv = lay(v);
+        auto dq = lay(q), dk = lay(key), dv = lay(value);
         CommDebugMode comm;
-        auto got = at::scaled_dot_product_attention(dq, dk, dv, mk, 0.0, c.causal);
+        auto got = sdpa(dq, dk, dv);
         if (ring && world > 1) {
           EXPECT_EQ(comm.get_comm_counts().count("all_gather"), 0u) << what << ": K/V gathered";
         }
@@ -87,8 +105,8 @@ TEST_P(GpuContextParallel, SequenceShardedAttentionMatchesOneDevice) {
         got.backward(test::make_dtensor_from_full(g, mesh, {Shard(2)}, tables));
         EXPECT_TRUE(gpu_test::on_mesh_device(dq.grad(), mesh)) << what;
         EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << what << ": dq";
-        EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << what << ": dk";
-        EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << what << ": dv";
+        EXPECT_TRUE(test::full_matches(dk.grad(), key.grad(), tol)) << what << ": dk";
+        EXPECT_TRUE(test::full_matches(dv.grad(), value.grad(), tol)) << what << ": dv";
       });
     }
   }

@@ -695,25 +695,31 @@ TEST(ContextParallel, LoadBalancedRingEvensTheWork) {
 
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
 // Grouped-query heads (enable_gqa, LibTorch 2.5 on): 4 query heads on 2 K/V heads and on 1
-// (multi-query), random sequence splits on 1-4 ranks, causal or not; and on a 2x2 mesh with
-// the heads split over one dim (unevenly too: a rank's query heads whole groups or not) and
-// the sequence over the other.
+// (multi-query), random sequence splits on 1-4 ranks, causal or not, or with a mask ([L, L],
+// one per query head, one per batch); and on a 2x2 mesh with the heads split over one dim
+// (unevenly too: a rank's query heads whole groups or not) and the sequence over the other.
 TEST(ContextParallel, GroupedQueryHeadsMatchOneDevice) {
   if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
   const test::Tolerance tol{1e-10, 1e-11};
   test::Sweep sweep;
-  sweep.cases(8).run([&](test::Rng& rng, int64_t c) {
+  sweep.cases(16).run([&](test::Rng& rng, int64_t c) {
     const bool grid = c % 4 == 3;
     const int world = grid ? 4 : static_cast<int>(rng.uniform(1, 4));
     const int64_t L = rng.uniform(1, 11), kv_heads = grid ? 2 : rng.uniform(1, 2);
-    const bool causal = rng.coin();
+    // Every mask kind (-1: none) on the single dim and on the grid, causal only unmasked.
+    const int64_t mask_kind = (c + c / 4) % 4 - 1;
+    const bool causal = mask_kind < 0 && rng.coin();
     const ShardTable rows = test::random_table(rng, L, grid ? 2 : world);
     const std::vector<ShardTable> head_tables = {{2, 2}, {4, 0}, {0, 4}, {1, 3}};
     const ShardTable heads = grid ? head_tables[rng.uniform(0, 3)] : ShardTable{};
     auto q = test::randn({2, 4, L, 3}, 600 + c, at::kDouble).requires_grad_();
     auto k = test::randn({2, kv_heads, L, 3}, 700 + c, at::kDouble).requires_grad_();
     auto v = test::randn({2, kv_heads, L, 3}, 800 + c, at::kDouble).requires_grad_();
-    auto expected = at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal, c10::nullopt,
+    const std::vector<std::vector<int64_t>> mask_shapes = {{L, L}, {1, 4, L, L}, {2, 1, L, L}};
+    const at::Tensor mask =
+        mask_kind < 0 ? at::Tensor() : test::randn(mask_shapes[mask_kind], 950 + c, at::kDouble);
+    const auto mask_opt = mask.defined() ? c10::optional<at::Tensor>(mask) : c10::nullopt;
+    auto expected = at::scaled_dot_product_attention(q, k, v, mask_opt, 0.0, causal, c10::nullopt,
                                                      /*enable_gqa=*/true);
     auto g = test::randn(expected.sizes(), 900 + c, at::kDouble);
     expected.backward(g);
@@ -721,6 +727,7 @@ TEST(ContextParallel, GroupedQueryHeadsMatchOneDevice) {
                        std::to_string(kv_heads) + " K/V heads, rows";
     for (auto r : rows) desc += " " + std::to_string(r);
     desc += causal ? ", causal" : "";
+    desc += mask.defined() ? ", mask " + shape_str(mask.sizes().vec()) : "";
     desc += grid ? ", heads " + std::to_string(heads[0]) + "+" + std::to_string(heads[1]) +
                        " x sequence"
                  : "";
@@ -738,7 +745,7 @@ TEST(ContextParallel, GroupedQueryHeadsMatchOneDevice) {
           return test::make_dtensor_from_full(t.detach(), mesh, p, {{}, h, rows}).requires_grad_();
         };
         auto dq = lay(q, heads), dk = lay(k, kv_table), dv = lay(v, kv_table);
-        auto got = at::scaled_dot_product_attention(dq, dk, dv, {}, 0.0, causal, c10::nullopt,
+        auto got = at::scaled_dot_product_attention(dq, dk, dv, mask_opt, 0.0, causal, c10::nullopt,
                                                     /*enable_gqa=*/true);
         EXPECT_TRUE(test::full_matches(got, expected, tol)) << desc << ": output";
         got.backward(test::make_dtensor_from_full(g, mesh, spec(got).placements(),
