@@ -174,10 +174,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> products_backward(
   return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
 }
 
-at::ScalarType accumulate_type(at::ScalarType t) {
-  return t == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 int64_t set_products_tile(int64_t scores) {
   return tile_budget().exchange(std::max<int64_t>(scores, 1));
 }

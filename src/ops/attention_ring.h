@@ -11,6 +11,7 @@
 #include <c10/util/Optional.h>
 
 #include "tessera/comm/collectives.h"
+#include "ops/accumulate_type.h"
 #include "tessera/ops/attention.h"
 
 namespace tessera::ops::attention {
@@ -95,10 +96,6 @@ BlockKernel set_block_kernel(BlockKernel kernel);
 // the batch and heads (default 2^24: 64 MiB in float32), so their memory is bounded as the
 // fused kernels' is; tests make the tiles tiny. Process-wide; returns the previous.
 int64_t set_products_tile(int64_t scores);
-
-// The dtype outputs and log-sum-exps accumulate in: float64 for double, else float32 (as
-// the fused kernel's log-sum-exp).
-at::ScalarType accumulate_type(at::ScalarType t);
 
 // out / lse (rows of a query, lse without the last dim) merged in place with another set of
 // keys' (o, l) by log-sum-exp, in out's and lse's dtype; a row that neither has seen a key yet

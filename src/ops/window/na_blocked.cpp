@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include "na_local.h"
+#include "ops/accumulate_type.h"
 
 namespace tessera::nn::detail {
 
@@ -44,10 +45,6 @@ constexpr double kMaxWaste = 8.0;
 // Logit elements per chunk of tiles: bounds the working set (logits, probabilities and their
 // gradient) to a few of these, whatever the field's size.
 int64_t chunk_elements(const at::Device& d) { return d.is_cuda() ? int64_t{1} << 25 : 1 << 21; }
-
-at::ScalarType compute_type(at::ScalarType t) {
-  return t == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 // One axis of the blocked layout: `tiles` tiles of `tile` queries (the last one padded), each
 // against `box` consecutive window rows from start[t].
@@ -161,7 +158,7 @@ struct Blocked {
     Hkv = k_win.size(nd + 1);
     Dv = v_win.size(nd + 2);
     G = H / Hkv;
-    ct = compute_type(q.scalar_type());
+    ct = ops::accumulate_type(q.scalar_type());
     const auto dev = q.device();
     std::vector<at::Tensor> q_pos, q_ok, kv_pos;
     int64_t q_stride = 1, kv_stride = 1, rel_stride = 1;

@@ -15,6 +15,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include "ops/accumulate_type.h"
+
 namespace tessera::nn::detail {
 
 namespace {
@@ -222,10 +224,6 @@ namespace {
 // Dims of the [B, Nq, H_kv, G, X] products that the tap loops sum over.
 const std::array<int64_t, 1> kLastDim{-1}, kGroupDim{3}, kBatchDim{0};
 
-at::ScalarType compute_type(at::ScalarType t) {
-  return t == at::kDouble ? at::kDouble : at::kFloat;
-}
-
 // The T = prod(k) taps of the neighbourhood (row-major over the axes), as flattened indices:
 // tap tau of every query reads window position key[q] with bias rpb[:, rel[q]].
 class Taps {
@@ -359,7 +357,7 @@ struct Problem {
       Nq *= q.size(1 + a);
       Nkv *= k_win.size(1 + a);
     }
-    ct = compute_type(q.scalar_type());
+    ct = ops::accumulate_type(q.scalar_type());
     qf = q.to(ct).reshape({B, Nq, Hkv, G, D});
     kf = k_win.to(ct).reshape({B, Nkv, Hkv, D});
     vf = v_win.to(ct).reshape({B, Nkv, Hkv, Dv});
