@@ -357,18 +357,10 @@ void expect_error(Fn&& fn, const std::string& substring) {
   }
 }
 
-// Forward, lse and every gradient of the op against the dense oracle (float64). Both run on
-// one intra-op thread: with two, MKL's float64 results (LibTorch 2.15 from pip) vary from run
-// to run well above rounding (the oracle's lse moved by 1.2e-9 in about 1 run in 50, never
-// with MKL_NUM_THREADS=1), which a 1e-10 tolerance cannot absorb.
+// Forward, lse and every gradient of the op against the dense oracle (float64).
 void check_against_dense(const Problem& p, uint64_t seed, at::ScalarType dtype = at::kDouble,
                          double tol = 1e-10) {
   SCOPED_TRACE(p.describe());
-  struct OneThread {
-    int before = at::get_num_threads();
-    OneThread() { at::set_num_threads(1); }
-    ~OneThread() { at::set_num_threads(before); }
-  } one_thread;
   const Inputs base = make_inputs(p, seed);
   const double scale = 1.0 / std::sqrt(static_cast<double>(p.D)) * (1.0 + 0.25 * (seed % 3));
   const Inputs ref = with_grad(base, at::kDouble), got = with_grad(base, dtype);
