@@ -228,8 +228,8 @@ LocalKernel local_kernel(const DTensorSpec& q, bool sharded_seq) {
     if (kc.has("attn_mask") && !kc.arg("attn_mask").isNone()) a.mask = kc.tensor("attn_mask");
     a.causal = kc.arg<bool>("is_causal");
     a.scale = kc.arg("scale").toOptional<double>();
-    // Rows at their global positions under is_causal; otherwise the kernel as it is (with
-    // grouped K/V heads repeated for it).
+    // Rows at their global positions under is_causal; otherwise the kernel as it is (grouped
+    // K/V heads as they are; see groups_of in attention_ring.cpp).
     const bool cut = sharded_seq && a.causal;
     if (!kc.has("grad_out")) {
       auto r = cut ? attention::causal_forward(a, lo) : attention::forward(a);

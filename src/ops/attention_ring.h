@@ -103,11 +103,11 @@ int64_t set_products_tile(int64_t scores);
 void merge_lse(at::Tensor out, at::Tensor lse, at::Tensor o, at::Tensor l);
 
 // One block by the products: q [B, H, rows, E], k and v [B, H_kv, keys, E] with H a
-// multiple of H_kv (grouped-query heads taken as they are, never repeated); dk and dv come
-// back with H_kv heads.
+// multiple of H_kv (grouped-query heads taken as they are, never repeated).
 std::tuple<at::Tensor, at::Tensor> products_forward(const at::Tensor& q, const at::Tensor& k,
                                                     const at::Tensor& v, const at::Tensor& mask,
                                                     bool causal, c10::optional<double> scale);
+// Its backward: dq with q's heads, dk and dv with H_kv heads (summed over each group).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> products_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& mask, bool causal,

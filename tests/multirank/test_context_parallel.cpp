@@ -696,8 +696,9 @@ TEST(ContextParallel, LoadBalancedRingEvensTheWork) {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
 // Grouped-query heads (enable_gqa, LibTorch 2.5 on): 4 query heads on 2 K/V heads and on 1
 // (multi-query), random sequence splits on 1-4 ranks, causal or not, or with a mask ([L, L],
-// one per query head, one per batch); and on a 2x2 mesh with the heads split over one dim
-// (unevenly too: a rank's query heads whole groups or not) and the sequence over the other.
+// one per query head, one per batch, one per batch and head, one broadcast over the keys);
+// and on a 2x2 mesh with the heads split over one dim (unevenly too: a rank's query heads
+// whole groups or not) and the sequence over the other.
 TEST(ContextParallel, GroupedQueryHeadsMatchOneDevice) {
   if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
   const test::Tolerance tol{1e-10, 1e-11};
@@ -706,16 +707,21 @@ TEST(ContextParallel, GroupedQueryHeadsMatchOneDevice) {
     const bool grid = c % 4 == 3;
     const int world = grid ? 4 : static_cast<int>(rng.uniform(1, 4));
     const int64_t L = rng.uniform(1, 11), kv_heads = grid ? 2 : rng.uniform(1, 2);
-    // Every mask kind (-1: none) on the single dim and on the grid, causal only unmasked.
-    const int64_t mask_kind = (c + c / 4) % 4 - 1;
-    const bool causal = mask_kind < 0 && rng.coin();
+    // Fixed by the case, not drawn, so that every seed covers them: on one dim (cases i =
+    // 0..11) each mask kind twice (-1: none, causal once); on the grid (j = 0..3) causal on
+    // an uneven head split, the per-head mask on whole groups, the per-batch-and-head mask
+    // on heads that are not whole groups, the key-broadcast mask.
+    const int64_t i = c - c / 4, j = c / 4;
+    const std::vector<ShardTable> head_tables = {{0, 4}, {2, 2}, {1, 3}, {4, 0}};
+    const int64_t mask_kind = grid ? std::vector<int64_t>{-1, 1, 3, 4}[j] : i % 6 - 1;
+    const bool causal = mask_kind < 0 && (grid || i < 6);
     const ShardTable rows = test::random_table(rng, L, grid ? 2 : world);
-    const std::vector<ShardTable> head_tables = {{2, 2}, {4, 0}, {0, 4}, {1, 3}};
-    const ShardTable heads = grid ? head_tables[rng.uniform(0, 3)] : ShardTable{};
+    const ShardTable heads = grid ? head_tables[j] : ShardTable{};
     auto q = test::randn({2, 4, L, 3}, 600 + c, at::kDouble).requires_grad_();
     auto k = test::randn({2, kv_heads, L, 3}, 700 + c, at::kDouble).requires_grad_();
     auto v = test::randn({2, kv_heads, L, 3}, 800 + c, at::kDouble).requires_grad_();
-    const std::vector<std::vector<int64_t>> mask_shapes = {{L, L}, {1, 4, L, L}, {2, 1, L, L}};
+    const std::vector<std::vector<int64_t>> mask_shapes = {
+        {L, L}, {1, 4, L, L}, {2, 1, L, L}, {2, 4, L, L}, {L, 1}};
     const at::Tensor mask =
         mask_kind < 0 ? at::Tensor() : test::randn(mask_shapes[mask_kind], 950 + c, at::kDouble);
     const auto mask_opt = mask.defined() ? c10::optional<at::Tensor>(mask) : c10::nullopt;
