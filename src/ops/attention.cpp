@@ -336,12 +336,38 @@ bool mask_shape_fits(const at::Tensor& m, const at::Tensor& q, const at::Tensor&
   return m.dim() == 2 || (fits(m.size(0), q.size(0)) && fits(m.size(1), q.size(1)));
 }
 
+// LibTorch's math path (bmm, softmax, dropout) on `kc`'s arguments, `mask` for its mask.
+// Off the CPU, LibTorch's backend choice reads a distributed tensor's device and would send
+// the call to CUDA's flash / efficient / cuDNN kernels, which have no sharding rules (their
+// signatures differ per version): calls that the fused op pair does not take run here as
+// one device's math path would run them. Its arguments are matched by name, so every
+// version's schema is served.
+bool math_path(KernelCall& kc, const c10::optional<at::Tensor>& mask) {
+  const auto math =
+      c10::Dispatcher::singleton().findOp({"aten::_scaled_dot_product_attention_math", ""});
+  if (!math) return false;
+  torch::jit::Stack s;
+  for (const auto& a : math->schema().arguments()) {
+    if (a.name() == "attn_mask")
+      s.emplace_back(mask);
+    else if (kc.has(a.name().c_str()))
+      s.push_back(kc.arg(a.name().c_str()));
+    else if (a.default_value())
+      s.push_back(*a.default_value());
+    else
+      return false;
+  }
+  math->callBoxed(&s);
+  kc.finish({s.at(0)});
+  return true;
+}
+
 // scaled_dot_product_attention is composite: on a distributed tensor LibTorch's backend
-// choice falls to its math path (bmm, softmax), which gathers the sequence. On CPU shards,
-// and on other devices' shards of a split sequence, it is sent to the fused op pair above
+// choice falls to its math path (bmm, softmax), which gathers the sequence. Distributed
+// tensors on any device (and CPU tensors beside them) are sent to the fused op pair above
 // instead (autograd from derivatives.yaml; off the CPU its kernels are matrix products per
-// block). Calls with dropout keep the composite path: its dropout draws as one device does
-// (the fused kernel's would draw per rank).
+// block, NOTE: [Block kernels]). Calls with dropout keep the math path: its dropout draws as
+// one device does (the fused kernel's would draw per rank).
 void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   KernelCall kc(op, *stack);
   const at::Tensor q = kc.tensor("query");
@@ -374,10 +400,8 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const bool mask_fits =
       !mask || (mask->scalar_type() == q.scalar_type() && !kc.arg<bool>("is_causal") &&
                 !mask->requires_grad() && mask_shape_fits(*mask, q, k));
-  // Other devices take the fused op (run by matrix products per block, NOTE: [Block kernels])
-  // where the query's sequence is sharded, which the composite path would gather.
-  const bool here = q.device().is_cpu() || (is_dtensor(q) && seq_sharded(dtensor_impl(q)->spec()));
-  if (here && fits && mask_fits && kc.arg<double>("dropout_p") == 0.0) {
+  if ((q.device().is_cpu() || is_dtensor(q)) && fits && mask_fits &&
+      kc.arg<double>("dropout_p") == 0.0) {
     if (grouped && !(is_dtensor(q) && groups_split_with(dtensor_impl(q)->spec(), k.size(1)))) {
       const int64_t groups = q.size(1) / k.size(1);
       k = attention::repeat_heads(k, groups);
@@ -393,6 +417,13 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                         kc.arg("scale").toOptional<double>());
     kc.finish({std::get<0>(r)});
     return;
+  }
+  if (is_dtensor(q) && attention::by_products(q)) {  // (kProducts: CPU tests of this path)
+    // LibTorch's own input checks first, as the composite makes them.
+    TORCH_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype(),
+                "Expected query, key, and value to have the same dtype, but got query.dtype: ",
+                q.dtype(), " key.dtype: ", k.dtype(), " and value.dtype: ", v.dtype(), " instead.");
+    if (math_path(kc, mask)) return;
   }
   c10::Dispatcher::singleton().callBoxedForDispatchKey(
       op, c10::DispatchKey::CompositeImplicitAutograd, stack);

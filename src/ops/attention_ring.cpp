@@ -88,12 +88,6 @@ std::atomic<int>& block_kernel() {
   return k;
 }
 
-// NOTE: [Block kernels] in attention_ring.h.
-bool by_products(const at::Tensor& q) {
-  return !q.device().is_cpu() ||
-         block_kernel().load(std::memory_order_relaxed) == static_cast<int>(BlockKernel::kProducts);
-}
-
 std::tuple<at::Tensor, at::Tensor> fused(const at::Tensor& q, const at::Tensor& k,
                                          const at::Tensor& v, const at::Tensor& mask, bool causal,
                                          c10::optional<double> scale) {
@@ -656,6 +650,11 @@ bool load_balance_from(const char* value) {
 }
 
 int64_t scores_this_thread() { return scored(); }
+
+bool by_products(const at::Tensor& q) {
+  return !q.device().is_cpu() ||
+         block_kernel().load(std::memory_order_relaxed) == static_cast<int>(BlockKernel::kProducts);
+}
 
 BlockKernel set_block_kernel(BlockKernel kernel) {
   return static_cast<BlockKernel>(block_kernel().exchange(static_cast<int>(kernel)));

@@ -91,6 +91,8 @@ at::Tensor repeat_heads(const at::Tensor& t, int64_t groups);
 // tests check on CPU the path other devices take. Process-wide; returns the previous.
 enum class BlockKernel { kFusedOnCpu, kProducts };
 BlockKernel set_block_kernel(BlockKernel kernel);
+// Whether q's blocks run as the products (q off the CPU, or kProducts).
+bool by_products(const at::Tensor& q);
 
 // The products walk a block in tiles of rows and keys holding at most `scores` scores over
 // the batch and heads (default 2^24: 64 MiB in float32), so their memory is bounded as the

@@ -1,9 +1,10 @@
 // Context parallelism on CUDA shards: scaled_dot_product_attention on queries whose sequence
 // is split over the mesh, under the ring and the all-gather, causal (balanced) and not, with a
-// mask, with grouped-query heads (3 query heads on 1 K/V head), in float64 and float32, forward and
-// every gradient against one device's SDPA on the GPU. Off the CPU each block runs as matrix
-// products (NOTE: [Block kernels] in src/ops/attention_ring.h); the tier pins that kernel so its
-// CPU run checks the same path.
+// mask, with grouped-query heads (3 query heads on 1 K/V head), in float64 and float32; and
+// attention with the heads split and the sequence whole. Forward and every gradient against
+// one device's SDPA on the GPU. Off the CPU each block runs as matrix products (NOTE: [Block
+// kernels] in src/ops/attention_ring.h); the tier pins that kernel so its CPU run checks the
+// same path.
 #include <torch/version.h>
 
 #include "gpu_helpers.h"
@@ -107,6 +108,54 @@ TEST_P(GpuContextParallel, SequenceShardedAttentionMatchesOneDevice) {
         EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << what << ": dq";
         EXPECT_TRUE(test::full_matches(dk.grad(), key.grad(), tol)) << what << ": dk";
         EXPECT_TRUE(test::full_matches(dv.grad(), value.grad(), tol)) << what << ": dv";
+      });
+    }
+  }
+}
+
+// Heads split, the sequence whole (tensor-parallel attention): on CUDA, LibTorch's backend
+// choice would send the call to its flash / efficient / cuDNN kernels, which have no sharding
+// rules; the call takes the fused op pair's rule (matrix products per rank) and equals one
+// device, in float32 (which those kernels would take) and float64, causal and with a mask.
+TEST_P(GpuContextParallel, HeadShardedAttentionMatchesOneDevice) {
+  TESSERA_REQUIRE_GPU_MESH(GetParam());
+  if (!test::has_fused_cpu_attention()) GTEST_SKIP() << "no fused attention in this LibTorch";
+  const GpuMesh& m = GetParam();
+  const int world = m.world();
+  const ShardTable heads = world == 1   ? ShardTable{4}
+                           : world == 2 ? ShardTable{1, 3}
+                                        : ShardTable{2, 0, 2};
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    const test::Tolerance tol =
+        dtype == at::kDouble ? test::Tolerance{1e-10, 1e-11} : test::Tolerance{2e-5, 2e-5};
+    const auto dev = gpu_test::cuda();
+    auto q = gpu_test::randn({2, 4, 13, 8}, 71, dev, dtype).requires_grad_();
+    auto k = gpu_test::randn({2, 4, 13, 8}, 72, dev, dtype).requires_grad_();
+    auto v = gpu_test::randn({2, 4, 13, 8}, 73, dev, dtype).requires_grad_();
+    const auto mask = gpu_test::randn({13, 13}, 74, dev, dtype);
+    for (const bool causal : {true, false}) {
+      const std::string what =
+          m.name() + ", " + c10::toString(dtype) + (causal ? ", causal" : ", mask");
+      for (auto* t : {&q, &k, &v}) t->mutable_grad() = at::Tensor();
+      const auto mk = causal ? c10::nullopt : c10::optional<at::Tensor>(mask);
+      auto expected = at::scaled_dot_product_attention(q, k, v, mk, 0.0, causal);
+      auto g = gpu_test::randn(expected.sizes(), 75, dev, dtype);
+      expected.backward(g);
+      Pins pins(ContextParallelMethod::kAuto, /*balance=*/true);  // (the products on CPU too)
+      gpu_test::on_gpu_mesh(m, [&](const DeviceMesh& mesh) {
+        const std::vector<ShardTable> tables = {{}, heads};
+        auto lay = [&](const at::Tensor& t) {
+          return test::make_dtensor_from_full(t.detach(), mesh, {Shard(1)}, tables)
+              .requires_grad_();
+        };
+        auto dq = lay(q), dk = lay(k), dv = lay(v);
+        auto got = at::scaled_dot_product_attention(dq, dk, dv, mk, 0.0, causal);
+        ASSERT_TRUE(gpu_test::on_mesh_device(got, mesh)) << what;
+        EXPECT_TRUE(test::full_matches(got, expected, tol)) << what << ": output";
+        got.backward(test::make_dtensor_from_full(g, mesh, {Shard(1)}, tables));
+        EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << what << ": dq";
+        EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << what << ": dk";
+        EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << what << ": dv";
       });
     }
   }

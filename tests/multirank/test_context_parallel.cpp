@@ -343,36 +343,80 @@ TEST(ContextParallel, MaskedCallsEqualOneDevice) {
 
 // A mask that requires grad (a learned bias, as T5's relative positions) takes LibTorch's
 // math path on one device, which gives it a gradient; the sharded call gives it the same, for
-// a mask given whole to every rank and for a replicated distributed one.
+// a mask given whole to every rank and for a replicated distributed one. Under both kernels:
+// the products' (every device but the CPU) run LibTorch's math op by name.
 TEST(ContextParallel, LearnedMaskGetsItsGradient) {
   if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
   const test::Tolerance tol{1e-10, 1e-11};
   auto q = test::randn({2, 3, 7, 4}, 21, at::kDouble).requires_grad_();
-  for (const std::vector<int64_t>& shape : {std::vector<int64_t>{7, 7}, {3, 7, 7}}) {
-    auto bias = test::randn(shape, 22, at::kDouble).requires_grad_();
-    q.mutable_grad() = at::Tensor();
-    auto expected = at::scaled_dot_product_attention(q, q, q, bias);
-    auto g = test::randn(expected.sizes(), 23, at::kDouble);
-    expected.backward(g);
-    ASSERT_TRUE(bias.grad().defined());
-    for (bool distributed : {false, true}) {
-      const std::string what = std::string(distributed ? "replicated distributed" : "plain") +
-                               " bias of " + std::to_string(shape.size()) + " dims";
-      tessera::testing::run_ranks(2, [&](int) {
+  for (const auto kernel : kKernels)
+    for (const std::vector<int64_t>& shape : {std::vector<int64_t>{7, 7}, {3, 7, 7}}) {
+      PinKernel pin_kernel(kernel);
+      auto bias = test::randn(shape, 22, at::kDouble).requires_grad_();
+      q.mutable_grad() = at::Tensor();
+      auto expected = at::scaled_dot_product_attention(q, q, q, bias);
+      auto g = test::randn(expected.sizes(), 23, at::kDouble);
+      expected.backward(g);
+      ASSERT_TRUE(bias.grad().defined());
+      for (bool distributed : {false, true}) {
+        const std::string what = std::string(distributed ? "replicated distributed" : "plain") +
+                                 " bias of " + std::to_string(shape.size()) + " dims, " +
+                                 kernel_name(kernel);
+        tessera::testing::run_ranks(2, [&](int) {
+          at::set_num_threads(1);
+          auto mesh = init_device_mesh("cpu", {2});
+          const std::vector<ShardTable> rows = {{}, {}, {4, 3}};
+          auto dq =
+              test::make_dtensor_from_full(q.detach(), mesh, {Shard(2)}, rows).requires_grad_();
+          auto b = distributed ? distribute_tensor(bias.detach(), mesh, {Replicate()}, std::nullopt)
+                               : bias.detach().clone();
+          b.requires_grad_();
+          auto got = at::scaled_dot_product_attention(dq, dq, dq, b);
+          EXPECT_TRUE(test::full_matches(got, expected, tol)) << what << ": output";
+          got.backward(test::make_dtensor_from_full(g, mesh, {Shard(2)}, rows));
+          EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << what << ": dq";
+          ASSERT_TRUE(b.grad().defined()) << what << ": the bias has no gradient";
+          // (The plain bias's gradient arrives distributed; its global value is compared.)
+          EXPECT_TRUE(test::full_matches(b.grad(), bias.grad(), tol)) << what << ": bias gradient";
+        });
+      }
+    }
+}
+
+// Attention dropout on distributed tensors takes LibTorch's math path, whose dropout draws one
+// device's mask (docs/random.md): output and gradients equal one device seeded alike, with
+// the sequence split unevenly or the heads split, under both kernels.
+TEST(ContextParallel, DropoutDrawsOneDevicesMask) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  const test::Tolerance tol{1e-10, 1e-11};
+  auto q = test::randn({2, 3, 7, 4}, 41, at::kDouble).requires_grad_();
+  auto k = test::randn({2, 3, 7, 4}, 42, at::kDouble).requires_grad_();
+  auto v = test::randn({2, 3, 7, 4}, 43, at::kDouble).requires_grad_();
+  at::manual_seed(44);
+  auto expected = at::scaled_dot_product_attention(q, k, v, {}, 0.3);
+  const auto g = test::randn(expected.sizes(), 45, at::kDouble);
+  expected.backward(g);
+  const std::vector<std::pair<Placements, std::vector<ShardTable>>> layouts = {
+      {{Shard(2)}, {{}, {}, {4, 3}}}, {{Shard(1)}, {{}, {1, 2}}}};
+  for (const auto kernel : kKernels) {
+    PinKernel pin_kernel(kernel);
+    for (const auto& [p, tables] : layouts) {
+      const std::string what = p[0].str() + ", " + kernel_name(kernel);
+      tessera::testing::run_ranks(2, [&](int rank) {
         at::set_num_threads(1);
         auto mesh = init_device_mesh("cpu", {2});
-        const std::vector<ShardTable> rows = {{}, {}, {4, 3}};
-        auto dq = test::make_dtensor_from_full(q.detach(), mesh, {Shard(2)}, rows).requires_grad_();
-        auto b = distributed ? distribute_tensor(bias.detach(), mesh, {Replicate()}, std::nullopt)
-                             : bias.detach().clone();
-        b.requires_grad_();
-        auto got = at::scaled_dot_product_attention(dq, dq, dq, b);
+        auto lay = [&](const at::Tensor& t) {
+          return test::make_dtensor_from_full(t.detach(), mesh, p, tables).requires_grad_();
+        };
+        auto dq = lay(q), dk = lay(k), dv = lay(v);
+        tessera::manual_seed(44 + rank);  // rank 0's seed is the one all ranks draw with
+        auto got = at::scaled_dot_product_attention(dq, dk, dv, {}, 0.3);
         EXPECT_TRUE(test::full_matches(got, expected, tol)) << what << ": output";
-        got.backward(test::make_dtensor_from_full(g, mesh, {Shard(2)}, rows));
+        got.backward(test::make_dtensor_from_full(g, mesh, spec(got).placements(),
+                                                  spec(got).shard_tables()));
         EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << what << ": dq";
-        ASSERT_TRUE(b.grad().defined()) << what << ": the bias has no gradient";
-        // (The plain bias's gradient arrives distributed; its global value is compared.)
-        EXPECT_TRUE(test::full_matches(b.grad(), bias.grad(), tol)) << what << ": bias gradient";
+        EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << what << ": dk";
+        EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << what << ": dv";
       });
     }
   }
