@@ -363,11 +363,11 @@ bool math_path(KernelCall& kc, const c10::optional<at::Tensor>& mask) {
 }
 
 // scaled_dot_product_attention is composite: on a distributed tensor LibTorch's backend
-// choice falls to its math path (bmm, softmax), which gathers the sequence. Distributed
-// tensors on any device (and CPU tensors beside them) are sent to the fused op pair above
-// instead (autograd from derivatives.yaml; off the CPU its kernels are matrix products per
-// block, NOTE: [Block kernels]). Calls with dropout keep the math path: its dropout draws as
-// one device does (the fused kernel's would draw per rank).
+// choice falls to its math path (bmm, softmax), which gathers the sequence. Calls with a
+// distributed tensor on any device are sent to the fused op pair above instead (autograd from
+// derivatives.yaml; off the CPU its kernels are matrix products per block, NOTE: [Block kernels]).
+// Calls with dropout keep the math path: its dropout draws as one device does (the fused kernel's
+// would draw per rank).
 void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   KernelCall kc(op, *stack);
   const at::Tensor q = kc.tensor("query");
@@ -383,7 +383,8 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                        q.size(1) != k.size(1);
   // The fused kernel's own limits (LibTorch's backend choice checks the same).
   const bool fits = q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(3) == k.size(3) &&
-                    k.size(3) == v.size(3) && q.scalar_type() == k.scalar_type() &&
+                    k.size(3) == v.size(3) && q.size(0) == k.size(0) && k.size(0) == v.size(0) &&
+                    k.size(2) == v.size(2) && q.scalar_type() == k.scalar_type() &&
                     k.scalar_type() == v.scalar_type() &&
                     (grouped || (q.size(1) == k.size(1) && k.size(1) == v.size(1)));
   // The fused kernel takes an additive mask in the query's dtype; a boolean one becomes
@@ -400,8 +401,8 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const bool mask_fits =
       !mask || (mask->scalar_type() == q.scalar_type() && !kc.arg<bool>("is_causal") &&
                 !mask->requires_grad() && mask_shape_fits(*mask, q, k));
-  if ((q.device().is_cpu() || is_dtensor(q)) && fits && mask_fits &&
-      kc.arg<double>("dropout_p") == 0.0) {
+  // (Some argument is a distributed tensor: this kernel is at their key.)
+  if (fits && mask_fits && kc.arg<double>("dropout_p") == 0.0) {
     if (grouped && !(is_dtensor(q) && groups_split_with(dtensor_impl(q)->spec(), k.size(1)))) {
       const int64_t groups = q.size(1) / k.size(1);
       k = attention::repeat_heads(k, groups);
@@ -418,11 +419,17 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     kc.finish({std::get<0>(r)});
     return;
   }
-  if (is_dtensor(q) && attention::by_products(q)) {  // (kProducts: CPU tests of this path)
+  if (attention::by_products(q)) {  // (kProducts: the CPU tests of this route)
     // LibTorch's own input checks first, as the composite makes them.
     TORCH_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype(),
                 "Expected query, key, and value to have the same dtype, but got query.dtype: ",
                 q.dtype(), " key.dtype: ", k.dtype(), " and value.dtype: ", v.dtype(), " instead.");
+    const auto given = kc.arg("attn_mask").toOptional<at::Tensor>();
+    TORCH_CHECK(!given || given->scalar_type() == at::kBool || given->scalar_type() == at::kFloat ||
+                    given->dtype() == q.dtype(),
+                "Expected attn_mask dtype to be bool or float or to match query dtype, but got "
+                "attn_mask.dtype: ",
+                given ? given->dtype() : q.dtype(), " and  query.dtype: ", q.dtype(), " instead.");
     if (math_path(kc, mask)) return;
   }
   c10::Dispatcher::singleton().callBoxedForDispatchKey(
@@ -437,6 +444,10 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::_scaled_dot_product_flash_attention_for_cpu_backward", sdpa_backward_rule);
   register_autograd_kernel("aten::scaled_dot_product_attention",
                            torch::CppFunction::makeFromBoxedFunction<&sdpa_entry>());
+  // Under InferenceMode (no autograd keys) too: the composite's backend choice would pick
+  // kernels without rules on CUDA.
+  register_kernel("aten::scaled_dot_product_attention",
+                  torch::CppFunction::makeFromBoxedFunction<&sdpa_entry>());
 }};
 
 }  // namespace

@@ -116,7 +116,8 @@ TEST_P(GpuContextParallel, SequenceShardedAttentionMatchesOneDevice) {
 // Heads split, the sequence whole (tensor-parallel attention): on CUDA, LibTorch's backend
 // choice would send the call to its flash / efficient / cuDNN kernels, which have no sharding
 // rules; the call takes the fused op pair's rule (matrix products per rank) and equals one
-// device, in float32 (which those kernels would take) and float64, causal and with a mask.
+// device, in float32 (which those kernels would take) and float64, causal and with a mask,
+// and under InferenceMode.
 TEST_P(GpuContextParallel, HeadShardedAttentionMatchesOneDevice) {
   TESSERA_REQUIRE_GPU_MESH(GetParam());
   if (!test::has_fused_cpu_attention()) GTEST_SKIP() << "no fused attention in this LibTorch";
@@ -156,6 +157,9 @@ TEST_P(GpuContextParallel, HeadShardedAttentionMatchesOneDevice) {
         EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << what << ": dq";
         EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << what << ": dk";
         EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << what << ": dv";
+        c10::InferenceMode inference;  // (no autograd keys: routed alike)
+        auto again = at::scaled_dot_product_attention(dq, dk, dv, mk, 0.0, causal);
+        EXPECT_TRUE(test::full_matches(again, expected.detach(), tol)) << what << ": inference";
       });
     }
   }

@@ -383,6 +383,40 @@ TEST(ContextParallel, LearnedMaskGetsItsGradient) {
     }
 }
 
+// Under c10::InferenceMode (no autograd keys) the call is routed as with them: sequence or
+// heads split, plain and masked, under both kernels, equal to one device.
+TEST(ContextParallel, InferenceModeAsOneDevice) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  const test::Tolerance tol{1e-10, 1e-11};
+  const auto q = test::randn({2, 3, 7, 4}, 51, at::kDouble);
+  const auto k = test::randn({2, 3, 7, 4}, 52, at::kDouble);
+  const auto v = test::randn({2, 3, 7, 4}, 53, at::kDouble);
+  const auto mask = test::randn({2, 1, 7, 7}, 54, at::kDouble);
+  const std::vector<std::pair<Placements, std::vector<ShardTable>>> layouts = {
+      {{Shard(2)}, {{}, {}, {4, 3}}}, {{Shard(1)}, {{}, {1, 2}}}};
+  for (const auto kernel : kKernels) {
+    PinKernel pin_kernel(kernel);
+    for (const bool masked : {false, true}) {
+      const auto mk = masked ? c10::optional<at::Tensor>(mask) : c10::nullopt;
+      const auto expected = at::scaled_dot_product_attention(q, k, v, mk, 0.0, !masked);
+      for (const auto& [p, tables] : layouts) {
+        const std::string what =
+            p[0].str() + (masked ? ", mask, " : ", causal, ") + kernel_name(kernel);
+        tessera::testing::run_ranks(2, [&](int) {
+          at::set_num_threads(1);
+          auto mesh = init_device_mesh("cpu", {2});
+          auto lay = [&](const at::Tensor& t) {
+            return test::make_dtensor_from_full(t, mesh, p, tables);
+          };
+          c10::InferenceMode inference;
+          auto got = at::scaled_dot_product_attention(lay(q), lay(k), lay(v), mk, 0.0, !masked);
+          EXPECT_TRUE(test::full_matches(got, expected, tol)) << what;
+        });
+      }
+    }
+  }
+}
+
 // Attention dropout on distributed tensors takes LibTorch's math path, whose dropout draws one
 // device's mask (docs/random.md): output and gradients equal one device seeded alike, with
 // the sequence split unevenly or the heads split, under both kernels.
@@ -423,8 +457,9 @@ TEST(ContextParallel, DropoutDrawsOneDevicesMask) {
 }
 
 // Calls LibTorch's scaled_dot_product_attention refuses or treats specially on one device (a
-// mask with is_causal, mixed dtypes, query heads no multiple of the K/V heads): the sharded
-// call does what one device does, the same error on every rank or the same values.
+// mask with is_causal, mixed dtypes, query heads no multiple of the K/V heads, K/V with a
+// batch of 1 broadcast, a float16 mask on float64): the sharded call does what one device
+// does, the same error on every rank or the same values.
 TEST(ContextParallel, RefusedCallsAsOneDevice) {
   if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
   struct Bad {
@@ -438,6 +473,8 @@ TEST(ContextParallel, RefusedCallsAsOneDevice) {
       {"mask with is_causal", x, x, x, mask, true, false},
       {"float32 key", x, x.to(at::kFloat), x, {}, false, false},
       {"4 query heads on 3 K/V heads", x, x.narrow(1, 0, 3), x.narrow(1, 0, 3), {}, false, true},
+      {"K/V batch 1, broadcast", x, x.narrow(0, 0, 1), x.narrow(0, 0, 1), {}, false, false},
+      {"float16 mask", x, x, x, mask.to(at::kHalf), false, false},
   };
   for (const Bad& b : calls) {
     SCOPED_TRACE(b.what);

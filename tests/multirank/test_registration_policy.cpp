@@ -162,6 +162,13 @@ const std::set<std::string> kSeededWithoutRule = {
     "aten::_triton_scaled_dot_attention",
 };
 
+// Seeded composite ops with a kernel of their own at the distributed-tensor key (not a rule):
+// it sends their draws to ops with rules, and their own tests compare them with one device.
+const std::set<std::string> kSeededOwnKernels = {
+    // (tests/multirank/test_context_parallel.cpp, DropoutDrawsOneDevicesMask)
+    "aten::scaled_dot_product_attention",
+};
+
 // Seeded ops whose rule raises whenever they would draw (dropout_p > 0): nothing to compare.
 // tests/multirank/test_context_parallel.cpp checks the refusal.
 const std::set<std::string> kSeededRulesRefusingDraws = {
@@ -208,6 +215,7 @@ const std::set<std::string> kVersionSpecific = {
     "aten::_scaled_dot_product_flash_attention",
     "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_scaled_dot_product_fused_attention_overrideable",
+    "aten::scaled_dot_product_attention",  // (2.x with the fused CPU pair: kSeededOwnKernels)
     "aten::_triton_scaled_dot_attention",
     "aten::miopen_rnn",
     "aten::rand_like.generator_out",
@@ -392,12 +400,16 @@ TEST(RegistrationPolicy, SeededOpsDrawWhatOneDeviceDraws) {
   // Values in (0.2, 0.8): valid probabilities, rates and counts for every seeded op.
   const auto x = at::rand(shape, tessera::test::generator(3)) * 0.6 + 0.2;
   std::vector<std::string> without_rule, unbuildable;
-  std::set<std::string> used, used_refusing;
+  std::set<std::string> used, used_refusing, used_own;
   int checked = 0;
   for (const auto& name : c10::Dispatcher::singleton().getAllOpNames()) {
     const auto op = c10::Dispatcher::singleton().findOp(name);
     if (!op || !op->hasTag(at::Tag::nondeterministic_seeded) || !reachable(*op)) continue;
     const std::string q = qualified(name);
+    if (const std::string own = entry_for(kSeededOwnKernels, q); !own.empty()) {
+      used_own.insert(own);
+      continue;
+    }
     if (!ops::find_rule(*op) && !ops::detail::find_out_form_rule(*op)) {
       const std::string entry = entry_for(kSeededWithoutRule, q);
       if (!entry.empty())
@@ -446,6 +458,7 @@ TEST(RegistrationPolicy, SeededOpsDrawWhatOneDeviceDraws) {
   std::sort(without_rule.begin(), without_rule.end());
   fail_unused("kSeededWithoutRule", kSeededWithoutRule, used);
   fail_unused("kSeededRulesRefusingDraws", kSeededRulesRefusingDraws, used_refusing);
+  fail_unused("kSeededOwnKernels", kSeededOwnKernels, used_own);
   EXPECT_GT(checked, 0);
   EXPECT_TRUE(unbuildable.empty()) << "no arguments for these seeded ops of LibTorch "
                                    << TORCH_VERSION << "; extend seeded_args:" << join(unbuildable);
