@@ -419,7 +419,10 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     kc.finish({std::get<0>(r)});
     return;
   }
-  if (attention::by_products(q)) {  // (kProducts: the CPU tests of this route)
+  // A mask with is_causal keeps the composite: LibTorch versions answer it differently (2.6's
+  // fused CPU kernel applies both, 2.15 and the math op refuse it).
+  const bool mask_and_causal = kc.arg("attn_mask").isTensor() && kc.arg<bool>("is_causal");
+  if (attention::by_products(q) && !mask_and_causal) {  // (kProducts: CPU tests of this route)
     // LibTorch's own input checks first, as the composite makes them.
     TORCH_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype(),
                 "Expected query, key, and value to have the same dtype, but got query.dtype: ",
