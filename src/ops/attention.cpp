@@ -343,7 +343,7 @@ bool mask_shape_fits(const at::Tensor& m, const at::Tensor& q, const at::Tensor&
 // one device's math path would run them. Its arguments are matched by name, so every
 // version's schema is served.
 bool math_path(KernelCall& kc, const c10::optional<at::Tensor>& mask) {
-  const auto math =
+  static const auto math =  // (looked up once, not per call)
       c10::Dispatcher::singleton().findOp({"aten::_scaled_dot_product_attention_math", ""});
   if (!math) return false;
   torch::jit::Stack s;
