@@ -24,6 +24,13 @@ namespace tessera::compat {
 #define TESSERA_ALLOCATOR_HAS_COPY_DATA 0
 #endif
 
+// The fused CPU attention kernel (_scaled_dot_product_flash_attention_for_cpu and its
+// backward) takes fewer K/V heads than query heads (grouped-query attention) from 2.9; 2.8's
+// refuses them and 2.6's computes garbage and crashes in backward, so callers repeat them.
+constexpr bool kFusedCpuAttentionTakesGroups = TORCH_VERSION_MAJOR > 2 ||
+                                               (TORCH_VERSION_MAJOR == 2 &&
+                                                TORCH_VERSION_MINOR >= 9);
+
 // c10d::TCPStoreOptions::useLibUV exists from 2.2 (and defaults to true from 2.4); a LibTorch
 // built without libuv, as Debian 13's is, refuses it. Sets it where the field exists.
 template <class Options>

@@ -13,10 +13,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/version.h>
 #include <c10/util/Exception.h>
 
 #include "tessera/comm/halo.h"
+#include "tessera/compat.h"
 
 namespace tessera::ops::attention {
 
@@ -62,19 +62,14 @@ using BackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
 
 // Grouped-query heads: q.size(1) = groups x k.size(1), query head h served by K/V head
 // h / groups. The exchanges carry the K/V heads only. The products take them as they are;
-// the fused CPU pair takes them from LibTorch 2.15 (2.6's computes garbage and its backward
-// crashes on them; versions between are not checked, so they repeat), else each call
-// repeats them for its block and its dK / dV are summed back per group.
+// so does the fused CPU pair where LibTorch's takes them (compat.h), else each call repeats
+// them for its block and its dK / dV are summed back per group.
 int64_t groups_of(const at::Tensor& q, const at::Tensor& k) {
   return k.size(1) == q.size(1) || k.size(1) == 0 ? 1 : q.size(1) / k.size(1);
 }
 
-// (A local gate rather than compat.h: only this file needs it.)
-constexpr bool kFusedTakesGroups = TORCH_VERSION_MAJOR > 2 ||
-                                   (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15);
-
 int64_t fused_repeats(const at::Tensor& q, const at::Tensor& k) {
-  return kFusedTakesGroups ? 1 : groups_of(q, k);
+  return compat::kFusedCpuAttentionTakesGroups ? 1 : groups_of(q, k);
 }
 
 at::Tensor sum_groups(const at::Tensor& t, int64_t groups) {
