@@ -299,6 +299,18 @@ DeviceMesh DeviceMesh::unowned() const {
 std::shared_ptr<void>& detail::mesh_cache_slot(const DeviceMesh& mesh) { return mesh.impl_->cache; }
 std::mutex& detail::mesh_cache_mutex(const DeviceMesh& mesh) { return mesh.impl_->cache_mu; }
 
+DeviceMesh detail::mesh_over_dims(const DeviceMesh& mesh, const std::vector<int64_t>& dims) {
+  TORCH_CHECK(!dims.empty(), "tessera: a slice of ", mesh.str(), " needs at least one dim");
+  for (size_t i = 0; i < dims.size(); ++i)
+    TORCH_CHECK(dims[i] >= 0 && dims[i] < mesh.ndim() && (i == 0 || dims[i] > dims[i - 1]),
+                "tessera: slice dims ", shape_str(dims), " of ", mesh.str(),
+                " must be distinct mesh dims in mesh order");
+  if (static_cast<int64_t>(dims.size()) == mesh.ndim()) return mesh;
+  TORCH_CHECK(mesh.contains_this_rank(), "tessera: cannot slice ", mesh.str(),
+              " on a rank outside it");
+  return mesh.sub(dims);
+}
+
 std::string DeviceMesh::str() const {
   if (!impl_) return "DeviceMesh(undefined)";
   const auto& m = *impl_;

@@ -119,14 +119,6 @@ SpecPtr mask_layout(const DTensorSpec& mask, const DTensorSpec& q) {
   return std::make_shared<DTensorSpec>(mask.mesh(), p, mask.sizes(), mask.dtype(), tables);
 }
 
-// Whether the members along `dims` have one group a ring can run on: a mesh dim's own, the
-// mesh's, or that of the slice of the mesh over those dims, which is reached by their names
-// (a mesh without dim names gathers K and V instead).
-bool has_ring_group(const DeviceMesh& mesh, const std::vector<int64_t>& dims) {
-  return dims.size() == 1 || static_cast<int64_t>(dims.size()) == mesh.ndim() ||
-         !mesh.dim_names().empty();
-}
-
 // The mesh dims whose ring brings K/V over (NOTE: [Ring attention]), when the method for
 // this size is the ring: those that shard the query's sequence. Their members, row-major
 // over those dims, are the order of the nested shard table (a sequence split over a 2-D
@@ -134,7 +126,7 @@ bool has_ring_group(const DeviceMesh& mesh, const std::vector<int64_t>& dims) {
 // Empty: the all-gather.
 std::vector<int64_t> ring_dims(const DTensorSpec& q, const DTensorSpec& k, const DTensorSpec& v) {
   const auto dims = q.mesh_dims_sharding(kSeq);
-  if (dims.empty() || !has_ring_group(q.mesh(), dims)) return {};
+  if (dims.empty()) return {};
   // What one rank would gather: the whole sequence of its batch and heads.
   const auto local = q.local_sizes();
   const int64_t bytes = k.sizes()[kSeq] * local[0] * (local[1] / groups(q, k)) *
@@ -244,16 +236,12 @@ LocalKernel local_kernel(const DTensorSpec& q, bool sharded_seq) {
   };
 }
 
-// The group of the ring along `dims` (has_ring_group): the mesh dim's, the mesh's, or the
-// slice's over those dims, whose ranks are row-major over them as the shard table's members
-// (`me` checks it).
+// The group of the ring along `dims`: the mesh dim's, the mesh's, or the slice's over those
+// dims, whose ranks are row-major over them as the shard table's members (`me` checks it).
 compat::BackendPtr ring_group(const DeviceMesh& mesh, const std::vector<int64_t>& dims,
                               int64_t me) {
   if (dims.size() == 1) return mesh.group(dims[0]);
-  if (static_cast<int64_t>(dims.size()) == mesh.ndim()) return mesh.mesh_group();
-  std::vector<std::string> names;
-  for (int64_t d : dims) names.push_back(mesh.dim_names().at(d));
-  auto pg = mesh[names].mesh_group();
+  auto pg = detail::mesh_over_dims(mesh, dims).mesh_group();
   TORCH_INTERNAL_ASSERT(comm::group_rank(pg) == me, "ring member ", me, " is rank ",
                         comm::group_rank(pg), " of its slice's group");
   return pg;

@@ -22,6 +22,9 @@ namespace detail {
 // A cache slot and its mutex that die with the mesh (the redistribute planner's plans).
 std::shared_ptr<void>& mesh_cache_slot(const DeviceMesh& mesh);
 std::mutex& mesh_cache_mutex(const DeviceMesh& mesh);
+// The mesh over `dims` of `mesh`, in that order, with the parent's groups (cached). The
+// library's way to a slice of a mesh without dim names (the public one is by name).
+DeviceMesh mesh_over_dims(const DeviceMesh& mesh, const std::vector<int64_t>& dims);
 }  // namespace detail
 
 class DeviceMesh {
@@ -104,6 +107,7 @@ class DeviceMesh {
  private:
   friend std::shared_ptr<void>& detail::mesh_cache_slot(const DeviceMesh&);
   friend std::mutex& detail::mesh_cache_mutex(const DeviceMesh&);
+  friend DeviceMesh detail::mesh_over_dims(const DeviceMesh&, const std::vector<int64_t>&);
   explicit DeviceMesh(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
   const Impl& impl() const;
   // The mesh over `dims` of this one, in that order (slices and permutations), cached.
