@@ -28,8 +28,10 @@ namespace tessera::comm {
 using Group = compat::BackendPtr;
 
 // Concatenation along `dim` of every member's `x`; member i's x has size sizes[i] along dim.
-// Sends (n-1)*B; receives the other members' bytes. Even sizes use the backend's all-gather,
-// uneven ones one all-to-all-v (never padding).
+// Even sizes use the backend's all-gather: sends (n-1)*B, receives the other members' bytes.
+// Uneven sizes within half again of their mean travel padded to the largest in one flat
+// all-gather ((n-1)*max moved, accounted as such); sizes further apart (an empty shard among
+// full ones) go by one all-to-all-v that moves exactly the other members' bytes.
 at::Tensor all_gather(const Group& pg, const at::Tensor& x, int64_t dim,
                       const std::vector<int64_t>& sizes);
 
