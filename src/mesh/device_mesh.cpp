@@ -203,16 +203,13 @@ DeviceMesh DeviceMesh::operator[](const std::string& name) const {
 }
 
 DeviceMesh DeviceMesh::operator[](const std::vector<std::string>& names) const {
-  const auto& m = impl();
   TORCH_CHECK(!names.empty(), "tessera: slicing a mesh needs at least one dim name");
   std::vector<int64_t> dims;
   for (auto& n : names) dims.push_back(dim_index(n));
   for (size_t i = 1; i < dims.size(); ++i)
     TORCH_CHECK(dims[i] > dims[i - 1], "tessera: mesh dims must be sliced in mesh order; got ",
                 "out-of-order or repeated names");
-  if (dims.size() == m.shape.size()) return *this;
-  TORCH_CHECK(contains_this_rank(), "tessera: cannot slice ", str(), " on a rank outside it");
-  return sub(dims);
+  return detail::mesh_over_dims(*this, dims);
 }
 
 DeviceMesh DeviceMesh::permute(const std::vector<int64_t>& dims) const {
@@ -317,11 +314,17 @@ std::string DeviceMesh::str() const {
   const bool usual = (m.kind == c10::DeviceType::CPU) == (m.transport == "gloo");
   std::string s = "DeviceMesh(" + m.device_type + (usual ? "" : ":" + m.transport) +
                   ", shape=" + shape_str(m.shape) + ", ranks=[";
-  for (size_t i = 0; i < m.ranks.size(); ++i) s += (i ? "," : "") + std::to_string(m.ranks[i]);
+  for (size_t i = 0; i < m.ranks.size(); ++i) {
+    if (i) s += ",";
+    s += std::to_string(m.ranks[i]);
+  }
   s += "]";
   if (!m.names.empty()) {
     s += ", dims=(";
-    for (size_t i = 0; i < m.names.size(); ++i) s += (i ? ", " : "") + m.names[i];
+    for (size_t i = 0; i < m.names.size(); ++i) {
+      if (i) s += ", ";
+      s += m.names[i];
+    }
     s += ")";
   }
   return s + ")";
