@@ -51,11 +51,7 @@ inline at::Tensor randn(at::IntArrayRef shape, uint64_t seed, at::ScalarType dty
 
 // The block of `full` this rank holds under `spec` (partial dims ignored).
 inline at::Tensor local_block(const at::Tensor& full, const DTensorSpec& spec) {
-  auto off = spec.local_offsets();
-  auto len = spec.local_sizes();
-  at::Tensor b = full;
-  for (int64_t t = 0; t < spec.ndim(); ++t) b = b.narrow(t, off[t], len[t]);
-  return b;
+  return block_at(full, spec, spec.mesh().coordinate());
 }
 
 // Offsets whose sum over a mesh dim is 0 (avg terms) and weights whose sum is exactly 1.

@@ -141,10 +141,10 @@ std::unique_ptr<AsyncSave::Impl> prepare(const StateDict& state, const std::stri
       at::Tensor x = t->detach();
       const DTensorSpec& sp = spec(x);
       if (!sp.mesh().contains_this_rank()) continue;
-      if (sp.has_partial()) {  // collective over the tensor's mesh
+      if (sp.has_partial() || sp.has_head_tail()) {  // collective over the tensor's mesh
+        // Pieces are boxes of the global tensor: sums reduced, head-tail rows in order.
         Placements p = sp.placements();
-        for (auto& pl : p)
-          if (pl.is_partial()) pl = Replicate();
+        for (auto& pl : p) pl = pl.is_partial() ? Replicate() : pl.natural();
         x = redistribute(x, p);
       }
       const DTensorSpec& xs = spec(x);
@@ -404,6 +404,10 @@ void load(StateDict& state, const std::string& path) {
              ", loading into " + dtype + " " + shape_str(t.sizes().vec());
     else if (is_dtensor(t) && spec(t).has_partial())
       err += "\n  \"" + name + "\": cannot load into a Partial tensor (" + spec(t).str() + ")";
+    else if (is_dtensor(t) && spec(t).has_head_tail())
+      err += "\n  \"" + name + "\": cannot load into a head-tail tensor (" + spec(t).str() +
+             "); load into its natural order (" + to_string(spec(t).natural_spec().placements()) +
+             ") and redistribute after";
   }
   comm::check_everywhere(group, err.empty(), err.empty() ? err : where + ":" + err);
 

@@ -249,6 +249,8 @@ void fill_from_full(const at::Tensor& target, const at::Tensor& full, const std:
   if (!sp.mesh().contains_this_rank()) return;
   TORCH_CHECK(!sp.has_partial(), "tessera: checkpoint::import_module: \"", name, "\" is Partial (",
               sp.str(), "); import into Replicate or Shard placements");
+  TORCH_CHECK(!sp.has_head_tail(), "tessera: checkpoint::import_module: \"", name, "\" is ",
+              sp.str(), ", whose shard is two ranges; import into Shard placements");
   at::Tensor part = full;
   const auto off = sp.local_offsets(), len = sp.local_sizes();
   for (int64_t d = 0; d < full.dim(); ++d) part = part.narrow(d, off[d], len[d]);

@@ -40,6 +40,7 @@
 #include "dim_layout.h"
 #include "tessera/tensor/rule.h"
 #include "tessera/redistribute/redistribute.h"
+#include "tessera/tensor/api.h"
 #include "tessera/tensor/dtensor_impl.h"
 
 namespace tessera::ops {
@@ -143,8 +144,42 @@ SpecPtr layout_of(const at::Tensor& t, const DeviceMesh& mesh) {
 }
 
 // index.Tensor(self, indices)
+// These kernels read shard offsets: head-tail operands are relayed into position order
+// first (NOTE: [Head-tail order]); a head-tail tensor written in place is refused, as its
+// write would land in the relayed copy.
+at::Tensor in_position_order(const at::Tensor& t) {
+  if (!is_dtensor(t) || !dtensor_impl(t)->spec().has_head_tail()) return t;
+  return redistribute(t, std::make_shared<DTensorSpec>(dtensor_impl(t)->spec().natural_spec()));
+}
+
+void relay_head_tail(const c10::OperatorHandle& op, torch::jit::Stack& args, bool writes_self) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    c10::IValue& v = args[i];
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      TORCH_CHECK(!(i == 0 && writes_self && is_dtensor(t) && spec(t).has_head_tail()),
+                  "tessera: ", op.schema().name(), " writes into a head-tail tensor (",
+                  spec(t).str(), "); redistribute it to the natural order (",
+                  to_string(spec(t).natural_spec().placements()), ") first");
+      v = in_position_order(t);
+    } else if (v.isList()) {
+      bool any = false;
+      for (const auto& e : v.toListRef())
+        any =
+            any || (e.isTensor() && is_dtensor(e.toTensor()) && spec(e.toTensor()).has_head_tail());
+      if (!any) continue;
+      c10::List<c10::optional<at::Tensor>> out;
+      for (const auto& e : v.toListRef())
+        out.push_back(e.isTensor() ? c10::optional<at::Tensor>(in_position_order(e.toTensor()))
+                                   : c10::nullopt);
+      v = out;
+    }
+  }
+}
+
 void index_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   torch::jit::Stack args = torch::jit::pop(*stack, op.schema().arguments().size());
+  relay_head_tail(op, args, false);
   KernelCall k(op, args);
   const at::Tensor self = k.tensor("self");
   const c10::IValue list = k.arg("indices");
@@ -218,6 +253,7 @@ void index_put_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t nargs = schema.arguments().size(), base = stack->size() - nargs;
   torch::jit::Stack args(stack->begin() + base, stack->end());
   stack->resize(base);
+  relay_head_tail(op, args, writes_self(schema));
   KernelCall in(op, args);
   const at::Tensor self = in.tensor("self");
   const at::Tensor values = in.tensor("values");

@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include "attention_ring.h"
+#include "tensor/out_form.h"
 #include "tessera/comm/collectives.h"
 #include "tessera/tensor/dtensor_impl.h"
 #include "tessera/tensor/rule.h"
@@ -241,7 +242,7 @@ LocalKernel local_kernel(const DTensorSpec& q, bool sharded_seq) {
 compat::BackendPtr ring_group(const DeviceMesh& mesh, const std::vector<int64_t>& dims,
                               int64_t me) {
   if (dims.size() == 1) return mesh.group(dims[0]);
-  auto pg = detail::mesh_over_dims(mesh, dims).mesh_group();
+  auto pg = tessera::detail::mesh_over_dims(mesh, dims).mesh_group();
   TORCH_INTERNAL_ASSERT(comm::group_rank(pg) == me, "ring member ", me, " is rank ",
                         comm::group_rank(pg), " of its slice's group");
   return pg;
@@ -249,16 +250,16 @@ compat::BackendPtr ring_group(const DeviceMesh& mesh, const std::vector<int64_t>
 
 // The ring kernels (attention_ring.h) on this call's local tensors, over the group of the
 // ring's mesh dims (ring_group).
-DistributedKernel ring_kernel(const Layout& l, bool backward) {
+DistributedKernel ring_kernel(const Layout& l, bool backward, bool stored = false) {
   const std::vector<int64_t> dims = l.ring;
   const bool one = dims.size() == 1;
   const std::vector<int64_t> q_sizes = one ? l.q->shard_sizes(dims[0]) : l.q->shard_table(kSeq);
   const std::vector<int64_t> kv_sizes =
       one ? l.kv_k->shard_sizes(dims[0]) : l.kv_k->shard_table(kSeq);
-  return [dims, one, q_sizes, kv_sizes, backward](KernelCall& kc, const DeviceMesh& mesh) {
-    const int64_t me =
-        one ? mesh.local_rank(dims[0]) : detail::table_index(mesh, dims, mesh.coordinate());
-    const attention::SeqSplit split{q_sizes, kv_sizes, me};
+  return [dims, one, q_sizes, kv_sizes, backward, stored](KernelCall& kc, const DeviceMesh& mesh) {
+    const int64_t me = one ? mesh.local_rank(dims[0])
+                           : tessera::detail::table_index(mesh, dims, mesh.coordinate());
+    const attention::SeqSplit split{q_sizes, kv_sizes, me, stored};
     attention::Args a;
     a.q = kc.tensor("query");
     a.k = kc.tensor("key");
@@ -278,7 +279,70 @@ DistributedKernel ring_kernel(const Layout& l, bool backward) {
   };
 }
 
-OpPlan sdpa_rule(const OpCall& call) {
+// NOTE: [Attention on the head-tail order]
+// The rules below see head-tail specs as stored (let_rule_see_head_tail). When q, k and v are
+// all HeadTailShard(2) on one mesh dim, self-attention without a mask, the ring runs on the
+// stored order (NOTE: [Load-balanced causal ring]: under is_causal each step is the same
+// work on every member) and the results are head-tail too: nothing is dealt or sent home per
+// call. Any other call plans for the natural order: its head-tail operands are relayed first.
+std::optional<int64_t> stored_ring_dim(const OpCall& call) {
+  const DTensorSpec *q = call.spec("query"), *k = call.spec("key"), *v = call.spec("value");
+  if (!q || !k || !v || q->ndim() != 4 || k->ndim() != 4 || v->ndim() != 4) return {};
+  if (call.spec("attn_mask") || (call.has("attn_mask") && call.arg("attn_mask").isTensor() &&
+                                 call.arg("attn_mask").toTensor().defined()))
+    return {};
+  if (q->sizes()[kSeq] != k->sizes()[kSeq] || call.arg<double>("dropout_p") != 0.0) return {};
+  const auto dims = q->mesh_dims_sharding(kSeq);
+  if (dims.size() != 1 || !q->placement(dims[0]).is_head_tail()) return {};
+  for (const DTensorSpec* x : {k, v})
+    if (x->placement(dims[0]) != q->placement(dims[0])) return {};
+  return dims[0];
+}
+
+Layout stored_layout(const OpCall& call, int64_t m) {
+  const DTensorSpec& q = *call.spec("query");
+  TORCH_CHECK(groups_split_with(q, call.spec("key")->sizes()[1]), "tessera: ", call.describe(),
+              ": key and value need each rank's query heads a multiple of theirs");
+  Layout l;
+  l.q = whole_along(q, {3});
+  auto head_tail_kv = [&](const DTensorSpec& kv) {
+    Placements p = kv_layout(kv, *l.q)->placements();
+    p[m] = HeadTailShard(kSeq);
+    return std::make_shared<DTensorSpec>(kv.mesh(), p, kv.sizes(), kv.dtype(),
+                                         kv_layout(kv, *l.q)->shard_tables());
+  };
+  l.kv_k = head_tail_kv(*call.spec("key"));
+  l.kv_v = head_tail_kv(*call.spec("value"));
+  l.out = resized(*l.q, call.spec("value")->sizes()[3], false);
+  l.lse = resized(*l.q, 0, true);
+  l.sharded_seq = true;
+  l.ring = {m};
+  return l;
+}
+
+// `rule` planned for the natural order: head-tail specs swapped for theirs, and the
+// head-tail operands the plan leaves as they are relayed into them.
+OpPlan for_natural_order(const OpCall& call, OpPlan (*rule)(const OpCall&)) {
+  OpCall natural{call.op, call.args, {}, call.list_specs, call.reference};
+  natural.specs.assign(call.specs.begin(), call.specs.end());
+  std::vector<SpecPtr> keep(call.specs.size());
+  for (size_t i = 0; i < call.specs.size(); ++i) {
+    if (!call.specs[i] || !call.specs[i]->has_head_tail()) continue;
+    keep[i] = std::make_shared<DTensorSpec>(call.specs[i]->natural_spec());
+    if (natural.reference == call.specs[i]) natural.reference = keep[i].get();
+    natural.specs[i] = keep[i].get();
+  }
+  if (natural.reference->has_head_tail())  // (a list element: these ops take none)
+    natural.reference = nullptr;
+  for (size_t i = 0; i < natural.specs.size() && !natural.reference; ++i)
+    natural.reference = natural.specs[i];
+  OpPlan plan = rule(natural);
+  for (size_t i = 0; i < keep.size(); ++i)
+    if (keep[i] && i < plan.inputs.size() && !plan.inputs[i]) plan.inputs[i] = keep[i];
+  return plan;
+}
+
+OpPlan sdpa_natural_rule(const OpCall& call) {
   const Layout l = layout_of(call);
   OpPlan plan(call);
   plan.input("query", l.q).input("key", l.kv_k).input("value", l.kv_v);
@@ -298,7 +362,19 @@ SpecPtr kv_grad(const DTensorSpec& kv, const DTensorSpec& q) {
   return std::make_shared<DTensorSpec>(kv.with_placements(p, kv.shard_tables()));
 }
 
-OpPlan sdpa_backward_rule(const OpCall& call) {
+OpPlan sdpa_rule(const OpCall& call) {
+  if (const auto m = stored_ring_dim(call)) {
+    const Layout l = stored_layout(call, *m);
+    OpPlan plan(call);
+    plan.input("query", l.q).input("key", l.kv_k).input("value", l.kv_v);
+    plan.output(l.out).output(l.lse);
+    plan.distributed_kernel = ring_kernel(l, false, /*stored=*/true);
+    return plan;
+  }
+  return for_natural_order(call, sdpa_natural_rule);
+}
+
+OpPlan sdpa_backward_natural_rule(const OpCall& call) {
   const Layout l = layout_of(call);
   OpPlan plan(call);
   plan.input("grad_out", l.out).input("query", l.q).input("key", l.kv_k).input("value", l.kv_v);
@@ -312,6 +388,20 @@ OpPlan sdpa_backward_rule(const OpCall& call) {
   plan.output(l.q).output(kv_grad(*l.kv_k, *l.q)).output(kv_grad(*l.kv_v, *l.q));
   plan.local_kernel = local_kernel(*l.q, l.sharded_seq);
   return plan;
+}
+
+OpPlan sdpa_backward_rule(const OpCall& call) {
+  if (const auto m = stored_ring_dim(call)) {
+    // The output gradient may arrive in the natural order: relayed (one of six tensors).
+    const Layout l = stored_layout(call, *m);
+    OpPlan plan(call);
+    plan.input("grad_out", l.out).input("query", l.q).input("key", l.kv_k).input("value", l.kv_v);
+    plan.input("out", l.out).input("logsumexp", l.lse);
+    plan.output(l.q).output(l.kv_k).output(l.kv_v);
+    plan.distributed_kernel = ring_kernel(l, true, /*stored=*/true);
+    return plan;
+  }
+  return for_natural_order(call, sdpa_backward_natural_rule);
 }
 
 // The masks LibTorch's fused kernel takes (its backend choice sends others to the math path):
@@ -433,6 +523,9 @@ const RuleRegistrar registrar{[] {
     return;  // LibTorch 1.13: no fused CPU attention
   register_rule("aten::_scaled_dot_product_flash_attention_for_cpu", sdpa_rule);
   register_rule("aten::_scaled_dot_product_flash_attention_for_cpu_backward", sdpa_backward_rule);
+  // NOTE: [Attention on the head-tail order]
+  detail::let_rule_see_head_tail("aten::_scaled_dot_product_flash_attention_for_cpu");
+  detail::let_rule_see_head_tail("aten::_scaled_dot_product_flash_attention_for_cpu_backward");
   register_autograd_kernel("aten::scaled_dot_product_attention",
                            torch::CppFunction::makeFromBoxedFunction<&sdpa_entry>());
   // Under InferenceMode (no autograd keys) too: the composite's backend choice would pick

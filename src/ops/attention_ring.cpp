@@ -17,6 +17,7 @@
 
 #include "tessera/comm/halo.h"
 #include "tessera/compat.h"
+#include "tessera/placement/spec.h"
 
 namespace tessera::ops::attention {
 
@@ -404,21 +405,12 @@ struct HeadTail {
   std::vector<int64_t> sizes;            // member m's rows in the dealt layout: head + tail
 
   HeadTail(int64_t length, int64_t P) {
-    const int64_t parts = 2 * P, base = length / parts, extra = length % parts;
-    std::vector<int64_t> start(parts + 1, 0);
-    for (int64_t c = 0; c < parts; ++c) start[c + 1] = start[c] + base + (c < extra ? 1 : 0);
-    // Member m holds chunks 2m, 2m + 1 on an even split: the front half keeps its first,
-    // the back half its second (the middle member of an odd P holds a pair already).
-    pair.assign(P, 0);
-    for (int64_t m = 0; m < P / 2; ++m) {
-      pair[m] = 2 * m;
-      pair[P - 1 - m] = 2 * m + 1;
-    }
-    if (P % 2 == 1) pair[P / 2] = P - 1;
+    // The chunks of HeadTailShard (NOTE: [Head-tail order] in spec.h).
+    const auto w = tessera::detail::head_tail_windows(length, P);
+    pair = w.low;
     for (int64_t m = 0; m < P; ++m) {
-      const int64_t a = pair[m], b = parts - 1 - a;
-      head.push_back({start[a], start[a + 1]});
-      tail.push_back({start[b], start[b + 1]});
+      head.push_back(comm::Window{w.head[m].first, w.head[m].second});
+      tail.push_back(comm::Window{w.tail[m].first, w.tail[m].second});
       sizes.push_back(head.back().size() + tail.back().size());
     }
   }
@@ -517,6 +509,14 @@ struct BalancedRing {
 
 std::tuple<at::Tensor, at::Tensor> ring_forward(const comm::Group& pg, const SeqSplit& s,
                                                 const Args& a) {
+  if (s.stored && a.causal) {
+    const BalancedRing br(s);
+    return forward_on(br.on(pg, s.me), a, 0);
+  }
+  if (s.stored) {  // without the causal cut no block reads a position: any order serves
+    const auto whole = [&](int64_t m, int64_t j) { return block(s, m, j, false); };
+    return forward_on(make_ring(pg, s.kv_sizes, s.me, whole), a, 0);
+  }
   if (balanced(s, a)) {
     const BalancedRing br(s);
     Args d = a;
@@ -538,6 +538,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_backward(const comm::Group& 
                                                              const at::Tensor& grad_out,
                                                              const at::Tensor& out,
                                                              const at::Tensor& lse) {
+  if (s.stored && a.causal) {
+    const BalancedRing br(s);
+    return backward_on(br.on(pg, s.me), a, 0, grad_out, out, lse);
+  }
+  if (s.stored) {
+    const auto whole = [&](int64_t m, int64_t j) { return block(s, m, j, false); };
+    return backward_on(make_ring(pg, s.kv_sizes, s.me, whole), a, 0, grad_out, out, lse);
+  }
   if (balanced(s, a)) {
     const BalancedRing br(s);
     auto in = deal(pg, {a.q, a.k, a.v, grad_out, out, lse}, s.q_sizes, br.ht);

@@ -62,6 +62,9 @@ int64_t scores_this_thread();
 struct SeqSplit {
   std::vector<int64_t> q_sizes, kv_sizes;
   int64_t me = 0;
+  // q, k, v (and in backward out, logsumexp, the output gradient) are in the head-tail order
+  // already (HeadTailShard): the ring walks them as stored, nothing dealt or sent home.
+  bool stored = false;
   int64_t q_offset(int64_t m) const;
   int64_t kv_offset(int64_t m) const;
   int64_t kv_total() const;

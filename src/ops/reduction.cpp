@@ -38,6 +38,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "tensor/out_form.h"
 #include "tessera/tensor/rule.h"
 #include "dim_layout.h"
 #include "reduction_identity.h"
@@ -291,6 +292,9 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::mean", mean_rule);
   register_rule("aten::mean.dim", mean_rule);
   register_rule("aten::mean.out", mean_rule);
+  // mean's kernel is a local sum over the reduced dims: position-free.
+  for (const char* op : {"aten::mean", "aten::mean.dim", "aten::mean.out"})
+    detail::let_local_kernel_keep_order(op);
 
   register_rule("aten::amax", max_rule);
   register_rule("aten::max", max_rule);

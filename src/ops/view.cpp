@@ -16,6 +16,7 @@
 #include <c10/util/accumulate.h>
 #include <c10/util/strides.h>
 
+#include "tensor/out_form.h"
 #include "tessera/tensor/rule.h"
 
 namespace tessera::ops {
@@ -291,6 +292,10 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::view", view_rule);
   register_rule("aten::_unsafe_view", unsafe_view_rule);
   register_rule("aten::_reshape_alias", reshape_alias_rule);
+  // reshaped_locally's kernel is a row-major reshape: position-free.
+  for (const char* op :
+       {"aten::_unsafe_view", "aten::_reshape_alias", "aten::squeeze", "aten::squeeze.dim"})
+    detail::let_local_kernel_keep_order(op);
   register_rule("aten::expand", expand_rule);
   register_rule("aten::transpose.int", transpose_rule);
   register_rule("aten::t", transpose_rule);

@@ -81,8 +81,10 @@ Layout plan_layout(const DTensorSpec& in, const at::Tensor& target) {
   const int64_t nd = in.ndim();
   TORCH_CHECK(nd >= 1, kWho, ": logits must have at least one dim (the classes), got ", in.str());
   l.cdim = nd >= 2 ? 1 : 0;
-  l.logits = in.has_partial() ? std::make_shared<DTensorSpec>(in.partial_as_replicate())
-                              : std::make_shared<DTensorSpec>(in);
+  // Rows in position order: head-tail logits are relayed first (NOTE: [Head-tail order]).
+  const DTensorSpec natural = in.natural_spec();
+  l.logits = natural.has_partial() ? std::make_shared<DTensorSpec>(natural.partial_as_replicate())
+                                   : std::make_shared<DTensorSpec>(natural);
   const auto& P = l.logits->placements();
   for (int64_t m = 0; m < static_cast<int64_t>(P.size()); ++m) {
     if (P[m].is_shard(l.cdim))

@@ -30,6 +30,8 @@ ShardTable chunk_table(const DeviceMesh& mesh, const Placements& placements, int
   ShardTable table;
   for (size_t m = 0; m < placements.size(); ++m) {
     if (!placements[m].is_shard(t)) continue;
+    // A head-tail dim has one split and one table (the spec checks the first).
+    if (placements[m].is_head_tail()) return detail::head_tail_windows(size, mesh.size(m)).table();
     if (table.empty()) {
       table = chunk_sizes(size, mesh.size(m));
       continue;
@@ -40,6 +42,36 @@ ShardTable chunk_table(const DeviceMesh& mesh, const Placements& placements, int
     table = std::move(next);
   }
   return table;
+}
+
+detail::HeadTailWindows detail::head_tail_windows(int64_t length, int64_t members) {
+  const int64_t parts = 2 * members, base = length / parts, extra = length % parts;
+  std::vector<int64_t> start(parts + 1, 0);
+  for (int64_t c = 0; c < parts; ++c) start[c + 1] = start[c] + base + (c < extra ? 1 : 0);
+  // On an even split member k holds chunks 2k and 2k + 1: the front half keeps its first,
+  // the back half its second (the middle member of an odd count holds a pair already), so
+  // members k and n - 1 - k swap one chunk each.
+  std::vector<int64_t> low(members, 0);
+  for (int64_t k = 0; k < members / 2; ++k) {
+    low[k] = 2 * k;
+    low[members - 1 - k] = 2 * k + 1;
+  }
+  if (members % 2 == 1) low[members / 2] = members - 1;
+  HeadTailWindows w;
+  w.low = low;
+  for (int64_t k = 0; k < members; ++k) {
+    const int64_t a = low[k], b = parts - 1 - a;
+    w.head.emplace_back(start[a], start[a + 1]);
+    w.tail.emplace_back(start[b], start[b + 1]);
+  }
+  return w;
+}
+
+std::vector<int64_t> detail::HeadTailWindows::table() const {
+  std::vector<int64_t> out;
+  for (size_t k = 0; k < head.size(); ++k)
+    out.push_back(head[k].second - head[k].first + tail[k].second - tail[k].first);
+  return out;
 }
 
 int64_t detail::table_index(const DeviceMesh& mesh, const std::vector<int64_t>& sharding_dims,
@@ -79,6 +111,19 @@ DTensorSpec::DTensorSpec(DeviceMesh mesh, Placements placements, std::vector<int
   tables_.resize(nd);
   for (int64_t t = 0; t < nd; ++t) {
     auto dims = mesh_dims_sharding(t);
+    for (auto m : dims) {
+      if (!placements_[m].is_head_tail()) continue;
+      head_tail_ = true;
+      TORCH_CHECK(dims.size() == 1, "tessera: ", to_string(placements_), " splits tensor dim ", t,
+                  " over mesh dims ", shape_str(dims), " with ", placements_[m].str(),
+                  " among them; a head-tail dim takes one mesh dim only (use Shard(", t,
+                  ") on the others, or shard another dim)");
+      const auto fixed = detail::head_tail_windows(sizes_[t], mesh_.size(m)).table();
+      TORCH_CHECK(tables[t].empty() || tables[t] == fixed, "tessera: ", placements_[m].str(),
+                  " on ", mesh_.str(), " fixes tensor dim ", t, "'s shard sizes to ",
+                  shape_str(fixed), " for length ", sizes_[t], ", but ", shape_str(tables[t]),
+                  " was given; pass no table (or from_local shards of those sizes)");
+    }
     if (dims.empty()) {
       TORCH_CHECK(tables[t].empty(), "tessera: a shard table was given for ", "tensor dim ", t,
                   ", which ", to_string(placements_), " does not shard");
@@ -109,9 +154,9 @@ DTensorSpec::DTensorSpec(DeviceMesh mesh, Placements placements, std::vector<int
   size_t h = 0;
   for (auto m : mesh_.shape()) h = detail::hash_mix(h, static_cast<size_t>(m));
   for (auto& p : placements_)
-    h = detail::hash_mix(h, (static_cast<size_t>(p.kind()) << 16) ^
-                                (static_cast<size_t>(p.dim()) << 4) ^
-                                static_cast<size_t>(p.reduce_op()));
+    h = detail::hash_mix(
+        h, (static_cast<size_t>(p.kind()) << 16) ^ (static_cast<size_t>(p.is_head_tail()) << 12) ^
+               (static_cast<size_t>(p.dim()) << 4) ^ static_cast<size_t>(p.reduce_op()));
   for (auto s : sizes_) h = detail::hash_mix(h, static_cast<size_t>(s));
   for (auto& tab : tables_) {
     h = detail::hash_mix(h, tab.size());
@@ -165,6 +210,10 @@ std::vector<int64_t> DTensorSpec::local_sizes(const std::vector<int64_t>& coord)
 }
 
 std::vector<int64_t> DTensorSpec::local_offsets(const std::vector<int64_t>& coord) const {
+  // Every rank refuses alike (whatever it holds), so a collective caller cannot hang.
+  TORCH_CHECK(!head_tail_, "tessera: ", str(),
+              ": a head-tail shard is two ranges, not one offset; redistribute to the natural "
+              "order first (natural_spec()), or read local_ranges()");
   std::vector<int64_t> out(sizes_.size(), 0);
   for (int64_t t = 0; t < ndim(); ++t) {
     if (tables_[t].empty()) continue;
@@ -172,6 +221,27 @@ std::vector<int64_t> DTensorSpec::local_offsets(const std::vector<int64_t>& coor
     out[t] = std::accumulate(tables_[t].begin(), tables_[t].begin() + idx, int64_t{0});
   }
   return out;
+}
+
+std::vector<std::pair<int64_t, int64_t>> DTensorSpec::local_ranges(
+    int64_t t, const std::vector<int64_t>& coord) const {
+  const auto dims = mesh_dims_sharding(t);
+  if (dims.size() == 1 && placements_[dims[0]].is_head_tail()) {
+    const auto w = detail::head_tail_windows(sizes_[t], mesh_.size(dims[0]));
+    const int64_t k = coord.at(dims[0]);
+    return {w.head[k], w.tail[k]};
+  }
+  if (tables_[t].empty()) return {{0, sizes_[t]}};
+  const int64_t idx = detail::table_index(mesh_, dims, coord);
+  const int64_t off = std::accumulate(tables_[t].begin(), tables_[t].begin() + idx, int64_t{0});
+  return {{off, off + tables_[t][idx]}};
+}
+
+DTensorSpec DTensorSpec::natural_spec() const {
+  if (!head_tail_) return *this;
+  Placements p;
+  for (const auto& x : placements_) p.push_back(x.natural());
+  return DTensorSpec(mesh_, std::move(p), sizes_, dtype_, tables_);
 }
 
 bool DTensorSpec::has_partial() const {

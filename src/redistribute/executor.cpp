@@ -1,8 +1,11 @@
 // Runs a redistribute plan on the local shard: one primitive per step.
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include "tessera/comm/collectives.h"
+#include "tessera/comm/halo.h"
 #include "tessera/redistribute/redistribute.h"
 
 namespace tessera {
@@ -15,15 +18,23 @@ struct Extent {
 };
 Extent intersect(Extent a, Extent b) { return {std::max(a.lo, b.lo), std::min(a.hi, b.hi)}; }
 
+// (Dims the step moves: never a head-tail one, whose ranges are two.)
 Extent extent(const DTensorSpec& s, const std::vector<int64_t>& coord, int64_t dim) {
-  const int64_t off = s.local_offsets(coord)[dim];
-  return {off, off + s.local_sizes(coord)[dim]};
+  const auto ranges = s.local_ranges(dim, coord);
+  TORCH_INTERNAL_ASSERT(ranges.size() == 1, "a head-tail dim in an all-to-all step");
+  return {ranges[0].first, ranges[0].second};
 }
 
 // Cut this rank's piece out of a replicated (along d) local tensor.
 at::Tensor local_slice(const at::Tensor& x, const RedistributeStep& st) {
   const auto& mesh = st.after->mesh();
   const int64_t u = st.after->placement(st.mesh_dim).dim();
+  if (st.after->placement(st.mesh_dim).is_head_tail()) {
+    std::vector<at::Tensor> parts;
+    for (auto [lo, hi] : st.after->local_ranges(u, mesh.coordinate()))
+      parts.push_back(x.narrow(u, lo, hi - lo));
+    return at::cat(parts, u);
+  }
   const auto sizes = st.after->shard_sizes(st.mesh_dim);
   const int64_t me = mesh.coordinate()[st.mesh_dim];
   int64_t off = 0;
@@ -57,6 +68,70 @@ at::Tensor all_to_all_step(const at::Tensor& x, const RedistributeStep& st) {
   return comm::all_to_all(mesh.group(d), x, u, send, t, recv_shapes);
 }
 
+// Tags of the relayout's windows in flight together (one per piece of a member's rows).
+constexpr int kTagRelayout = 0x1200;
+
+// S(t) <-> HT(t) on mesh dim d: every member fetches its new rows from their owners, one
+// halo window per piece. Its new rows are ranges of positions; each maps to windows of the
+// old layout's stored order (the members' shards one after another), split where the old
+// layout's ranges end, in position order. Every row moves once, to the one member that
+// needs it; rows a member keeps are copied locally.
+at::Tensor relayout(const at::Tensor& x, const RedistributeStep& st) {
+  const auto& mesh = st.before->mesh();
+  const int64_t d = st.mesh_dim;
+  const int64_t t = st.before->placement(d).dim();
+  const int64_t n = mesh.size(d);
+  const std::vector<int64_t> sizes = st.before->shard_sizes(d);
+  auto coord = mesh.coordinate();
+  // Old layout: member j's ranges and where each starts in the stored order.
+  std::vector<std::pair<std::pair<int64_t, int64_t>, int64_t>> stored;  // (range, start)
+  int64_t at = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    coord[d] = j;
+    for (auto r : st.before->local_ranges(t, coord)) {
+      stored.push_back({r, at});
+      at += r.second - r.first;
+    }
+  }
+  std::vector<std::vector<comm::Window>> pieces(n);  // member j's windows, in its new order
+  size_t most = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    coord[d] = j;
+    for (auto [lo, hi] : st.after->local_ranges(t, coord)) {
+      std::vector<std::pair<int64_t, comm::Window>> found;  // (position, stored window)
+      for (const auto& [r, start] : stored) {
+        const int64_t a = std::max(lo, r.first), b = std::min(hi, r.second);
+        if (a < b) found.push_back({a, {start + a - r.first, start + b - r.first}});
+      }
+      std::sort(found.begin(), found.end(),
+                [](const auto& p, const auto& q) { return p.first < q.first; });
+      for (const auto& f : found) pieces[j].push_back(f.second);
+    }
+    most = std::max(most, pieces[j].size());
+  }
+  const int64_t me = mesh.coordinate()[d];
+  std::vector<comm::PendingWindow> pending;
+  for (size_t p = 0; p < most; ++p) {
+    std::vector<comm::Window> windows(n);
+    for (int64_t j = 0; j < n; ++j)
+      if (p < pieces[j].size()) windows[j] = pieces[j][p];
+    pending.push_back(comm::fetch_window_async(mesh.group(d), x, t, sizes, windows,
+                                               comm::HaloBoundary::Zeros, 0.0,
+                                               kTagRelayout + static_cast<int>(p)));
+  }
+  std::vector<at::Tensor> parts;
+  for (size_t p = 0; p < pending.size(); ++p) {
+    at::Tensor part = pending[p].wait();
+    if (p < pieces[me].size()) parts.push_back(std::move(part));
+  }
+  if (parts.empty()) {
+    auto shape = x.sizes().vec();
+    shape[t] = 0;
+    return at::empty(shape, x.options());
+  }
+  return parts.size() == 1 ? parts[0] : at::cat(parts, t);
+}
+
 at::Tensor run_step(const at::Tensor& x, const RedistributeStep& st) {
   const auto& mesh = st.before->mesh();
   const int64_t d = st.mesh_dim;
@@ -74,6 +149,7 @@ at::Tensor run_step(const at::Tensor& x, const RedistributeStep& st) {
                                   st.before->placement(d).reduce_op());
     }
     case StepKind::AllToAll: return all_to_all_step(x, st);
+    case StepKind::Relayout: return relayout(x, st);
     case StepKind::ToPartial: {
       // Sum: the value lives on coordinate 0, zeros elsewhere (exact for every dtype).
       // Avg/Max/Min: every rank keeps the value.

@@ -10,6 +10,12 @@
 // nested outside it on t, and on the shard table up to d. Nesting (see NOTE: [Shard tables])
 // means only the innermost mesh dim of a tensor dim can be added or removed; the phases are
 // ordered so that each step obeys this.
+//
+// Head-tail dims (NOTE: [Head-tail order] in spec.h) wrap this: a head-tail split that both
+// ends keep is stable (its table is fixed and it is its dim's only split), so the three phases
+// plan in the natural order around it; one that goes away is relayed into the natural order
+// first, and one that appears is relayed into from the natural order last, or cut out of a
+// replicated tensor directly where phase 3 slices it.
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
@@ -97,7 +103,7 @@ SpecPtr with(const DTensorSpec& cur, int64_t d, const Placement& to, const DTens
   return make_spec(cur, std::move(p), std::move(tables));
 }
 
-std::shared_ptr<RedistributePlan> build_plan(const SpecPtr& from, const SpecPtr& to) {
+std::shared_ptr<RedistributePlan> build_natural_plan(const SpecPtr& from, const SpecPtr& to) {
   auto plan = std::make_shared<RedistributePlan>();
   SpecPtr cur = from;
   const DTensorSpec& dst = *to;
@@ -139,6 +145,95 @@ std::shared_ptr<RedistributePlan> build_plan(const SpecPtr& from, const SpecPtr&
   return plan;
 }
 
+// `s` with mesh dim d's placement made head-tail (same table: the natural one of it).
+SpecPtr head_tail_on(const SpecPtr& s, int64_t d) {
+  Placements p = s->placements();
+  p[d] = Placement::head_tail_shard(p[d].dim());
+  return make_spec(*s, std::move(p), s->shard_tables());
+}
+
+SpecPtr natural_of(const SpecPtr& s) {
+  return s->has_head_tail() ? std::make_shared<DTensorSpec>(s->natural_spec()) : s;
+}
+
+// Mesh dim d's split is the only one of its tensor dim.
+bool only_split(const DTensorSpec& s, int64_t d) {
+  const Placement& p = s.placement(d);
+  return p.is_shard() && s.mesh_dims_sharding(p.dim()) == std::vector<int64_t>{d};
+}
+
+std::shared_ptr<RedistributePlan> build_plan(const SpecPtr& from, const SpecPtr& to) {
+  if (!from->has_head_tail() && !to->has_head_tail()) return build_natural_plan(from, to);
+  const int64_t nd = from->mesh().ndim();
+  auto kept = [&](int64_t d) {
+    return from->placement(d).is_head_tail() && from->placement(d) == to->placement(d);
+  };
+  // A head-tail split and a natural one of the same dim on the same mesh dim: one relayout
+  // goes straight between them, whatever the natural one's table.
+  auto natural_partner = [](const DTensorSpec& s, int64_t d, const Placement& ht) {
+    return s.placement(d) == ht.natural() && only_split(s, d);
+  };
+  auto plan = std::make_shared<RedistributePlan>();
+  SpecPtr cur = from;
+  for (int64_t d = 0; d < nd; ++d) {
+    const Placement& ht = from->placement(d);
+    if (!ht.is_head_tail() || kept(d)) continue;
+    Placements p = cur->placements();
+    p[d] = ht.natural();
+    auto tables = cur->shard_tables();
+    if (natural_partner(*to, d, ht)) tables[ht.dim()] = to->shard_table(ht.dim());
+    auto next = make_spec(*cur, std::move(p), std::move(tables));
+    plan->steps.push_back({StepKind::Relayout, d, cur, next});
+    cur = std::move(next);
+  }
+  // The middle in the natural order; kept head-tail dims are not touched by it.
+  SpecPtr mid_to = natural_of(to);
+  for (int64_t d = 0; d < nd; ++d) {
+    const Placement& ht = to->placement(d);
+    if (!ht.is_head_tail() || kept(d) || !natural_partner(*cur, d, ht)) continue;
+    auto tables = mid_to->shard_tables();
+    tables[ht.dim()] = cur->shard_table(ht.dim());
+    mid_to = make_spec(*mid_to, mid_to->placements(), std::move(tables));
+  }
+  auto middle = build_natural_plan(natural_of(cur), mid_to);
+  auto restore = [&](SpecPtr s) {
+    for (int64_t d = 0; d < nd; ++d)
+      if (kept(d)) s = head_tail_on(s, d);
+    return s;
+  };
+  for (auto& st : middle->steps) {
+    st.before = restore(st.before);
+    st.after = restore(st.after);
+  }
+  // A head-tail split that phase 3 cuts out of a replicated tensor: cut it so at once.
+  for (int64_t d = 0; d < nd; ++d) {
+    if (!to->placement(d).is_head_tail() || kept(d)) continue;
+    auto& steps = middle->steps;
+    size_t i = 0;
+    while (i < steps.size() && !(steps[i].kind == StepKind::LocalSlice && steps[i].mesh_dim == d))
+      ++i;
+    for (size_t j = i; j < steps.size(); ++j) {
+      if (j > i) steps[j].before = head_tail_on(steps[j].before, d);
+      steps[j].after = head_tail_on(steps[j].after, d);
+    }
+  }
+  if (!middle->steps.empty()) cur = middle->steps.back().after;
+  for (auto& st : middle->steps) plan->steps.push_back(std::move(st));
+  for (int64_t d = 0; d < nd; ++d) {
+    const Placement& ht = to->placement(d);
+    if (!ht.is_head_tail() || cur->placement(d).is_head_tail()) continue;
+    Placements p = cur->placements();
+    p[d] = ht;
+    auto tables = cur->shard_tables();
+    tables[ht.dim()].clear();  // the head-tail table, fixed by the length
+    auto next = make_spec(*cur, std::move(p), std::move(tables));
+    plan->steps.push_back({StepKind::Relayout, d, cur, next});
+    cur = std::move(next);
+  }
+  TORCH_INTERNAL_ASSERT(*cur == *to, "redistribute plan ends at ", cur->str(), " not ", to->str());
+  return plan;
+}
+
 // Plans live in the mesh's cache slot (they die with the mesh) and refer to it unowned.
 // What the mesh's cache slot holds: the plans, and the agreement ledger of redistribute's entry.
 struct PlanCache {
@@ -171,6 +266,7 @@ const char* to_string(StepKind k) {
     case StepKind::ReduceScatter: return "reduce_scatter";
     case StepKind::AllToAll: return "all_to_all";
     case StepKind::ToPartial: return "to_partial";
+    case StepKind::Relayout: return "relayout";
   }
   return "?";
 }
@@ -207,7 +303,8 @@ double redistribute_cost(const SpecPtr& from, const SpecPtr& to) {
       case StepKind::AllGather: bytes += (n - 1) * b; break;
       case StepKind::AllReduce: bytes += 2 * (n - 1) / n * b; break;
       case StepKind::ReduceScatter:
-      case StepKind::AllToAll: bytes += (n - 1) / n * b; break;
+      case StepKind::AllToAll:
+      case StepKind::Relayout: bytes += (n - 1) / n * b; break;
       case StepKind::LocalSlice:
       case StepKind::ToPartial: bytes += 1e-3; break;  // free, but prefer fewer steps
     }

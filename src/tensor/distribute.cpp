@@ -65,11 +65,14 @@ SourceMeta agree_with_source(const char* what, const DeviceMesh& mesh, const at:
 // Each rank's block of the global tensor, cut out by the spec.
 at::Tensor block_of(const at::Tensor& full, const DTensorSpec& s,
                     const std::vector<int64_t>& coord) {
-  auto off = s.local_offsets(coord);
-  auto len = s.local_sizes(coord);
   at::Tensor b = full;
-  for (int64_t t = 0; t < s.ndim(); ++t)
-    if (len[t] != full.size(t)) b = b.narrow(t, off[t], len[t]);
+  for (int64_t t = 0; t < s.ndim(); ++t) {
+    const auto ranges = s.local_ranges(t, coord);  // two on a head-tail dim
+    if (ranges.size() == 1 && ranges[0].second - ranges[0].first == full.size(t)) continue;
+    std::vector<at::Tensor> parts;
+    for (auto [lo, hi] : ranges) parts.push_back(b.narrow(t, lo, hi - lo));
+    b = parts.size() == 1 ? parts[0] : at::cat(parts, t);
+  }
   return b;
 }
 

@@ -261,19 +261,65 @@ struct Frame {
   c10::SmallVector<at::Tensor, 8> locals;  // per Tensor argument: the local shard the op ran on
   std::vector<SpecPtr> final_outputs;      // on a miss: the output specs, completed
   size_t next_out = 0;
+  // Head-tail arguments (NOTE: [Head-tail arguments]): the stand-in the steps see, and the
+  // tensor the caller passed.
+  struct Stored {
+    const DTensorImpl* stand_in;
+    at::Tensor original;
+    SpecPtr natural;
+  };
+  c10::SmallVector<Stored, 2> stored;
+  bool keeps_order = false;  // the op runs on the stored shards (keeps_head_tail)
+
+  const Stored* stored_for(const DTensorImpl* d) const {
+    for (const auto& s : stored)
+      if (s.stand_in == d) return &s;
+    return nullptr;
+  }
 
   const DTensorSpec& ref() const { return *call.reference; }
   const ops::OpPlan& plan() const { return decision->plan; }
 };
 
+// NOTE: [Head-tail arguments]
+// Rules never see the head-tail order (NOTE: [Head-tail order] in spec.h): each head-tail
+// argument is swapped for a stand-in with the natural spec over the same stored shard, so
+// the steps decide and cache as for Shard(t). Then, per call:
+//  - a call whose plan cannot tell the order apart (keeps_head_tail: position-free ops such
+//    as element-wise ones, products, norms and views that keep the dim whole) runs on the
+//    stored shards, and its results are head-tail on that dim. So a model keeps the order
+//    from layer to layer without moving anything, and a view aliases the shard;
+//  - any other call relays its head-tail shards into the natural order (to whatever layout
+//    the plan wants) before the op runs, and returns the natural order. A view of that kind
+//    would alias a relayed copy, and writes through it would be lost: it raises instead;
+//  - in-place and out= results land in the caller's own shard in its stored order, so the
+//    tensor stays head-tail and its aliases see the write.
+// Such calls never feed the fast path, which would replay them without these steps.
+void substitute_head_tail(Frame& f) {
+  auto stand_in = [&](const at::Tensor& t) -> at::Tensor {
+    auto* d = as_dtensor(t);
+    if (!d || !d->spec().has_head_tail()) return t;
+    auto natural = std::make_shared<DTensorSpec>(d->spec().natural_spec());
+    at::Tensor s = wrap_unchecked(d->local(), natural);
+    f.stored.push_back({static_cast<const DTensorImpl*>(s.unsafeGetTensorImpl()), t, natural});
+    f.keep_alive.push_back(s);
+    return s;
+  };
+  for (size_t i = 0; i < f.nargs; ++i)
+    if (f.holds[i] != Holds::Nothing)
+      f.args[i] = map_tensors(f.args[i], f.holds[i],
+                              [&](size_t, const at::Tensor& t) { return stand_in(t); });
+}
+
 // Step 1: find the distributed arguments and the reference (the first one, in a list or not).
 void collect(Frame& f) {
-  bool any_freed = false;
+  bool any_freed = false, head_tail = false;
   for (size_t i = 0; i < f.nargs; ++i) {
     f.holds[i] = holds(f.args[i]);
     for_each_tensor(f.args[i], f.holds[i], [&](size_t, const at::Tensor& t) {
       auto* d = as_dtensor(t);
       if (!d) return;
+      head_tail = head_tail || d->spec().has_head_tail();
       any_freed = any_freed || detail::is_freed(d->local());
       if (f.holds[i] == Holds::Tensor) {
         f.impls[i] = d;
@@ -286,6 +332,15 @@ void collect(Frame& f) {
   }
   TORCH_CHECK(f.call.reference, "tessera: ", f.schema.operator_name(),
               " reached the distributed-tensor fallback without a distributed tensor argument");
+  if (head_tail && !ops::detail::rule_sees_head_tail(f.op)) {  // once: stand-ins are natural
+    substitute_head_tail(f);
+    std::fill(f.impls.begin(), f.impls.end(), nullptr);
+    std::fill(f.call.specs.begin(), f.call.specs.end(), nullptr);
+    f.call.reference = nullptr;
+    f.lists = false;
+    collect(f);
+    return;
+  }
   if (any_freed) {
     c10::SmallVector<at::Tensor, 8> locals;
     for (size_t i = 0; i < f.nargs; ++i)
@@ -433,6 +488,92 @@ void decide(Frame& f) {
   f.decision = f.fresh;
 }
 
+// Step 3b (head-tail arguments only): whether the op may run on the stored shards and keep
+// the head-tail order (NOTE: [Head-tail arguments]). It may when the plan is the op itself on
+// the shards as they are (no kernel but a position-free one, nothing moved, no local
+// argument but sizes), every
+// operand split along a head-tail mesh dim is head-tail there alike, and every result is
+// head-tail-shaped on that mesh dim (its dim of the same length and table) or Partial (a
+// sum over it). A rule can only have planned such a call for the natural order if the op
+// treats the rows of that dim alike, position-free: element-wise ops, products and sums over
+// other dims or over that one with both operands in the same order, views that keep it whole.
+// Ops that read positions (scans, slices of it, triangles, windows, random numbers) need a
+// kernel, a move or a local offset, and so relay their head-tail operands instead.
+bool keeps_head_tail(const Frame& f) {
+  const ops::OpPlan& plan = f.plan();
+  if (f.decision->replicate_all || f.decision->functional || plan.data_dependent_shapes ||
+      plan.distributed_kernel || plan.outputs.empty() ||
+      (plan.local_kernel && !ops::detail::local_kernel_keeps_order(f.op)))
+    return false;
+  for (const auto& [i, value] : plan.local_args)
+    if (!value.isIntList()) return false;
+  struct Dim {
+    int64_t mesh_dim, length;
+    ShardTable table;
+  };
+  c10::SmallVector<Dim, 2> dims;
+  for (const auto& s : f.stored) {
+    const DTensorSpec& in = dtensor_impl(s.original)->spec();
+    for (int64_t k = 0; k < in.mesh().ndim(); ++k) {
+      if (!in.placement(k).is_head_tail()) continue;
+      const int64_t t = in.placement(k).dim();
+      for (const auto& d : dims)
+        if (d.mesh_dim == k && (d.length != in.sizes()[t] || d.table != in.shard_table(t)))
+          return false;
+      dims.push_back({k, in.sizes()[t], in.shard_table(t)});
+    }
+  }
+  // Nothing moves, and no natural operand is split along the same mesh dim.
+  auto operand_keeps = [&](const DTensorImpl* impl, const DTensorSpec* want) {
+    if (want && *want != impl->spec()) return false;
+    if (f.stored_for(impl)) return true;
+    for (const auto& d : dims)
+      if (impl->spec().placement(d.mesh_dim).is_shard()) return false;
+    return true;
+  };
+  for (size_t i = 0; i < f.nargs; ++i) {
+    if (f.impls[i] &&
+        !operand_keeps(f.impls[i], i < plan.inputs.size() ? plan.inputs[i].get() : nullptr))
+      return false;
+    if (f.holds[i] == Holds::Nothing || f.holds[i] == Holds::Tensor || !f.lists) continue;
+    const auto* wants = i < plan.list_inputs.size() ? &plan.list_inputs[i] : nullptr;
+    bool keeps = true;
+    for_each_tensor(f.args[i], f.holds[i], [&](size_t k, const at::Tensor& t) {
+      const auto* d = as_dtensor(t);
+      const DTensorSpec* want = wants && k < wants->size() ? (*wants)[k].get() : nullptr;
+      keeps = keeps && (!d || operand_keeps(d, want));
+    });
+    if (!keeps) return false;
+  }
+  for (const auto& out : plan.outputs) {
+    if (!out) continue;
+    for (const auto& d : dims) {
+      const Placement& o = out->placement(d.mesh_dim);
+      if (o.is_partial()) continue;
+      if (!o.is_shard() || out->mesh_dims_sharding(o.dim()).size() != 1 ||
+          out->sizes()[o.dim()] != d.length || out->shard_table(o.dim()) != d.table)
+        return false;
+    }
+  }
+  return true;
+}
+
+// Writes into a view whose shard is a copy (cut from a head-tail tensor's relayed rows, or
+// made contiguous by `view`) would never reach its base: refused before the op runs.
+void check_written_views(const Frame& f) {
+  if (!f.schema.is_mutable()) return;
+  for (size_t i = 0; i < f.nargs; ++i) {
+    const auto* a = f.schema.arguments()[i].alias_info();
+    if (!a || !a->isWrite() || f.holds[i] != Holds::Tensor || !f.impls[i]) continue;
+    const auto* s = f.stored_for(f.impls[i]);
+    const at::Tensor& t = s ? s->original : f.args[i].toTensor();
+    TORCH_CHECK(detail::writes_reach_base(t), "tessera: ", f.call.describe(),
+                ": writes into a view whose shard is a copy (cut from a head-tail tensor's "
+                "relayed rows, or made contiguous by view()), so its base would not see the "
+                "write; do the op on the base, or out of place");
+  }
+}
+
 // Step 4: redistribute where the plan asks, then push every argument with each distributed
 // tensor swapped for its local shard.
 void unwrap(Frame& f) {
@@ -443,8 +584,13 @@ void unwrap(Frame& f) {
       const auto* d = f.impls[i];
       at::Tensor local = d->local();
       const auto* want = i < plan.inputs.size() ? plan.inputs[i].get() : nullptr;
-      if (want && want != f.call.specs[i] && *want != *f.call.specs[i])
+      if (const auto* s = f.stored_for(d)) {
+        if (!f.keeps_order)
+          local = redistribute_local(local, dtensor_impl(s->original)->spec_ptr(),
+                                     want ? plan.inputs[i] : s->natural);
+      } else if (want && want != f.call.specs[i] && *want != *f.call.specs[i]) {
         local = redistribute_local(local, d->spec_ptr(), plan.inputs[i]);
+      }
       f.locals[i] = local;
       f.stack->push_back(std::move(local));
     } else if (h != Holds::Nothing && h != Holds::Tensor && f.lists) {
@@ -452,6 +598,12 @@ void unwrap(Frame& f) {
       f.stack->push_back(map_tensors(f.args[i], h, [&](size_t k, const at::Tensor& t) {
         auto* d = as_dtensor(t);
         if (!d) return t;
+        if (const auto* s = f.stored_for(d)) {
+          if (f.keeps_order) return d->local();
+          const bool wanted = wants && k < wants->size() && (*wants)[k];
+          return redistribute_local(d->local(), dtensor_impl(s->original)->spec_ptr(),
+                                    wanted ? (*wants)[k] : s->natural);
+        }
         if (wants && k < wants->size() && (*wants)[k] && *(*wants)[k] != d->spec())
           return redistribute_local(d->local(), d->spec_ptr(), (*wants)[k]);
         return d->local();
@@ -545,6 +697,39 @@ SpecPtr next_aliased_spec(Frame& f, const SpecPtr& otherwise, const at::Tensor& 
   return planned;
 }
 
+// An in-place or out= result on a head-tail argument, computed in the natural order: into
+// the caller's shard in its stored order (NOTE: [Head-tail arguments]).
+void write_back_head_tail(Frame& f, const Frame::Stored& s, int alias) {
+  SpecPtr planned = next_aliased_spec(f, s.natural, f.locals[alias]);
+  auto* original = dtensor_impl(s.original);
+  if (f.keeps_order) {  // computed on the stored shard: in place already
+    if (!f.locals[alias].is_same(original->local())) original->local().copy_(f.locals[alias]);
+  } else if (planned->sizes() == original->spec().sizes() &&
+             planned->dtype() == original->spec().dtype()) {
+    original->local().copy_(redistribute_local(f.locals[alias], planned, original->spec_ptr()));
+  } else {  // an out= tensor resized or recast: it takes the result's layout
+    TORCH_CHECK(!s.original.is_view(), "tessera: ", f.call.describe(),
+                ": this op would give a view of a head-tail tensor another shape or dtype, "
+                "which its base would not see; do the op out of place");
+    original->set_local_and_spec(f.locals[alias], planned);
+  }
+  f.stack->push_back(s.original);
+}
+
+// A result computed on the stored shards (keeps_head_tail), made head-tail where its
+// operands are (Partial results stay Partial).
+SpecPtr head_tail_result_spec(const Frame& f, const SpecPtr& out) {
+  Placements p = out->placements();
+  for (const auto& s : f.stored) {
+    const DTensorSpec& in = dtensor_impl(s.original)->spec();
+    for (int64_t k = 0; k < in.mesh().ndim(); ++k)
+      if (in.placement(k).is_head_tail() && p[k].is_shard())
+        p[k] = Placement::head_tail_shard(p[k].dim());
+  }
+  return std::make_shared<DTensorSpec>(out->mesh(), std::move(p), out->sizes(), out->dtype(),
+                                       out->shard_tables());
+}
+
 // Step 6: wrap the results. Returns that alias a written argument hand back that argument.
 void wrap_results(Frame& f) {
   const size_t nret = f.schema.returns().size();
@@ -568,6 +753,9 @@ void wrap_results(Frame& f) {
         target.copy_(redistribute_local(f.locals[alias], planned, whole));
       }
       f.stack->push_back(target);
+    } else if (alias >= 0 && f.holds[alias] == Holds::Tensor && f.impls[alias] &&
+               f.stored_for(f.impls[alias])) {
+      write_back_head_tail(f, *f.stored_for(f.impls[alias]), alias);
     } else if (alias >= 0 && f.holds[alias] == Holds::Tensor && f.impls[alias]) {
       auto* self = f.impls[alias];
       SpecPtr planned = next_aliased_spec(f, self->spec_ptr(), f.locals[alias]);
@@ -590,12 +778,15 @@ void wrap_results(Frame& f) {
         continue;
       }
       auto sp = next_output_spec(f, local);
+      if (f.keeps_order) sp = head_tail_result_spec(f, sp);
       f.stack->push_back(wrap_unchecked(local, std::move(sp)));
     } else if (v.isTensorList()) {
       c10::List<at::Tensor> out;
       for (const c10::IValue& e : v.toListRef()) {
         const at::Tensor& local = e.toTensor();
-        out.push_back(wrap_unchecked(local, next_output_spec(f, local)));
+        SpecPtr sp = next_output_spec(f, local);
+        if (f.keeps_order) sp = head_tail_result_spec(f, sp);
+        out.push_back(wrap_unchecked(local, std::move(sp)));
       }
       f.stack->emplace_back(std::move(out));
     } else {
@@ -620,9 +811,10 @@ void remember(Frame& f) {
 // Whether the fast path may replay this call (see detail::FallbackReport).
 void report(const Frame& f, detail::FallbackReport* out) {
   const ops::OpPlan& plan = f.plan();
-  if (f.lists || f.cast || !f.keep_alive.empty() || f.decision->replicate_all ||
-      f.decision->functional || plan.data_dependent_shapes || plan.local_kernel ||
-      plan.distributed_kernel || f.schema.returns().size() != 1 || plan.outputs.size() != 1)
+  if (f.lists || f.cast || !f.keep_alive.empty() || !f.stored.empty() ||
+      f.decision->replicate_all || f.decision->functional || plan.data_dependent_shapes ||
+      plan.local_kernel || plan.distributed_kernel || f.schema.returns().size() != 1 ||
+      plan.outputs.size() != 1)
     return;
   for (size_t i = 0; i < f.nargs; ++i) {
     if (!f.impls[i]) continue;
@@ -657,6 +849,8 @@ void dtensor_fallback_impl(const c10::OperatorHandle& op, torch::jit::Stack* sta
   collect(f);
   admit_and_key(f);
   decide(f);
+  if (!f.stored.empty()) f.keeps_order = keeps_head_tail(f);
+  check_written_views(f);
   unwrap(f);
   run(f);
   wrap_results(f);

@@ -165,6 +165,8 @@ struct FastKernel<Op, Ret(Args...)> {
       (add_local(locals, args), ...);
       detail::refill_freed(locals);
     }
+    if constexpr (std::is_reference_v<Ret>)  // in place: the fallback refuses lost writes
+      p.ok = p.ok && detail::writes_reach_base(first(args...));
     const size_t slot = p.ok ? slot_of(id, p) : 0;
     if (p.ok) {
       if (const Entry* e = lookup(id, p, slot)) {

@@ -17,6 +17,17 @@ inline DTensorImpl* as_dtensor(const at::Tensor& t) {
   return typeid(*impl) == typeid(DTensorImpl) ? static_cast<DTensorImpl*>(impl) : nullptr;
 }
 
+// Whether an in-place write into `t` reaches what it views: false for a view whose shard is
+// a copy (NOTE: [Head-tail arguments]; NOTE: [view of a strided shard]). Views only.
+inline bool writes_reach_base(const at::Tensor& t) {
+  if (!t.is_view()) return true;
+  const auto* self = as_dtensor(t);
+  const c10::TensorImpl* b = t._base().unsafeGetTensorImpl();  // (a TensorBase on 2.x)
+  const auto* base =
+      typeid(*b) == typeid(DTensorImpl) ? static_cast<const DTensorImpl*>(b) : nullptr;
+  return !self || !base || self->local().is_alias_of(base->local());
+}
+
 // What a fallback call tells the fast path: whether replaying it needs nothing but the op on
 // the local shards (no redistribution, no kernel, no implicit conversion, one result), and
 // the result's spec (null when the result is the first argument, updated in place with its

@@ -34,8 +34,13 @@ std::vector<ShardTable> target_tables(const char* what, const DTensorSpec* src,
     }
     if (!src) continue;
     std::vector<int64_t> dims;
-    for (size_t m = 0; m < p.size(); ++m)
-      if (p[m].normalized(nd).is_shard(t)) dims.push_back(static_cast<int64_t>(m));
+    bool head_tail = false;  // its table is fixed by the length
+    for (size_t m = 0; m < p.size(); ++m) {
+      if (!p[m].normalized(nd).is_shard(t)) continue;
+      dims.push_back(static_cast<int64_t>(m));
+      head_tail = head_tail || p[m].is_head_tail();
+    }
+    if (head_tail) continue;
     // Keep the source's cut where the target's nesting is a prefix of the source's (e.g.
     // (S(0), S(0)) -> (S(0), R) keeps the outer boundaries); otherwise chunk layout.
     const auto src_dims = src->mesh_dims_sharding(t);
@@ -84,7 +89,8 @@ void check_placements(const char* what, const DeviceMesh& mesh, const Placements
   const int64_t ndim = static_cast<int64_t>(shape.size());
   for (auto& p : placements) {
     TORCH_CHECK(!p.is_shard() || (ndim > 0 && p.dim() >= -ndim && p.dim() < ndim),
-                "tessera: ", what, "(", to_string(placements), "): Shard(", p.dim(),
+                "tessera: ", what, "(", to_string(placements),
+                "): ", p.is_head_tail() ? "HeadTailShard(" : "Shard(", p.dim(),
                 ") is out of range for a tensor with ", ndim, " dims (shape ", shape_str(shape),
                 "); use a dim in [", -ndim, ", ", ndim - 1, "]");
   }

@@ -1,5 +1,6 @@
 #pragma once
-// out= overloads without a rule of their own. See NOTE: [out= forms] in rule_registry.cpp.
+// The registry's internal surface for the fallback: out= overloads without a rule of their
+// own (NOTE: [out= forms] in rule_registry.cpp), and rules that read the head-tail order.
 #include <optional>
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -21,5 +22,16 @@ size_t out_argument_count(const c10::FunctionSchema& schema);
 // For an out= form without its own rule: its functional sibling's rule, if that has one.
 // Cached per operator.
 const OutFormRule* find_out_form_rule(const c10::OperatorHandle& op);
+
+// A rule registered for `qualified_name` that is handed head-tail specs as they are (it plans
+// for the stored order itself) instead of the natural ones (NOTE: [Head-tail arguments] in
+// tensor/fallback.cpp). Only rules that check for the order may ask.
+void let_rule_see_head_tail(const std::string& qualified_name);
+bool rule_sees_head_tail(const c10::OperatorHandle& op);
+// The local kernel of the rule for `qualified_name` treats the rows of every dim alike (a
+// local reshape): a call may keep the head-tail order through it (keeps_head_tail in
+// tensor/fallback.cpp), as through the op itself.
+void let_local_kernel_keep_order(const std::string& qualified_name);
+bool local_kernel_keeps_order(const c10::OperatorHandle& op);
 
 }  // namespace tessera::ops::detail

@@ -3,6 +3,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -16,7 +17,9 @@ namespace tessera::ops {
 namespace {
 struct Registry {
   std::shared_mutex mu;
-  std::unordered_map<std::string, Rule> by_name;           // nodes are stable: memo points into it
+  std::unordered_map<std::string, Rule> by_name;  // nodes are stable: memo points into it
+  std::unordered_set<std::string> head_tail;      // rules that see head-tail specs as stored
+  std::unordered_set<std::string> order_free;     // local kernels that treat rows alike
   std::unordered_map<const void*, const Rule*> by_schema;  // memo: one lookup per operator
   std::unordered_map<const void*, std::unique_ptr<detail::OutFormRule>> out_forms;  // memo
   // Memo entries a later registration invalidated: callers may still hold them.
@@ -167,6 +170,30 @@ detail::OutFormRule borrow_functional_rule(const c10::OperatorHandle& op) {
   return found;
 }
 }  // namespace
+
+void detail::let_rule_see_head_tail(const std::string& qualified_name) {
+  auto& r = registry();
+  std::unique_lock<std::shared_mutex> lock(r.mu);
+  r.head_tail.insert(qualified_name);
+}
+
+void detail::let_local_kernel_keep_order(const std::string& qualified_name) {
+  auto& r = registry();
+  std::unique_lock<std::shared_mutex> lock(r.mu);
+  r.order_free.insert(qualified_name);
+}
+
+bool detail::local_kernel_keeps_order(const c10::OperatorHandle& op) {
+  auto& r = registry();
+  std::shared_lock<std::shared_mutex> lock(r.mu);
+  return r.order_free.count(qualified(op.operator_name())) > 0;
+}
+
+bool detail::rule_sees_head_tail(const c10::OperatorHandle& op) {
+  auto& r = registry();
+  std::shared_lock<std::shared_mutex> lock(r.mu);
+  return !r.head_tail.empty() && r.head_tail.count(qualified(op.operator_name())) > 0;
+}
 
 const detail::OutFormRule* detail::find_out_form_rule(const c10::OperatorHandle& op) {
   auto& r = registry();

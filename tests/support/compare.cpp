@@ -91,16 +91,30 @@ std::string ranks_str(const DTensorSpec& spec, const std::vector<int64_t>& index
 
 }  // namespace
 
+at::Tensor block_at(const at::Tensor& full, const DTensorSpec& spec,
+                    const std::vector<int64_t>& coord) {
+  at::Tensor b = full;
+  for (int64_t t = 0; t < spec.ndim(); ++t) {
+    std::vector<at::Tensor> parts;
+    for (auto [lo, hi] : spec.local_ranges(t, coord)) parts.push_back(b.narrow(t, lo, hi - lo));
+    b = parts.size() == 1 ? parts[0] : at::cat(parts, t);
+  }
+  return b;
+}
+
 std::vector<std::vector<int64_t>> holders(const DTensorSpec& spec,
                                           const std::vector<int64_t>& index) {
   const auto& shape = spec.mesh().shape();
   std::vector<std::vector<int64_t>> out;
   std::vector<int64_t> coord(shape.size(), 0);
   for (int64_t n = spec.mesh().size(); n-- > 0;) {
-    const auto off = spec.local_offsets(coord), len = spec.local_sizes(coord);
-    bool inside = index.size() == off.size();
-    for (size_t t = 0; inside && t < off.size(); ++t)
-      inside = index[t] >= off[t] && index[t] < off[t] + len[t];
+    bool inside = static_cast<int64_t>(index.size()) == spec.ndim();
+    for (int64_t t = 0; inside && t < spec.ndim(); ++t) {
+      bool in_range = false;
+      for (auto [lo, hi] : spec.local_ranges(t, coord))
+        in_range = in_range || (index[t] >= lo && index[t] < hi);
+      inside = in_range;
+    }
     if (inside) out.push_back(coord);
     for (int64_t d = static_cast<int64_t>(shape.size()) - 1; d >= 0; --d) {  // row-major next
       if (++coord[d] < shape[d]) break;
@@ -125,10 +139,10 @@ std::vector<std::vector<int64_t>> holders(const DTensorSpec& spec,
                                          const Tolerance& tol) {
   if (!is_dtensor(dt)) return ::testing::AssertionFailure() << "the result is not distributed";
   const DTensorSpec& s = spec(dt);
-  const auto off = s.local_offsets(), len = s.local_sizes();
-  at::Tensor block = full;
-  for (int64_t t = 0; t < s.ndim(); ++t) block = block.narrow(t, off[t], len[t]);
   const auto& coord = s.mesh().coordinate();
+  const at::Tensor block = block_at(full, s, coord);
+  // (index reports in global positions where the shard is one range)
+  const auto off = s.has_head_tail() ? std::vector<int64_t>{} : s.local_offsets();
   return compare(to_local(dt), block, tol, nullptr, off,
                  "shard of rank " + std::to_string(s.mesh().rank_at(coord)) + " at " +
                      shape_str(coord) + " under " + s.str() + ": ");

@@ -35,6 +35,11 @@ struct Tolerance {
 
 // Mesh coordinates whose shard under `spec` holds global index `index` (every rank along a
 // Replicate or Partial mesh dim holds it).
+// The block of `full` held at `coord` under `spec`, in the shard's local order (a head-tail
+// dim's two ranges one after the other); partial dims ignored.
+at::Tensor block_at(const at::Tensor& full, const DTensorSpec& spec,
+                    const std::vector<int64_t>& coord);
+
 std::vector<std::vector<int64_t>> holders(const DTensorSpec& spec,
                                           const std::vector<int64_t>& index);
 

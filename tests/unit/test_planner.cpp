@@ -43,6 +43,9 @@ bool step_matches(StepKind k, const Placement& a, const Placement& b) {
     case StepKind::ReduceScatter: return a.is_partial() && b.is_shard();
     case StepKind::AllToAll: return a.is_shard() && b.is_shard();
     case StepKind::ToPartial: return a.is_replicate() && b.is_partial();
+    case StepKind::Relayout:
+      return a.is_shard() && b.is_shard() && a.dim() == b.dim() &&
+             a.is_head_tail() != b.is_head_tail();
   }
   return false;
 }
@@ -61,7 +64,8 @@ double step_bytes(const RedistributeStep& st) {
     case StepKind::AllGather: return (n - 1) * b;
     case StepKind::AllReduce: return 2 * (n - 1) / n * b;
     case StepKind::ReduceScatter:
-    case StepKind::AllToAll: return (n - 1) / n * b;
+    case StepKind::AllToAll:
+    case StepKind::Relayout: return (n - 1) / n * b;
     default: return 1e-3;  // free steps carry a token cost so that fewer steps win
   }
 }

@@ -9,6 +9,15 @@
 // A rank's offset along t is the sum of the entries before its own. torch.chunk's layout is
 // just the default table. A single mesh dim's "every rank's size" is a contiguous run of
 // entries of this table.
+//
+// NOTE: [Head-tail order]
+// HeadTailShard(t) on mesh dim m (its only split of t) cuts t into 2n chunks of sizes within
+// one of each other (n = the mesh dim's size) and gives member k chunks a_k and 2n - 1 - a_k,
+// the low one first in its local shard: under a causal mask every member then has the same
+// work. a_k is chosen so that from an even Shard(t) half the rows stay where they are
+// (detail::head_tail_windows). The table is fixed by the length: member k's entry is the two
+// chunks' sum. Rows are not in position order across members, so local_offsets() refuses
+// such a spec; local_ranges() gives each member's two ranges.
 #include <functional>
 #include <memory>
 #include <string>
@@ -54,6 +63,15 @@ class DTensorSpec {
   std::vector<int64_t> local_sizes() const { return local_sizes(mesh_.coordinate()); }
   std::vector<int64_t> local_offsets() const { return local_offsets(mesh_.coordinate()); }
 
+  // The global [begin, end) ranges of tensor dim t held at `coord`, in local order: one
+  // range, or two on a head-tail dim (NOTE: [Head-tail order]).
+  std::vector<std::pair<int64_t, int64_t>> local_ranges(int64_t t,
+                                                        const std::vector<int64_t>& coord) const;
+  bool has_head_tail() const { return head_tail_; }
+  // The same layout with every HeadTailShard(t) as Shard(t) with the same table: what rules
+  // see of a head-tail tensor once its rows are in position order.
+  DTensorSpec natural_spec() const;
+
   bool has_partial() const;
   bool is_replicated() const;  // every mesh dim Replicate
   bool is_sharded() const;
@@ -80,6 +98,7 @@ class DTensorSpec {
   c10::ScalarType dtype_;
   std::vector<ShardTable> tables_;
   size_t hash_ = 0;
+  bool head_tail_ = false;
 };
 
 using SpecPtr = std::shared_ptr<const DTensorSpec>;
@@ -100,6 +119,15 @@ int64_t table_index(const DeviceMesh& mesh, const std::vector<int64_t>& sharding
 // Sum out trailing nesting levels so `keep_levels` remain (levels have sizes `level_sizes`).
 ShardTable marginalize(const ShardTable& table, const std::vector<int64_t>& level_sizes,
                        size_t keep_levels);
+
+// Member k's two chunks, [lo, hi) along the dim, of a length cut head-tail over n members
+// (NOTE: [Head-tail order]): low chunks `head`, high chunks `tail`.
+struct HeadTailWindows {
+  std::vector<int64_t> low;  // member k's low chunk a_k (of 2n)
+  std::vector<std::pair<int64_t, int64_t>> head, tail;
+  std::vector<int64_t> table() const;  // member k's rows: its two chunks' sizes
+};
+HeadTailWindows head_tail_windows(int64_t length, int64_t members);
 
 // Order-dependent 64-bit hash step with full avalanche (splitmix64 finaliser), so that
 // structured keys (small sizes, similar shapes) do not collide.

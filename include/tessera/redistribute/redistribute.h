@@ -21,6 +21,7 @@ enum class StepKind : uint8_t {
   ReduceScatter,  // P -> S(t)        reduce-scatter(-v): sends B - own piece
   AllToAll,       // S(t) -> S(u)     one all-to-all(-v), u may equal t (new boundaries)
   ToPartial,      // R -> P(op)       no communication (internal/backward use only)
+  Relayout,       // S(t) <-> HT(t)   each row once, point to point to its new owner
 };
 const char* to_string(StepKind k);
 

@@ -1,0 +1,524 @@
+// HeadTailShard(d): the balanced causal order as a placement (NOTE: [Head-tail order] in
+// spec.h). One device is the oracle: redistribute into and out of it from every layout, ops
+// on head-tail operands (position-reading ones included), views, in-place writes, attention.
+#include "helpers.h"
+
+using namespace tessera;
+using tessera::test::full_matches;
+using tessera::test::local_block;
+using tessera::test::make_dtensor_from_full;
+using tessera::test::shard_matches;
+
+namespace {
+
+// Placements of one tensor over a mesh that a spec accepts: a head-tail dim has one split.
+bool valid(const Placements& p) {
+  for (size_t a = 0; a < p.size(); ++a)
+    for (size_t b = 0; b < p.size(); ++b)
+      if (a != b && p[a].is_head_tail() && p[b].is_shard(p[a].dim())) return false;
+  return true;
+}
+
+std::vector<Placements> every(int64_t mesh_ndim, const std::vector<Placement>& choices) {
+  std::vector<Placements> out = {{}};
+  for (int64_t d = 0; d < mesh_ndim; ++d) {
+    std::vector<Placements> next;
+    for (const auto& p : out)
+      for (const auto& c : choices) {
+        auto q = p;
+        q.push_back(c);
+        if (valid(q)) next.push_back(q);
+      }
+    out = next;
+  }
+  return out;
+}
+
+// Random tables for the natural shards (a head-tail dim's table is fixed).
+std::vector<ShardTable> natural_tables(tessera::test::Rng& rng, const DeviceMesh& mesh,
+                                       const Placements& p, const std::vector<int64_t>& sizes) {
+  std::vector<ShardTable> tables(sizes.size());
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    int64_t parts = 1;
+    bool plain = false, head_tail = false;
+    for (size_t m = 0; m < p.size(); ++m) {
+      if (!p[m].is_shard(static_cast<int64_t>(t))) continue;
+      parts *= mesh.size(m);
+      (p[m].is_head_tail() ? head_tail : plain) = true;
+    }
+    if (plain && !head_tail && rng.coin())
+      tables[t] = tessera::test::random_table(rng, sizes[t], parts);
+  }
+  return tables;
+}
+
+}  // namespace
+
+// The chunks: a partition of [0, L), sizes within one, and on a length that 2n divides every
+// member scores the same number of causal (query, key) pairs; from an even Shard every member
+// keeps one of its two chunks.
+TEST(HeadTail, ChunksPartitionAndBalanceTheCausalWork) {
+  for (int64_t n = 1; n <= 6; ++n) {
+    for (int64_t length : std::vector<int64_t>{0, 1, 5, 2 * n, 2 * n + 3, 12 * n, 12 * n + 7}) {
+      const auto w = tessera::detail::head_tail_windows(length, n);
+      std::vector<int> seen(length, 0);
+      int64_t smallest = length, largest = 0;
+      std::vector<int64_t> work(n, 0);
+      for (int64_t k = 0; k < n; ++k) {
+        ASSERT_LE(w.head[k].second, w.tail[k].first) << "low chunk first, n " << n;
+        for (auto r : {w.head[k], w.tail[k]}) {
+          smallest = std::min(smallest, r.second - r.first);
+          largest = std::max(largest, r.second - r.first);
+          for (int64_t i = r.first; i < r.second; ++i) {
+            ++seen[i];
+            work[k] += i + 1;  // row i sees keys 0..i
+          }
+        }
+      }
+      for (int64_t i = 0; i < length; ++i) ASSERT_EQ(seen[i], 1) << "row " << i << " n " << n;
+      EXPECT_LE(largest - smallest, 1) << "n " << n << " length " << length;
+      if (length % (2 * n) == 0) {
+        for (int64_t k = 1; k < n; ++k) EXPECT_EQ(work[k], work[0]) << "n " << n;
+      }
+      if (length % (2 * n) == 0 && length > 0) {
+        const auto even = chunk_sizes(length, n);
+        int64_t lo = 0;
+        for (int64_t k = 0; k < n; ++k) {
+          const int64_t hi = lo + even[k];
+          const bool keeps = (w.head[k].first >= lo && w.head[k].second <= hi) ||
+                             (w.tail[k].first >= lo && w.tail[k].second <= hi);
+          EXPECT_TRUE(keeps) << "member " << k << " of " << n << " keeps neither chunk";
+          lo = hi;
+        }
+      }
+    }
+  }
+}
+
+TEST(HeadTail, SpecChecks) {
+  tessera::testing::run_ranks(4, [](int) {
+    auto mesh = init_device_mesh("cpu", {2, 2});
+    DTensorSpec s(mesh, {HeadTailShard(1), Replicate()}, {3, 11}, at::kFloat);
+    EXPECT_TRUE(s.has_head_tail());
+    EXPECT_EQ(s.placement(0).str(), "HT(1)");
+    EXPECT_EQ(s.shard_table(1), tessera::detail::head_tail_windows(11, 2).table());
+    EXPECT_FALSE(s.natural_spec().has_head_tail());
+    EXPECT_EQ(s.natural_spec().shard_table(1), s.shard_table(1));
+    EXPECT_NE(s.hash(), s.natural_spec().hash());
+    EXPECT_FALSE(s == s.natural_spec());
+    const int64_t k = mesh.coordinate()[0];
+    const auto w = tessera::detail::head_tail_windows(11, 2);
+    const std::vector<std::pair<int64_t, int64_t>> mine = {w.head[k], w.tail[k]};
+    EXPECT_EQ(s.local_ranges(1, mesh.coordinate()), mine);
+    EXPECT_THROW(s.local_offsets(), c10::Error);  // two ranges, on every rank
+    // Nested with another split of the same dim, or a table other than the fixed one.
+    EXPECT_THROW(DTensorSpec(mesh, {HeadTailShard(1), Shard(1)}, {3, 11}, at::kFloat), c10::Error);
+    EXPECT_THROW(DTensorSpec(mesh, {Shard(1), HeadTailShard(1)}, {3, 11}, at::kFloat), c10::Error);
+    EXPECT_THROW(
+        DTensorSpec(mesh, {HeadTailShard(1), Replicate()}, {3, 11}, at::kFloat, {{}, {6, 5}}),
+        c10::Error);
+    EXPECT_NO_THROW(DTensorSpec(mesh, {HeadTailShard(1), Shard(0)}, {3, 11}, at::kFloat));
+  });
+}
+
+// Every source layout to every target, head-tail on either side or both, on 1-5 ranks and
+// 2-D meshes; random tables for the natural shards; lengths with empty chunks and not a
+// multiple of 2n. The shards equal the full tensor's blocks and the gradient of the layout
+// change equals the identity's.
+TEST(HeadTail, RedistributeIntoAndOutOfEveryLayout) {
+  const std::vector<std::vector<int64_t>> meshes = {{1}, {2}, {3}, {4}, {5}, {2, 2}, {3, 2}};
+  for (const auto& shape : meshes) {
+    tessera::test::on_mesh(shape, [&](const DeviceMesh& mesh) {
+      const std::vector<Placement> from_choices = {Shard(0),  Shard(1),         Replicate(),
+                                                   Partial(), HeadTailShard(0), HeadTailShard(1)};
+      const std::vector<Placement> to_choices = {Shard(0), Shard(1), Replicate(), HeadTailShard(0),
+                                                 HeadTailShard(1)};
+      const auto sources = every(mesh.ndim(), from_choices);
+      const auto targets = every(mesh.ndim(), to_choices);
+      tessera::test::Rng rng(17 + mesh.size());
+      int checked = 0;
+      for (int64_t length : std::vector<int64_t>{0, 3, 7, 16, 21}) {
+        const std::vector<int64_t> sizes = {length, 5};
+        const auto full = tessera::test::randn(sizes, 100 + length, at::kDouble);
+        const auto grad = tessera::test::randn(sizes, 200 + length, at::kDouble);
+        for (const auto& from : sources) {
+          for (const auto& to : targets) {
+            const bool head_tail =
+                std::any_of(from.begin(), from.end(),
+                            [](const Placement& p) { return p.is_head_tail(); }) ||
+                std::any_of(to.begin(), to.end(),
+                            [](const Placement& p) { return p.is_head_tail(); });
+            // 2-D meshes: a draw of the pairs (every pair on 1-D ones).
+            if (!head_tail || (mesh.ndim() > 1 && !rng.coin(0.25))) continue;
+            const std::string ctx = "mesh " + shape_str(mesh.shape()) + " length " +
+                                    std::to_string(length) + " " + to_string(from) + " -> " +
+                                    to_string(to);
+            auto x =
+                make_dtensor_from_full(full, mesh, from, natural_tables(rng, mesh, from, sizes))
+                    .detach()
+                    .requires_grad_();
+            auto target = std::make_shared<DTensorSpec>(mesh, to, sizes, at::kDouble,
+                                                        natural_tables(rng, mesh, to, sizes));
+            auto y = redistribute(x, target);
+            ASSERT_TRUE(spec(y) == *target) << ctx << ": got " << spec(y).str();
+            ASSERT_TRUE(shard_matches(y, full)) << ctx;
+            to_local(y).backward(local_block(grad, *target));
+            ASSERT_TRUE(full_matches(x.grad(), grad)) << ctx << " (backward)";
+            ++checked;
+          }
+        }
+      }
+      EXPECT_GT(checked, 10);
+    });
+  }
+}
+
+// Rows this rank holds under `after` that it did not under `before` (along dim 0).
+int64_t rows_gained(const DTensorSpec& before, const DTensorSpec& after) {
+  const auto& coord = before.mesh().coordinate();
+  int64_t gained = 0;
+  for (auto [lo, hi] : after.local_ranges(0, coord))
+    for (int64_t i = lo; i < hi; ++i) {
+      bool held = false;
+      for (auto [a, b] : before.local_ranges(0, coord)) held = held || (i >= a && i < b);
+      gained += !held;
+    }
+  return gained;
+}
+
+// Into and out of head-tail: each row moves once, point to point, to the one member that
+// needs it (no all-gather); from a replicated tensor nothing moves.
+TEST(HeadTail, RelayoutMovesEachRowOnce) {
+  for (int world : {2, 3, 4, 5}) {
+    tessera::testing::run_ranks(world, [&](int) {
+      auto mesh = init_device_mesh("cpu", {world});
+      const int64_t length = 4 * world + 3, row = 6 * sizeof(float);
+      const auto full = tessera::test::randn({length, 6}, 5);
+      auto x = distribute_tensor(full, mesh, {Shard(0)});
+      CommDebugMode into;
+      auto y = redistribute(x, {HeadTailShard(0)});
+      EXPECT_EQ(into.total_bytes_received(), rows_gained(spec(x), spec(y)) * row);
+      EXPECT_EQ(into.total_bytes_sent(), rows_gained(spec(y), spec(x)) * row);
+      EXPECT_EQ(into.get_comm_counts().count("all_gather"), 0u);
+      ASSERT_TRUE(shard_matches(y, full));
+      // Back to an even split (the table given), and to the natural order of its own table.
+      for (const auto& sizes :
+           {ShardSizes::Chunk(), ShardSizes::Given(0, spec(y).shard_table(0))}) {
+        CommDebugMode back;
+        auto z = redistribute(y, {Shard(0)}, sizes);
+        EXPECT_EQ(back.total_bytes_received(), rows_gained(spec(y), spec(z)) * row);
+        EXPECT_EQ(back.get_comm_counts().count("all_to_all"), 0u) << "one relayout, no re-cut";
+        ASSERT_TRUE(shard_matches(z, full));
+      }
+      const auto whole = distribute_tensor(full, mesh, {Replicate()});
+      CommDebugMode cut;
+      auto h = redistribute(whole, {HeadTailShard(0)});
+      EXPECT_EQ(cut.total_bytes_sent(), 0) << "a replicated tensor is cut locally";
+      ASSERT_TRUE(shard_matches(h, full));
+    });
+  }
+}
+
+// Ops on head-tail operands equal one device, forward and backward: element-wise, ops that
+// read positions along the head-tail dim (scans, flips, slices, reductions, softmax over it),
+// matrix products over it, and head-tail next to natural operands.
+TEST(HeadTail, OpsEqualOneDevice) {
+  using tessera::test::differential;
+  using tessera::test::Operand;
+  for (int world : {1, 2, 3}) {
+    tessera::testing::run_ranks(world, [&](int) {
+      auto mesh = init_device_mesh("cpu", {world});
+      const Placements ht = {HeadTailShard(1)}, s1 = {Shard(1)};
+      const std::vector<int64_t> shape = {2, 13, 4};
+      auto one = [&](const std::string& what, const tessera::test::Fn& fn,
+                     std::vector<Operand> ops) { differential(mesh, ops, fn, what); };
+      one("mul+tanh", [](auto& a) { return (a[0] * a[1]).tanh(); }, {{shape, ht}, {shape, ht}});
+      one("head-tail * natural", [](auto& a) { return a[0] * a[1] + a[0]; },
+          {{shape, ht}, {shape, s1}});
+      one("cumsum over it", [](auto& a) { return a[0].cumsum(1); }, {{shape, ht}});
+      one("flip", [](auto& a) { return a[0].flip({1}) * 2; }, {{shape, ht}});
+      one("narrow it", [](auto& a) { return a[0].narrow(1, 3, 7) * 1; }, {{shape, ht}});
+      one("select a row of it", [](auto& a) { return a[0].select(1, 11) + a[0].select(1, 2); },
+          {{shape, ht}});
+      one("softmax over it", [](auto& a) { return a[0].softmax(1); }, {{shape, ht}});
+      one("sum over it", [](auto& a) { return a[0].sum(1); }, {{shape, ht}});
+      one("matmul over it", [](auto& a) { return at::matmul(a[0].transpose(1, 2), a[1]); },
+          {{shape, ht}, {shape, ht}});
+      one("transpose keeps it", [](auto& a) { return a[0].transpose(0, 1) + 1; }, {{shape, ht}});
+      one("index along it",
+          [](auto& a) { return a[0].index_select(1, at::arange(12, -1, -3, at::kLong)); },
+          {{shape, ht}});
+    });
+  }
+}
+
+// A view that keeps the head-tail dim whole shares the shard: it is head-tail itself and
+// writes through it reach the base. Any other view reads relayed rows: writing through it
+// raises on every rank, naming the fix.
+TEST(HeadTail, ViewsAliasOrRaise) {
+  tessera::testing::run_ranks(3, [](int) {
+    auto mesh = init_device_mesh("cpu", {3});
+    const auto full = tessera::test::randn({2, 14, 3}, 9, at::kDouble);
+    auto x = distribute_tensor(full, mesh, {HeadTailShard(1)});
+    auto t = x.transpose(0, 1);
+    EXPECT_TRUE(spec(t).placement(0).is_head_tail()) << spec(t).str();
+    EXPECT_TRUE(to_local(t).is_alias_of(to_local(x)));
+    auto expected = full.clone();
+    x.select(2, 1).fill_(7.0);  // a view of another dim, written in place
+    expected.select(2, 1).fill_(7.0);
+    t.mul_(2.0);
+    expected.mul_(2.0);
+    auto u = x.unsqueeze(0).view({1, 2, 14, 3});
+    EXPECT_TRUE(spec(u).placement(0).is_head_tail());
+    u.add_(1.0);
+    expected.add_(1.0);
+    EXPECT_TRUE(spec(x).placement(0).is_head_tail());
+    ASSERT_TRUE(full_matches(x, expected));
+  });
+  tessera::test::expect_error_everywhere(
+      3,
+      [](int) {
+        auto mesh = init_device_mesh("cpu", {3});
+        auto x = distribute_tensor(tessera::test::randn({2, 14}, 9), mesh, {HeadTailShard(1)});
+        x.narrow(1, 0, 5).zero_();
+      },
+      {"aten::zero_", "base would not see the write", "out of place"});
+}
+
+// In-place and out= writes on a head-tail tensor keep its layout and reach its aliases.
+TEST(HeadTail, WritesKeepTheLayout) {
+  for (int world : {1, 2, 4}) {
+    tessera::testing::run_ranks(world, [&](int) {
+      auto mesh = init_device_mesh("cpu", {world});
+      const auto full = tessera::test::randn({9, 3}, 3, at::kDouble);
+      const auto other = tessera::test::randn({9, 3}, 4, at::kDouble);
+      auto x = distribute_tensor(full, mesh, {HeadTailShard(0)});
+      auto alias = x.detach();
+      x.mul_(3.0).add_(distribute_tensor(other, mesh, {Shard(0)}));  // natural other operand
+      x.copy_(x.cumsum(0));                                          // reads positions
+      const auto expected = (full * 3.0 + other).cumsum(0);
+      EXPECT_TRUE(spec(x).placement(0).is_head_tail());
+      ASSERT_TRUE(full_matches(x, expected));
+      ASSERT_TRUE(full_matches(alias, expected)) << "the alias missed the write";
+      auto out = distribute_tensor(at::zeros({9, 3}, at::kDouble), mesh, {HeadTailShard(0)});
+      at::cumsum_out(out, x, 0);
+      EXPECT_TRUE(spec(out).placement(0).is_head_tail());
+      ASSERT_TRUE(full_matches(out, expected.cumsum(0)));
+    });
+  }
+}
+
+// Attention on head-tail q, k, v equals one device (causal and not), forward and backward.
+TEST(HeadTail, AttentionEqualsOneDevice) {
+  if (!tessera::test::has_fused_cpu_attention()) GTEST_SKIP() << "LibTorch 1.13: no SDPA";
+  for (int world : {1, 2, 3}) {
+    for (bool causal : {true, false}) {
+      tessera::testing::run_ranks(world, [&](int) {
+        auto mesh = init_device_mesh("cpu", {world});
+        const std::vector<int64_t> shape = {1, 2, 11, 4};
+        std::vector<at::Tensor> full, dist;
+        for (int i = 0; i < 3; ++i) {
+          full.push_back(tessera::test::randn(shape, 30 + i, at::kDouble).requires_grad_());
+          dist.push_back(
+              distribute_tensor(full.back().detach(), mesh, {HeadTailShard(2)}).requires_grad_());
+        }
+        auto expected =
+            at::scaled_dot_product_attention(full[0], full[1], full[2], {}, 0.0, causal);
+        auto got = at::scaled_dot_product_attention(dist[0], dist[1], dist[2], {}, 0.0, causal);
+        ASSERT_TRUE(full_matches(got, expected)) << "world " << world << " causal " << causal;
+        EXPECT_TRUE(spec(got).placement(0).is_head_tail())
+            << "taken as stored: " << spec(got).str();
+        const auto g = tessera::test::randn(shape, 40, at::kDouble);
+        expected.backward(g);
+        got.backward(distribute_tensor(g, mesh, spec(got).placements(), 0,
+                                       ShardSizes::Given(spec(got).shard_tables())));
+        for (int i = 0; i < 3; ++i) {
+          ASSERT_TRUE(full_matches(dist[i].grad(), full[i].grad())) << "gradient " << i;
+          EXPECT_TRUE(spec(dist[i].grad()).placement(0).is_head_tail());
+        }
+      });
+    }
+  }
+}
+
+// Taken as stored, causal attention deals nothing per call: it moves fewer bytes than the
+// same call on contiguous rows, which the balanced ring deals in and out (forced here).
+TEST(HeadTail, StoredAttentionMovesLess) {
+  if (!tessera::test::has_fused_cpu_attention()) GTEST_SKIP() << "LibTorch 1.13: no SDPA";
+  const auto before = set_context_parallel_method(ContextParallelMethod::kRing);
+  for (int world : {2, 3}) {
+    tessera::testing::run_ranks(world, [&](int) {
+      auto mesh = init_device_mesh("cpu", {world});
+      const std::vector<int64_t> shape = {1, 2, 24, 8};
+      auto bytes = [&](const Placement& p) {
+        std::vector<at::Tensor> qkv;
+        for (int i = 0; i < 3; ++i)
+          qkv.push_back(
+              distribute_tensor(tessera::test::randn(shape, 50 + i), mesh, {p}).requires_grad_());
+        CommDebugMode comm;
+        auto out = at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], {}, 0.0, true);
+        out.backward(at::ones_like(out));
+        return comm.total_bytes_received();
+      };
+      const int64_t stored = bytes(HeadTailShard(2)), natural = bytes(Shard(2));
+      // (the middle member of an odd count holds its pair already: equal there)
+      EXPECT_LE(stored, natural) << "world " << world;
+      if (mesh.coordinate()[0] == 0) {
+        EXPECT_LT(stored, natural) << "world " << world;
+      }
+    });
+  }
+  set_context_parallel_method(before);
+}
+
+// Position-free ops keep the order on the stored shards with no communication (products
+// with a replicated weight, element-wise ops, a concatenation and a norm over other dims);
+// the values and gradients equal one device; an op that reads positions returns the natural
+// order.
+TEST(HeadTail, PositionFreeOpsKeepTheOrder) {
+  for (int world : {1, 2, 3}) {
+    tessera::testing::run_ranks(world, [&](int) {
+      auto mesh = init_device_mesh("cpu", {world});
+      auto fx = tessera::test::randn({2, 13, 6}, 60, at::kDouble).requires_grad_();
+      auto fw = tessera::test::randn({6, 5}, 61, at::kDouble).requires_grad_();
+      auto x = distribute_tensor(fx.detach(), mesh, {HeadTailShard(1)}).requires_grad_();
+      auto w = distribute_tensor(fw.detach(), mesh, {Replicate()}).requires_grad_();
+      auto block = [](const at::Tensor& a, const at::Tensor& b) {
+        auto y = at::matmul(a, b).relu() * 2 + 1;
+        auto z = at::cat({y, y.sin()}, -1);
+        return z * at::rsqrt(z.pow(2).mean(-1, true) + 1e-5);
+      };
+      CommDebugMode comm;
+      auto got = block(x, w);
+      EXPECT_EQ(comm.get_total_counts(), 0) << "moved: " << comm.total_bytes_sent() << " bytes";
+      EXPECT_TRUE(spec(got).placement(0).is_head_tail()) << spec(got).str();
+      auto expected = block(fx, fw);
+      ASSERT_TRUE(full_matches(got, expected));
+      const auto g = tessera::test::randn({2, 13, 10}, 62, at::kDouble);
+      expected.backward(g);
+      got.backward(distribute_tensor(g, mesh, {HeadTailShard(1)}));
+      ASSERT_TRUE(full_matches(x.grad(), fx.grad()));
+      ASSERT_TRUE(full_matches(w.grad(), fw.grad()));
+      auto scanned = x.cumsum(1);
+      EXPECT_FALSE(spec(scanned).has_head_tail());
+      ASSERT_TRUE(full_matches(scanned, fx.detach().cumsum(1)));
+    });
+  }
+}
+
+// A causal transformer block on head-tail tokens, written as plain ATen code (embedding,
+// RMS norm, projections, rotary tables laid out like the tokens, attention, SwiGLU, the loss):
+// the activations stay head-tail from the embedding to the logits, with no all-gather (the
+// attention takes them as stored), and the loss and every gradient equal one device's.
+TEST(HeadTail, TransformerBlockStaysHeadTail) {
+  if (!tessera::test::has_fused_cpu_attention()) GTEST_SKIP() << "LibTorch 1.13: no SDPA";
+  const int64_t B = 1, L = 19, D = 16, H = 2, E = 8, F = 24, V = 11;
+  auto forward = [&](const at::Tensor& tokens, const at::Tensor& cos, const at::Tensor& sin,
+                     const std::vector<at::Tensor>& w, at::Tensor* logits_out) {
+    // w: embedding, norm, wq, wk, wv, wo, w1, w3, w2, output
+    auto norm = [&](const at::Tensor& x) {
+      return x * at::rsqrt(x.pow(2).mean(-1, true) + 1e-5) * w[1];
+    };
+    auto rope = [&](const at::Tensor& x) {  // [B, L, H, E]
+      const auto c = cos.view({1, L, 1, E / 2}), s = sin.view({1, L, 1, E / 2});
+      const auto x1 = x.narrow(-1, 0, E / 2), x2 = x.narrow(-1, E / 2, E / 2);
+      return at::cat({x1 * c - x2 * s, x1 * s + x2 * c}, -1);
+    };
+    auto h = at::embedding(w[0], tokens);
+    const auto n = norm(h);
+    const auto q = rope(at::matmul(n, w[2]).view({B, L, H, E})).transpose(1, 2);
+    const auto k = rope(at::matmul(n, w[3]).view({B, L, H, E})).transpose(1, 2);
+    const auto v = at::matmul(n, w[4]).view({B, L, H, E}).transpose(1, 2);
+    const auto a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, true);
+    h = h + at::matmul(a.transpose(1, 2).reshape({B, L, D}), w[5]);
+    const auto m = norm(h);
+    h = h + at::matmul(at::silu(at::matmul(m, w[6])) * at::matmul(m, w[7]), w[8]);
+    *logits_out = at::matmul(h, w[9]);
+    return *logits_out;
+  };
+  const std::vector<std::vector<int64_t>> shapes = {{V, D}, {D},    {D, D}, {D, D}, {D, D},
+                                                    {D, D}, {D, F}, {D, F}, {F, D}, {D, V}};
+  auto g = tessera::test::generator(70);
+  const auto tokens = at::randint(0, V, {B, L}, g, at::kLong);
+  const auto targets = at::randint(0, V, {B * L}, g, at::kLong);
+  const auto angles = at::outer(at::arange(L, at::kDouble), at::rand({E / 2}, g, at::kDouble));
+  std::vector<at::Tensor> full;
+  for (size_t i = 0; i < shapes.size(); ++i)
+    full.push_back((tessera::test::randn(shapes[i], 71 + i, at::kDouble) * 0.3).requires_grad_());
+  at::Tensor expected_logits;
+  auto expected = at::cross_entropy_loss(
+      forward(tokens, angles.cos(), angles.sin(), full, &expected_logits).reshape({-1, V}),
+      targets);
+  expected.backward();
+  for (int world : {2, 3}) {
+    tessera::testing::run_ranks(world, [&](int) {
+      auto mesh = init_device_mesh("cpu", {world});
+      std::vector<at::Tensor> w;
+      for (const auto& p : full)
+        w.push_back(distribute_tensor(p.detach(), mesh, {Replicate()}).requires_grad_());
+      const auto t = distribute_tensor(tokens, mesh, {HeadTailShard(1)});
+      const auto c = distribute_tensor(angles.cos(), mesh, {HeadTailShard(0)});
+      const auto s = distribute_tensor(angles.sin(), mesh, {HeadTailShard(0)});
+      at::Tensor logits;
+      CommDebugMode comm;
+      forward(t, c, s, w, &logits);
+      const auto counts = comm.get_comm_counts();
+      EXPECT_EQ(counts.count("all_gather"), 0u) << comm.table();
+      EXPECT_TRUE(spec(logits).placement(0).is_head_tail()) << spec(logits).str();
+      ASSERT_TRUE(full_matches(logits, expected_logits.detach()));
+      auto loss = at::cross_entropy_loss(logits.reshape({-1, V}),
+                                         distribute_tensor(targets, mesh, {HeadTailShard(0)}));
+      ASSERT_TRUE(full_matches(loss, expected.detach()));
+      loss.backward();
+      for (size_t i = 0; i < w.size(); ++i)
+        ASSERT_TRUE(full_matches(w[i].grad(), full[i].grad())) << "gradient of weight " << i;
+    });
+  }
+}
+
+// A checkpoint holds the rows in position order: a head-tail tensor saved loads into any
+// other layout; loading into a head-tail tensor is refused on every rank before anything is
+// read. Cross-entropy under loss_parallel takes head-tail rows.
+TEST(HeadTail, CheckpointAndLossParallel) {
+  namespace ckpt = tessera::checkpoint;
+  const std::string dir = tessera::test::fresh_dir("head-tail") + "/c";
+  const auto full = tessera::test::randn({11, 4}, 80, at::kDouble);
+  tessera::testing::run_ranks(3, [&](int) {
+    auto mesh = init_device_mesh("cpu", {3});
+    ckpt::StateDict saved;
+    saved.insert("x", distribute_tensor(full, mesh, {HeadTailShard(0)}));
+    ckpt::save(saved, dir);
+    ckpt::StateDict loaded;
+    loaded.insert("x", distribute_tensor(at::zeros({11, 4}, at::kDouble), mesh, {Shard(1)}));
+    ckpt::load(loaded, dir);
+    ASSERT_TRUE(full_matches(loaded.tensor("x"), full));
+  });
+  tessera::test::expect_error_everywhere(
+      3,
+      [&](int) {
+        auto mesh = init_device_mesh("cpu", {3});
+        ckpt::StateDict into;
+        into.insert("x",
+                    distribute_tensor(at::zeros({11, 4}, at::kDouble), mesh, {HeadTailShard(0)}));
+        ckpt::load(into, dir);
+      },
+      {"head-tail", "S(0)"});
+  tessera::testing::run_ranks(2, [&](int) {
+    auto mesh = init_device_mesh("cpu", {2, 1});
+    const auto flogits = tessera::test::randn({9, 7}, 81, at::kDouble).requires_grad_();
+    const auto target = at::arange(9, at::kLong).remainder(7);
+    auto logits =
+        distribute_tensor(flogits.detach(), mesh, {HeadTailShard(0), Shard(1)}).requires_grad_();
+    at::Tensor loss;
+    {
+      LossParallel scope;
+      loss = at::cross_entropy_loss(
+          logits, distribute_tensor(target, mesh, {HeadTailShard(0), Replicate()}));
+    }
+    auto expected = at::cross_entropy_loss(flogits, target);
+    ASSERT_TRUE(full_matches(loss, expected.detach()));
+    loss.backward();
+    expected.backward();
+    ASSERT_TRUE(full_matches(logits.grad(), flogits.grad()));
+  });
+}
