@@ -5,7 +5,9 @@
 // of --reps) and peak memory per rank above its inputs (a counting CPU allocator charges
 // each allocation to the rank thread that makes it). Causal calls also run the ring without
 // its load balancing ("natural": each rank keeps its contiguous rows; NOTE: [Load-balanced
-// causal ring]). --kernel products runs every sharded block as matrix products, the kernel
+// causal ring]), and on inputs stored in the head-tail order ("stored": HeadTailShard(2), the
+// ring's balanced layout, so nothing is dealt per call; NOTE: [Attention on the head-tail
+// order]). --kernel products runs every sharded block as matrix products, the kernel
 // of non-CPU devices (NOTE: [Block kernels]), in tiles of at most --tile scores.
 //
 //   ./build/bench/bench_context_parallel --ranks 1,2,4 --lengths 1024,2048,4096
@@ -98,8 +100,8 @@ Result one_device(const Shape& s, int64_t L, int reps) {
   return r;
 }
 
-Result sharded(const Shape& s, int64_t L, int ranks, KVMethod method, int reps,
-               bool balance = true) {
+Result sharded(const Shape& s, int64_t L, int ranks, KVMethod method, int reps, bool balance = true,
+               bool stored = false) {
   const KVMethod before = tessera::set_context_parallel_method(method);
   const bool balance_before = tessera::set_context_parallel_load_balance(balance);
   std::vector<Result> per_rank(static_cast<size_t>(ranks));
@@ -112,7 +114,8 @@ Result sharded(const Shape& s, int64_t L, int ranks, KVMethod method, int reps,
     const std::vector<int64_t> kv_dims = {s.batch, s.kv_heads, L, s.head_dim};
     auto lay = [&](uint64_t seed, const std::vector<int64_t>& d) {
       at::manual_seed(seed);
-      return tessera::distribute_tensor(at::randn(d), mesh, {tessera::Shard(2)});
+      return tessera::distribute_tensor(at::randn(d), mesh,
+                                        {stored ? tessera::HeadTailShard(2) : tessera::Shard(2)});
     };
     auto q = lay(1, dims).requires_grad_(), k = lay(2, kv_dims).requires_grad_();
     auto v = lay(3, kv_dims).requires_grad_();
@@ -176,18 +179,20 @@ int run(int argc, char** argv) {
       kernel == "products"
           ? ("matrix products, tiles of " + std::to_string(tile) + " scores").c_str()
           : "LibTorch's fused CPU kernel");
-  std::printf("%8s %6s | %10s %10s %10s %10s | %10s %10s %10s %10s\n", "L", "ranks", "1 rank ms",
-              "gather ms", "ring ms", "natural ms", "1 rank MiB", "gather MiB", "ring MiB",
-              "natural MiB");
+  std::printf("%8s %6s | %10s %10s %10s %10s %10s | %10s %10s %10s %10s %10s\n", "L", "ranks",
+              "1 rank ms", "gather ms", "ring ms", "natural ms", "stored ms", "1 rank MiB",
+              "gather MiB", "ring MiB", "natural MiB", "stored MiB");
   for (const int64_t L : lengths) {
     const Result one = one_device(s, L, reps);
     for (const int p : ranks) {
       const Result g = sharded(s, L, p, KVMethod::kAllGather, reps);
       const Result r = sharded(s, L, p, KVMethod::kRing, reps);
       const Result n = s.causal ? sharded(s, L, p, KVMethod::kRing, reps, false) : r;
-      std::printf("%8ld %6d | %10.1f %10.1f %10.1f %10.1f | %10.1f %10.1f %10.1f %10.1f\n",
-                  static_cast<long>(L), p, one.ms, g.ms, r.ms, n.ms, mib(one.peak), mib(g.peak),
-                  mib(r.peak), mib(n.peak));
+      const Result h = sharded(s, L, p, KVMethod::kRing, reps, true, /*stored=*/true);
+      std::printf(
+          "%8ld %6d | %10.1f %10.1f %10.1f %10.1f %10.1f | %10.1f %10.1f %10.1f %10.1f %10.1f\n",
+          static_cast<long>(L), p, one.ms, g.ms, r.ms, n.ms, h.ms, mib(one.peak), mib(g.peak),
+          mib(r.peak), mib(n.peak), mib(h.peak));
       std::fflush(stdout);
     }
   }
