@@ -291,7 +291,9 @@ std::optional<int64_t> stored_ring_dim(const OpCall& call) {
   if (call.spec("attn_mask") || (call.has("attn_mask") && call.arg("attn_mask").isTensor() &&
                                  call.arg("attn_mask").toTensor().defined()))
     return {};
-  if (q->sizes()[kSeq] != k->sizes()[kSeq] || call.arg<double>("dropout_p") != 0.0) return {};
+  if (q->sizes()[kSeq] != k->sizes()[kSeq] || v->sizes()[kSeq] != k->sizes()[kSeq] ||
+      v->sizes()[1] != k->sizes()[1] || call.arg<double>("dropout_p") != 0.0)
+    return {};
   const auto dims = q->mesh_dims_sharding(kSeq);
   if (dims.size() != 1 || !q->placement(dims[0]).is_head_tail()) return {};
   for (const DTensorSpec* x : {k, v})

@@ -129,7 +129,10 @@ at::Tensor relayout(const at::Tensor& x, const RedistributeStep& st) {
     shape[t] = 0;
     return at::empty(shape, x.options());
   }
-  return parts.size() == 1 ? parts[0] : at::cat(parts, t);
+  if (parts.size() > 1) return at::cat(parts, t);
+  // (a window that is the whole shard comes back as the input itself: never alias it on
+  // some ranks only)
+  return parts[0].is_same(x) ? parts[0].clone() : parts[0];
 }
 
 at::Tensor run_step(const at::Tensor& x, const RedistributeStep& st) {

@@ -545,6 +545,20 @@ bool keeps_head_tail(const Frame& f) {
     });
     if (!keeps) return false;
   }
+  // Written arguments: head-tail ones whose layout the op keeps (an out= tensor in another
+  // layout, or an in-place op that changes the layout, takes the relayed path).
+  for (size_t r = 0; r < f.schema.returns().size(); ++r) {
+    const int alias = aliased_argument(f.schema, r);
+    if (alias < 0) continue;
+    const auto* impl = f.impls[alias];
+    if (!impl || !f.stored_for(impl) || r >= plan.outputs.size() || !plan.outputs[r] ||
+        *plan.outputs[r] != impl->spec())
+      return false;
+  }
+  for (size_t i = 0; i < f.nargs; ++i) {
+    const auto* a = f.schema.arguments()[i].alias_info();
+    if (a && a->isWrite() && !(f.impls[i] && f.stored_for(f.impls[i]))) return false;
+  }
   for (const auto& out : plan.outputs) {
     if (!out) continue;
     for (const auto& d : dims) {
@@ -556,6 +570,30 @@ bool keeps_head_tail(const Frame& f) {
     }
   }
   return true;
+}
+
+// Whether every return of the op is a view of an argument (and nothing is written).
+bool is_view_op(const c10::FunctionSchema& schema) {
+  if (schema.returns().empty()) return false;
+  for (const auto& r : schema.returns())
+    if (!r.alias_info() || r.alias_info()->isWrite()) return false;
+  for (const auto& a : schema.arguments())
+    if (a.alias_info() && a.alias_info()->isWrite()) return false;
+  return true;
+}
+
+// A view that cannot keep the order would read relayed rows: a copy that misses later writes
+// to the tensor, and whose own writes are lost. Refused, alike on every rank (specs only).
+void check_head_tail_view(const Frame& f) {
+  std::string what = "head-tail";
+  for (const auto& s : f.stored)
+    for (const auto& p : dtensor_impl(s.original)->spec().placements())
+      if (p.is_head_tail()) what = p.str();
+  TORCH_CHECK(!is_view_op(f.schema), "tessera: ", f.call.describe(), ": this view of a ", what,
+              " tensor cuts or reorders its head-tail dim, so it could not share the tensor's "
+              "rows (it would miss later writes to the tensor, and its own writes would be "
+              "lost); redistribute the tensor to the natural order first (Shard on that dim) "
+              "and take the view of that");
 }
 
 // Writes into a view whose shard is a copy (cut from a head-tail tensor's relayed rows, or
@@ -849,7 +887,10 @@ void dtensor_fallback_impl(const c10::OperatorHandle& op, torch::jit::Stack* sta
   collect(f);
   admit_and_key(f);
   decide(f);
-  if (!f.stored.empty()) f.keeps_order = keeps_head_tail(f);
+  if (!f.stored.empty()) {
+    f.keeps_order = keeps_head_tail(f);
+    if (!f.keeps_order) check_head_tail_view(f);
+  }
   check_written_views(f);
   unwrap(f);
   run(f);

@@ -13,6 +13,8 @@
 #include <array>
 #include <type_traits>
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <ATen/Operators.h>
 #include <torch/library.h>
@@ -256,13 +258,26 @@ at::Tensor detach_sharing_shard(const at::Tensor& self) {
 // matmul's folding of batch dims) views it, while its shard may come from transpose,
 // permute or expand and not be viewable with the local sizes. The shard is made contiguous
 // first, the copy contiguous() would have made of a plain tensor; the result then does not
-// alias the input, as it would not have after contiguous().
+// alias the input, as it would not have after contiguous(), and an in-place write into it
+// raises (writes_reach_base) instead of missing the input.
+// Row-major strides exactly, size-1 and empty dims included. is_contiguous() ignores the
+// strides of size-1 dims, so a shard of one row would alias where the others copy: the ranks
+// must decide alike (writes through a copy raise, writes_reach_base).
+bool row_major(const at::Tensor& t) {
+  int64_t expected = 1;
+  for (int64_t d = t.dim() - 1; d >= 0; --d) {
+    if (t.stride(d) != expected) return false;
+    expected *= std::max<int64_t>(t.size(d), 1);
+  }
+  return true;
+}
+
 at::Tensor view_of_contiguous_shard(const at::Tensor& self, c10::SymIntArrayRef size) {
   auto* d = detail::as_dtensor(self);
   if (d && detail::is_freed(d->local())) detail::refill_freed({d->local()});  // read below
-  if (d && !d->local().is_contiguous()) {
-    const at::Tensor packed =
-        at::detail::make_tensor<DTensorImpl>(d->local().contiguous(), d->spec_ptr());
+  if (d && !row_major(d->local())) {
+    const at::Tensor packed = at::detail::make_tensor<DTensorImpl>(
+        d->local().clone(at::MemoryFormat::Contiguous), d->spec_ptr());
     return FastKernel<at::_ops::view>::kernel(packed, size);
   }
   return FastKernel<at::_ops::view>::kernel(self, size);

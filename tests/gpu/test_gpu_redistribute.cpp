@@ -3,27 +3,14 @@
 // uneven (and empty) shards; forward and backward against the full tensor. Also the entry
 // points that must move a tensor to the mesh's device (distribute_tensor, from_local).
 #include "gpu_helpers.h"
+#include "support/placements.h"
 
 using namespace tessera;
 using gpu_test::GpuMesh;
 
 namespace {
 
-// Every combination of per-mesh-dim placements over `choices`.
-std::vector<Placements> combinations(int64_t mesh_ndim, const std::vector<Placement>& choices) {
-  std::vector<Placements> out = {{}};
-  for (int64_t d = 0; d < mesh_ndim; ++d) {
-    std::vector<Placements> next;
-    for (const auto& p : out)
-      for (const auto& c : choices) {
-        auto q = p;
-        q.push_back(c);
-        next.push_back(q);
-      }
-    out = next;
-  }
-  return out;
-}
+using tessera::test::placement_combinations;
 
 const std::vector<Placement> kTargets = {Shard(0), Shard(1), Replicate()};
 const std::vector<Placement> kSources = {Shard(0),
@@ -42,8 +29,8 @@ void run_matrix(const DeviceMesh& mesh, at::ScalarType dtype) {
   const bool floating = at::isFloatingType(dtype);
   test::Rng rng(77);  // the same draws on every rank
   int64_t checked = 0;
-  for (const auto& src : combinations(mesh.ndim(), kSources)) {
-    for (const auto& dst : combinations(mesh.ndim(), kTargets)) {
+  for (const auto& src : placement_combinations(mesh.ndim(), kSources)) {
+    for (const auto& dst : placement_combinations(mesh.ndim(), kTargets)) {
       const auto src_tables = test::random_tables(rng, mesh, src, shape);
       const auto dst_tables = test::random_tables(rng, mesh, dst, shape);
       const std::string ctx =

@@ -2,6 +2,7 @@
 // float / double / int64, forward and backward, against the full tensor on one device.
 // On 1-D meshes the bytes CommDebugMode records must equal the minimum for the transition.
 #include "helpers.h"
+#include "support/placements.h"
 
 using namespace tessera;
 using tessera::test::full_matches;
@@ -23,18 +24,7 @@ std::vector<Placement> candidates(bool with_partial) {
 
 // Every combination of per-mesh-dim placements.
 std::vector<Placements> all_placements(int64_t mesh_ndim, bool with_partial) {
-  std::vector<Placements> out = {{}};
-  for (int64_t d = 0; d < mesh_ndim; ++d) {
-    std::vector<Placements> next;
-    for (auto& p : out)
-      for (auto& c : candidates(with_partial)) {
-        auto q = p;
-        q.push_back(c);
-        next.push_back(q);
-      }
-    out = next;
-  }
-  return out;
+  return tessera::test::placement_combinations(mesh_ndim, candidates(with_partial));
 }
 
 std::vector<ShardTable> tables_for(Layout layout, const DeviceMesh& mesh, const Placements& p,

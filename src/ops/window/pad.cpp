@@ -156,7 +156,9 @@ struct CircularPadBackward : torch::autograd::Node {
 };
 
 at::Tensor pad_circular(const at::Tensor& self, c10::IntArrayRef pad) {
-  auto plan = circular_plan(dtensor_impl(self, "aten::_pad_circular")->spec(), pad);
+  // Halos read positions: a head-tail input is relayed into position order (NOTE:
+  // [Head-tail order]).
+  auto plan = circular_plan(dtensor_impl(self, "aten::_pad_circular")->spec().natural_spec(), pad);
   at::Tensor laid = spec(self) == *plan.layout ? self : redistribute(self, plan.layout);
   at::Tensor local;
   {
