@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Configures (once) and builds Tessera into ./build with Ninja and ccache.
-# TARGETS="a b" builds just those targets.
+# TARGETS="a b" builds just those targets; TESSERA_CMAKE_ARGS adds configure arguments (CI's
+# -DTESSERA_WERROR=ON, -DTESSERA_BUILD_BENCHMARKS=OFF) to the first configure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
@@ -10,7 +11,8 @@ export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 export CCACHE_SLOPPINESS=${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}
 BUILD_TYPE=${BUILD_TYPE:-Release}
 if [ ! -f "$BUILD_DIR/build.ninja" ]; then
-  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" "$@"
+  # shellcheck disable=SC2086  # TESSERA_CMAKE_ARGS is a list of arguments
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" ${TESSERA_CMAKE_ARGS:-} "$@"
 fi
 targets=()
 for t in ${TARGETS:-}; do targets+=(--target "$t"); done

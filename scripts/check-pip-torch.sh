@@ -6,12 +6,20 @@
 #
 #   bash scripts/check-pip-torch.sh              # build + the CPU suite (ctest -LE gpu)
 #   bash scripts/check-pip-torch.sh -R Redis     # extra arguments go to ctest
+#   TESSERA_PIP_SUITE=binaries bash scripts/check-pip-torch.sh
+#       # builds only the test binaries and runs them directly (tessera_tests in two
+#       # concurrent gtest shards, the launcher tests, the GPU tier on host meshes), one LibTorch
+#       # start per process instead of one per test; no examples, e2e programs or benchmarks
+#   TESSERA_PIP_SUITE=tier bash scripts/check-pip-torch.sh
+#       # CI's form: the library and the GPU tier's binary (the NCCL and CUDA paths compile and
+#       # link), and the tier run on host meshes (TESSERA_GPU_TIER_ON_CPU=1)
 #
 # TESSERA_PIP_TORCH   the torch version (default: the one pinned below)
 # TESSERA_PIP_CACHE   where the virtual environment is kept (default /var/cache/tessera),
 #                     so a second run downloads nothing
 # BUILD_DIR           build folder (default build-pip)
-# TESSERA_CMAKE_ARGS  more configure arguments (CI passes -DTESSERA_BUILD_BENCHMARKS=OFF)
+# TESSERA_CMAKE_ARGS  more configure arguments (scripts/build.sh reads them)
+# TESSERA_PIP_SUITE   ctest (default), binaries or tier (above)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TORCH_VERSION=${TESSERA_PIP_TORCH:-2.15.0}
@@ -39,12 +47,44 @@ cuda_args=()
 if [ -x /usr/local/cuda/bin/nvcc ]; then
   cuda_args=(-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
 fi
-# shellcheck disable=SC2086  # TESSERA_CMAKE_ARGS is a list of arguments
+suite=${TESSERA_PIP_SUITE:-ctest}
+case $suite in
+  binaries) export TARGETS="tessera_tests tessera_gpu_tests tessera_launcher_tests" ;;
+  tier) export TARGETS="tessera_gpu_tests" ;;
+  ctest) ;;
+  *) echo "check-pip-torch: TESSERA_PIP_SUITE is ctest, binaries or tier, not '$suite'" >&2; exit 2 ;;
+esac
 bash scripts/build.sh -DCMAKE_PREFIX_PATH="$prefix" -DPython3_EXECUTABLE="$VENV/bin/python" \
-  "${cuda_args[@]}" ${TESSERA_CMAKE_ARGS:-} | tee "$BUILD_DIR.log" | grep -E "Tessera:|error|FAILED|warning: .*fmt" || true
+  "${cuda_args[@]}" | tee "$BUILD_DIR.log" | grep -E "Tessera:|error|FAILED|warning: .*fmt" || true
 grep -q "Tessera: NCCL path ON" "$BUILD_DIR/CMakeCache.txt" 2>/dev/null ||
   grep -q "TESSERA_WITH_NCCL" "$BUILD_DIR/build.ninja" ||
   echo "check-pip-torch: note: built without the NCCL path"
 cd "$BUILD_DIR"
+if [ "$suite" != ctest ]; then
+  # run LOG CMD...: one binary under a timeout, its log kept; prints the log's failures.
+  run() {
+    local log=$1 rc=0
+    shift
+    timeout --signal=KILL "${TESSERA_PIP_TIMEOUT:-2400}" "$@" >"$log" 2>&1 || rc=$?
+    echo "check-pip-torch: $log: exit $rc, $(grep -oE '^\[  PASSED  \] [0-9]+ tests?' "$log" || echo 'none passed')"
+    [ "$rc" -eq 0 ] || { grep -E '^\[  FAILED  \]|Failure|error' "$log" | head -40; tail -20 "$log"; }
+    return "$rc"
+  }
+  if [ "$suite" = tier ]; then
+    TESSERA_GPU_TIER_ON_CPU=1 run gpu-tier-on-cpu.log tests/tessera_gpu_tests
+    exit
+  fi
+  shards=${CTEST_JOBS:-$(nproc)}
+  pids=()
+  for ((i = 0; i < shards; i++)); do
+    GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i run "tests-shard$i.log" tests/tessera_tests &
+    pids+=($!)
+  done
+  status=0
+  for p in "${pids[@]}"; do wait "$p" || status=1; done
+  run launcher-tests.log tests/launcher/tessera_launcher_tests || status=1
+  TESSERA_GPU_TIER_ON_CPU=1 run gpu-tier-on-cpu.log tests/tessera_gpu_tests || status=1
+  exit $status
+fi
 # In parallel, as scripts/test.sh.
 ctest --output-on-failure --timeout 1500 -j"${CTEST_JOBS:-$(nproc)}" -LE gpu "$@"

@@ -75,6 +75,6 @@ in_root() {
   $SUDO chroot "$root" /usr/bin/env -i \
     HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     LANG=C.UTF-8 TERM="${TERM:-dumb}" CI="${CI:-}" DEBIAN_FRONTEND=noninteractive \
-    CCACHE_DIR=/ccache CCACHE_MAXSIZE=5G JOBS="${JOBS:-}" \
+    CCACHE_DIR=/ccache CCACHE_MAXSIZE=5G JOBS="${JOBS:-}" TESSERA_CMAKE_ARGS="${TESSERA_CMAKE_ARGS:-}" \
     bash -c 'cd /work/tessera 2>/dev/null || cd /; exec "$@"' bash "$@"
 }
