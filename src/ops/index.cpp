@@ -334,6 +334,7 @@ OpPlan embedding_backward_rule(const OpCall& call) {
     k.set("num_weights", n);
     k.call_op();
   };
+  plan.place_dims = std::vector<int64_t>{0};  // the vocabulary rows this rank holds
   return plan;
 }
 

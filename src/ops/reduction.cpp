@@ -199,6 +199,7 @@ OpPlan mean_rule(const OpCall& call) {
     }
     k.finish({s});
   };
+  plan.place_dims.emplace();  // a local sum over the reduced dims: no place used
   return plan;
 }
 
@@ -292,9 +293,6 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::mean", mean_rule);
   register_rule("aten::mean.dim", mean_rule);
   register_rule("aten::mean.out", mean_rule);
-  // mean's kernel is a local sum over the reduced dims: position-free.
-  for (const char* op : {"aten::mean", "aten::mean.dim", "aten::mean.out"})
-    detail::let_local_kernel_keep_order(op);
 
   register_rule("aten::amax", max_rule);
   register_rule("aten::max", max_rule);

@@ -127,6 +127,7 @@ OpPlan slice_rule(const OpCall& call) {
     k.set("end", mine.end(step));
     k.call_op();
   };
+  plan.place_dims = std::vector<int64_t>{d};  // the cut along d only
   return plan;
 }
 
@@ -198,6 +199,7 @@ OpPlan slice_backward_rule(const OpCall& call) {
     k.set("end", mine.end(step));
     k.call_op();
   };
+  plan.place_dims = std::vector<int64_t>{d};  // the cut along d; other dims are local sizes
   return plan;
 }
 

@@ -141,6 +141,7 @@ OpPlan reshaped_locally(const OpCall& call, const ViewLayout& layout) {
   plan.input("self", layout.input).output(layout.output);
   auto local = layout.output->local_sizes();
   plan.local_kernel = [local](KernelCall& k) { k.finish({k.tensor("self").reshape(local)}); };
+  plan.place_dims.emplace();  // a row-major reshape of the shard: no place used
   return plan;
 }
 
@@ -292,10 +293,6 @@ const RuleRegistrar registrar{[] {
   register_rule("aten::view", view_rule);
   register_rule("aten::_unsafe_view", unsafe_view_rule);
   register_rule("aten::_reshape_alias", reshape_alias_rule);
-  // reshaped_locally's kernel is a row-major reshape: position-free.
-  for (const char* op :
-       {"aten::_unsafe_view", "aten::_reshape_alias", "aten::squeeze", "aten::squeeze.dim"})
-    detail::let_local_kernel_keep_order(op);
   register_rule("aten::expand", expand_rule);
   register_rule("aten::transpose.int", transpose_rule);
   register_rule("aten::t", transpose_rule);

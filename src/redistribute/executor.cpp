@@ -135,13 +135,37 @@ at::Tensor relayout(const at::Tensor& x, const RedistributeStep& st) {
   return parts[0].is_same(x) ? parts[0].clone() : parts[0];
 }
 
+// Rows gathered from head-tail shards along t (member after member, each its two ranges in
+// stored order) put back in position order: a local reorder, no communication.
+at::Tensor in_position_order(const at::Tensor& gathered, const RedistributeStep& st) {
+  const auto& mesh = st.before->mesh();
+  const int64_t d = st.mesh_dim;
+  const int64_t t = st.before->placement(d).dim();
+  std::vector<std::pair<int64_t, at::Tensor>> pieces;  // (position, rows)
+  auto coord = mesh.coordinate();
+  int64_t at = 0;
+  for (int64_t j = 0; j < mesh.size(d); ++j) {
+    coord[d] = j;
+    for (auto [lo, hi] : st.before->local_ranges(t, coord)) {
+      pieces.push_back({lo, gathered.narrow(t, at, hi - lo)});
+      at += hi - lo;
+    }
+  }
+  std::sort(pieces.begin(), pieces.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<at::Tensor> rows;
+  for (auto& p : pieces) rows.push_back(std::move(p.second));
+  return at::cat(rows, t);
+}
+
 at::Tensor run_step(const at::Tensor& x, const RedistributeStep& st) {
   const auto& mesh = st.before->mesh();
   const int64_t d = st.mesh_dim;
   switch (st.kind) {
     case StepKind::AllGather: {
       const int64_t t = st.before->placement(d).dim();
-      return comm::all_gather(mesh.group(d), x, t, st.before->shard_sizes(d));
+      at::Tensor gathered = comm::all_gather(mesh.group(d), x, t, st.before->shard_sizes(d));
+      return st.before->placement(d).is_head_tail() ? in_position_order(gathered, st) : gathered;
     }
     case StepKind::LocalSlice: return local_slice(x, st);
     case StepKind::AllReduce:

@@ -175,15 +175,27 @@ std::shared_ptr<RedistributePlan> build_plan(const SpecPtr& from, const SpecPtr&
   };
   auto plan = std::make_shared<RedistributePlan>();
   SpecPtr cur = from;
+  bool partial = false;
+  for (const auto& p : from->placements()) partial = partial || p.is_partial();
   for (int64_t d = 0; d < nd; ++d) {
     const Placement& ht = from->placement(d);
     if (!ht.is_head_tail() || kept(d)) continue;
     Placements p = cur->placements();
-    p[d] = ht.natural();
     auto tables = cur->shard_tables();
-    if (natural_partner(*to, d, ht)) tables[ht.dim()] = to->shard_table(ht.dim());
+    StepKind kind = StepKind::Relayout;
+    if (to->placement(d).is_replicate() && !partial) {
+      // HT(t) -> R: gather the stored shards and put the rows in position order locally
+      // (the executor), no relayout first. (With a Partial to reduce, the natural plan
+      // reduces before it gathers: left to it.)
+      kind = StepKind::AllGather;
+      p[d] = Replicate();
+      tables[ht.dim()].clear();
+    } else {
+      p[d] = ht.natural();
+      if (natural_partner(*to, d, ht)) tables[ht.dim()] = to->shard_table(ht.dim());
+    }
     auto next = make_spec(*cur, std::move(p), std::move(tables));
-    plan->steps.push_back({StepKind::Relayout, d, cur, next});
+    plan->steps.push_back({kind, d, cur, next});
     cur = std::move(next);
   }
   // The middle in the natural order; kept head-tail dims are not touched by it.

@@ -502,11 +502,10 @@ void decide(Frame& f) {
 bool keeps_head_tail(const Frame& f) {
   const ops::OpPlan& plan = f.plan();
   if (f.decision->replicate_all || f.decision->functional || plan.data_dependent_shapes ||
-      plan.distributed_kernel || plan.outputs.empty() ||
-      (plan.local_kernel && !ops::detail::local_kernel_keeps_order(f.op)))
+      plan.distributed_kernel || plan.outputs.empty() || (plan.local_kernel && !plan.place_dims))
     return false;
   for (const auto& [i, value] : plan.local_args)
-    if (!value.isIntList()) return false;
+    if (!value.isIntList() && !plan.place_dims) return false;  // (int lists: local sizes)
   struct Dim {
     int64_t mesh_dim, length;
     ShardTable table;
@@ -565,6 +564,8 @@ bool keeps_head_tail(const Frame& f) {
       const Placement& o = out->placement(d.mesh_dim);
       if (o.is_partial()) continue;
       if (!o.is_shard() || out->mesh_dims_sharding(o.dim()).size() != 1 ||
+          (plan.place_dims && std::find(plan.place_dims->begin(), plan.place_dims->end(),
+                                        o.dim()) != plan.place_dims->end()) ||
           out->sizes()[o.dim()] != d.length || out->shard_table(o.dim()) != d.table)
         return false;
     }
@@ -612,6 +613,21 @@ void check_written_views(const Frame& f) {
   }
 }
 
+// An out= shard whose shape is not the planned result's is handed to the op empty: ATen then
+// resizes it without its warning about resizing a non-empty out (deprecated, to become an
+// error), and a caller's plain out keeps its strides (wrap_results writes the whole result).
+void empty_mismatched_outs(Frame& f) {
+  const ops::OpPlan& plan = f.plan();
+  for (size_t r = 0; r < f.schema.returns().size() && r < plan.outputs.size(); ++r) {
+    const int a = aliased_argument(f.schema, r);
+    if (a < 0 || f.holds[a] != Holds::Tensor || !f.impls[a] || !plan.outputs[r]) continue;
+    at::Tensor& local = f.locals[a];
+    if (local.numel() == 0 || local.sizes().vec() == plan.outputs[r]->local_sizes()) continue;
+    local = local.new_empty({0});
+    (*f.stack)[f.base + a] = local;
+  }
+}
+
 // Step 4: redistribute where the plan asks, then push every argument with each distributed
 // tensor swapped for its local shard.
 void unwrap(Frame& f) {
@@ -651,6 +667,8 @@ void unwrap(Frame& f) {
     }
   }
   for (const auto& [i, value] : plan.local_args) (*f.stack)[f.base + i] = value;
+  if (f.nargs > 0 && f.schema.arguments()[f.nargs - 1].is_out() && !f.decision->functional)
+    empty_mismatched_outs(f);
 }
 
 // The op (or the plan's kernel in its place) on the stack's local arguments.
@@ -787,8 +805,10 @@ void wrap_results(Frame& f) {
       if (planned && (!f.locals[alias].is_same(target) || !planned->is_replicated())) {
         auto whole = std::make_shared<DTensorSpec>(
             planned->with_placements(Placements(planned->mesh().ndim(), Replicate())));
-        if (target.sizes().vec() != planned->sizes()) target.resize_(planned->sizes());  // out=
-        target.copy_(redistribute_local(f.locals[alias], planned, whole));
+        // Gathered before `target` is resized (out=): the shard may be `target` itself.
+        at::Tensor gathered = redistribute_local(f.locals[alias], planned, whole);
+        if (target.sizes().vec() != planned->sizes()) target.resize_(planned->sizes());
+        if (!gathered.is_same(target)) target.copy_(gathered);
       }
       f.stack->push_back(target);
     } else if (alias >= 0 && f.holds[alias] == Holds::Tensor && f.impls[alias] &&

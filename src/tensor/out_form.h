@@ -28,10 +28,5 @@ const OutFormRule* find_out_form_rule(const c10::OperatorHandle& op);
 // tensor/fallback.cpp). Only rules that check for the order may ask.
 void let_rule_see_head_tail(const std::string& qualified_name);
 bool rule_sees_head_tail(const c10::OperatorHandle& op);
-// The local kernel of the rule for `qualified_name` treats the rows of every dim alike (a
-// local reshape): a call may keep the head-tail order through it (keeps_head_tail in
-// tensor/fallback.cpp), as through the op itself.
-void let_local_kernel_keep_order(const std::string& qualified_name);
-bool local_kernel_keeps_order(const c10::OperatorHandle& op);
 
 }  // namespace tessera::ops::detail

@@ -19,7 +19,6 @@ struct Registry {
   std::shared_mutex mu;
   std::unordered_map<std::string, Rule> by_name;  // nodes are stable: memo points into it
   std::unordered_set<std::string> head_tail;      // rules that see head-tail specs as stored
-  std::unordered_set<std::string> order_free;     // local kernels that treat rows alike
   std::unordered_map<const void*, const Rule*> by_schema;  // memo: one lookup per operator
   std::unordered_map<const void*, std::unique_ptr<detail::OutFormRule>> out_forms;  // memo
   // Memo entries a later registration invalidated: callers may still hold them.
@@ -175,18 +174,6 @@ void detail::let_rule_see_head_tail(const std::string& qualified_name) {
   auto& r = registry();
   std::unique_lock<std::shared_mutex> lock(r.mu);
   r.head_tail.insert(qualified_name);
-}
-
-void detail::let_local_kernel_keep_order(const std::string& qualified_name) {
-  auto& r = registry();
-  std::unique_lock<std::shared_mutex> lock(r.mu);
-  r.order_free.insert(qualified_name);
-}
-
-bool detail::local_kernel_keeps_order(const c10::OperatorHandle& op) {
-  auto& r = registry();
-  std::shared_lock<std::shared_mutex> lock(r.mu);
-  return r.order_free.count(qualified(op.operator_name())) > 0;
 }
 
 bool detail::rule_sees_head_tail(const c10::OperatorHandle& op) {

@@ -1,6 +1,7 @@
 // HeadTailShard(d): the balanced causal order as a placement (NOTE: [Head-tail order] in
 // spec.h). One device is the oracle: redistribute into and out of it from every layout, ops
 // on head-tail operands (position-reading ones included), views, in-place writes, attention.
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/nn/functional/padding.h>
 
 #include "helpers.h"
@@ -183,7 +184,8 @@ int64_t rows_gained(const DTensorSpec& before, const DTensorSpec& after) {
 }
 
 // Into and out of head-tail: each row moves once, point to point, to the one member that
-// needs it (no all-gather); from a replicated tensor nothing moves.
+// needs it (no all-gather); from a replicated tensor nothing moves; to a replicated one, one
+// all-gather of the stored shards (no relayout first).
 TEST(HeadTail, RelayoutMovesEachRowOnce) {
   for (int world : {2, 3, 4, 5}) {
     tessera::testing::run_ranks(world, [&](int) {
@@ -206,6 +208,21 @@ TEST(HeadTail, RelayoutMovesEachRowOnce) {
         EXPECT_EQ(back.get_comm_counts().count("all_to_all"), 0u) << "one relayout, no re-cut";
         ASSERT_TRUE(shard_matches(z, full));
       }
+      // (as gathering the same table in position order: padded where uneven, as that is)
+      const auto natural =
+          redistribute(y, {Shard(0)}, ShardSizes::Given(0, spec(y).shard_table(0)));
+      int64_t natural_bytes = 0;
+      {
+        CommDebugMode natural_gather;
+        redistribute(natural, {Replicate()});
+        natural_bytes = natural_gather.total_bytes_received();
+      }
+      CommDebugMode gather;
+      auto r = redistribute(y, {Replicate()});
+      EXPECT_EQ(gather.get_comm_counts().count("send_recv"), 0u) << gather.table();
+      EXPECT_EQ(gather.get_comm_counts().count("all_gather"), 1u) << gather.table();
+      EXPECT_EQ(gather.total_bytes_received(), natural_bytes);
+      ASSERT_TRUE(full_matches(r, full));
       const auto whole = distribute_tensor(full, mesh, {Replicate()});
       CommDebugMode cut;
       auto h = redistribute(whole, {HeadTailShard(0)});
@@ -334,6 +351,10 @@ TEST(HeadTail, WritesKeepTheLayout) {
       auto whole = distribute_tensor(at::zeros({9, 3}, at::kDouble), mesh, {Replicate()});
       at::add_out(whole, x, x);
       ASSERT_TRUE(full_matches(whole, expected * 2));
+      auto plain = at::zeros({9, 3}, at::kDouble);  // a plain out= tensor gets the whole result
+      at::mul_out(plain, x, x);
+      ASSERT_FALSE(is_dtensor(plain));
+      ASSERT_TRUE(tessera::test::same_values(plain, expected * expected));
       auto turned = distribute_tensor(full, mesh, {HeadTailShard(0)});
       turned.t_();
       ASSERT_TRUE(full_matches(turned, full.t()));
@@ -438,6 +459,44 @@ TEST(HeadTail, PositionFreeOpsKeepTheOrder) {
       auto scanned = x.cumsum(1);
       EXPECT_FALSE(spec(scanned).has_head_tail());
       ASSERT_TRUE(full_matches(scanned, fx.detach().cumsum(1)));
+    });
+  }
+}
+
+// The backward of a slice along another dim (slice_backward) and of an embedding
+// (embedding_dense_backward) use no place along the head-tail dim: the gradients keep the
+// order, and nothing is relayed.
+TEST(HeadTail, SliceAndEmbeddingBackwardKeepTheOrder) {
+  for (int world : {1, 2, 3}) {
+    tessera::testing::run_ranks(world, [&](int) {
+      auto mesh = init_device_mesh("cpu", {world});
+      const auto fx = tessera::test::randn({2, 13, 6}, 63, at::kDouble);
+      const auto fgy = tessera::test::randn({2, 13, 3}, 64, at::kDouble);
+      auto x = distribute_tensor(fx, mesh, {HeadTailShard(1)}).requires_grad_();
+      const auto y = x.narrow(-1, 1, 3);
+      EXPECT_TRUE(spec(y).placement(0).is_head_tail()) << spec(y).str();
+      const auto gy = distribute_tensor(fgy, mesh, {HeadTailShard(1)});
+      CommDebugMode slice_comm;
+      const auto gx = torch::autograd::grad({y}, {x}, {gy})[0];
+      EXPECT_EQ(slice_comm.get_total_counts(), 0) << slice_comm.table();
+      EXPECT_TRUE(spec(gx).placement(0).is_head_tail()) << spec(gx).str();
+      auto expected_gx = at::zeros_like(fx);
+      expected_gx.narrow(-1, 1, 3).copy_(fgy);
+      ASSERT_TRUE(full_matches(gx, expected_gx));
+
+      auto g = tessera::test::generator(65);
+      const auto ftokens = at::randint(0, 11, {2, 13}, g, at::kLong);
+      const auto fw = tessera::test::randn({11, 6}, 66, at::kDouble).requires_grad_();
+      const auto fge = tessera::test::randn({2, 13, 6}, 67, at::kDouble);
+      auto w = distribute_tensor(fw.detach(), mesh, {Replicate()}).requires_grad_();
+      const auto e = at::embedding(w, distribute_tensor(ftokens, mesh, {HeadTailShard(1)}));
+      EXPECT_TRUE(spec(e).placement(0).is_head_tail()) << spec(e).str();
+      const auto ge = distribute_tensor(fge, mesh, {HeadTailShard(1)});
+      CommDebugMode embedding_comm;
+      const auto gw = torch::autograd::grad({e}, {w}, {ge})[0];
+      EXPECT_EQ(embedding_comm.get_comm_counts().count("send_recv"), 0u) << embedding_comm.table();
+      const auto expected = torch::autograd::grad({at::embedding(fw, ftokens)}, {fw}, {fge})[0];
+      ASSERT_TRUE(full_matches(gw, expected));
     });
   }
 }

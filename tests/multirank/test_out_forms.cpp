@@ -6,12 +6,15 @@
 
 #include <map>
 
+#include <ATen/ops/add.h>
 #include <ATen/ops/cummax.h>
 #include <ATen/ops/cumsum.h>
 #include <ATen/ops/flip.h>
 #include <ATen/ops/index_select.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/renorm.h>
 #include <ATen/ops/roll.h>
+#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/sort.h>
 #include <ATen/ops/topk.h>
 #include <ATen/ops/tril.h>
@@ -32,6 +35,13 @@ const at::Tensor kIndex = at::tensor({4, 0, 2, 2}, at::kLong);
 
 std::vector<OutCase> cases() {
   return {
+      // Point-wise forms (their rule sees `out` as an operand).
+      {"mul.out", [](const at::Tensor& x) { return Outs{at::mul(x, x)}; },
+       [](Outs& o, const at::Tensor& x) { at::mul_out(o[0], x, x); }},
+      {"add.out", [](const at::Tensor& x) { return Outs{at::add(x, x, 2)}; },
+       [](Outs& o, const at::Tensor& x) { at::add_out(o[0], x, x, 2); }},
+      {"sigmoid.out", [](const at::Tensor& x) { return Outs{at::sigmoid(x)}; },
+       [](Outs& o, const at::Tensor& x) { at::sigmoid_out(o[0], x); }},
       {"cumsum.out", [](const at::Tensor& x) { return Outs{at::cumsum(x, 0)}; },
        [](Outs& o, const at::Tensor& x) { at::cumsum_out(o[0], x, 0); }},
       {"renorm.out", [](const at::Tensor& x) { return Outs{at::renorm(x, 2, 0, 0.5)}; },
@@ -112,8 +122,7 @@ void check_all(const DeviceMesh& mesh, const Placements& placements,
       std::vector<const void*> storage;
       for (int k = 0; k < c.outs; ++k) {
         outs.push_back(make_out(kind, results[k], mesh, expected[k]));
-        storage.push_back(is_dtensor(outs[k]) ? to_local(outs[k]).data_ptr()
-                                                  : outs[k].data_ptr());
+        storage.push_back(is_dtensor(outs[k]) ? to_local(outs[k]).data_ptr() : outs[k].data_ptr());
       }
       const Outs before = outs;
       try {

@@ -15,7 +15,7 @@ namespace tessera {
 
 // The primitives. Bytes are per rank, n = size of the mesh dim's group, B = local bytes.
 enum class StepKind : uint8_t {
-  AllGather,      // S(t) -> R        all-gather(-v) along t: sends (n-1)*B
+  AllGather,      // S(t) -> R        all-gather(-v) along t: sends (n-1)*B (HT(t): then reorder)
   LocalSlice,     // R -> S(t)        no communication
   AllReduce,      // P -> R           all-reduce: 2*(n-1)/n*B
   ReduceScatter,  // P -> S(t)        reduce-scatter(-v): sends B - own piece

@@ -46,6 +46,7 @@
 // Rules run once per distinct call (their plans are cached, see NOTE: [Decision cache]);
 // kernels run on every call.
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -154,6 +155,11 @@ struct OpPlan {
   // Outputs whose shape depends on the data (nonzero, unique): computed on replicated
   // inputs, wrapped as replicated with the shape each call produces.
   bool data_dependent_shapes = false;
+  // Where the kernel (local_kernel, or local_args other than sizes) uses the shard's place (an
+  // offset, a cut): along these dims of the result and no dim it reduces. Unset (the default):
+  // anywhere. A head-tail dim keeps its stored order only through ops that use no place along
+  // it (NOTE: [Head-tail arguments] in fallback.cpp).
+  std::optional<std::vector<int64_t>> place_dims;
 
  private:
   const c10::FunctionSchema* schema_ = nullptr;
