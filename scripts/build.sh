@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Configures (once) and builds Tessera into ./build with Ninja and ccache.
-# TARGETS="a b" builds just those targets; TESSERA_CMAKE_ARGS adds configure arguments (CI's
-# -DTESSERA_WERROR=ON, -DTESSERA_BUILD_BENCHMARKS=OFF) to the first configure.
+# Configures and builds Tessera into ./build with Ninja and ccache: configured once, and again
+# whenever configure arguments are given (this script's, or TESSERA_CMAKE_ARGS: CI's
+# -DTESSERA_WERROR=ON, -DTESSERA_BUILD_BENCHMARKS=OFF), so an existing folder takes them.
+# TARGETS="a b" builds just those targets.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
@@ -10,7 +11,7 @@ BUILD_DIR=${BUILD_DIR:-build}
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 export CCACHE_SLOPPINESS=${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}
 BUILD_TYPE=${BUILD_TYPE:-Release}
-if [ ! -f "$BUILD_DIR/build.ninja" ]; then
+if [ ! -f "$BUILD_DIR/build.ninja" ] || [ -n "${TESSERA_CMAKE_ARGS:-}" ] || [ $# -gt 0 ]; then
   # shellcheck disable=SC2086  # TESSERA_CMAKE_ARGS is a list of arguments
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" ${TESSERA_CMAKE_ARGS:-} "$@"
 fi
