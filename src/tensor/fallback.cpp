@@ -490,8 +490,9 @@ void decide(Frame& f) {
 
 // Step 3b (head-tail arguments only): whether the op may run on the stored shards and keep
 // the head-tail order (NOTE: [Head-tail arguments]). It may when the plan is the op itself on
-// the shards as they are (no kernel but a position-free one, nothing moved, no local
-// argument but sizes), every
+// the shards as they are (nothing moved; no kernel and no local argument but sizes, unless
+// the rule states where its kernel uses the shard's place, OpPlan::place_dims, and that is
+// not along the head-tail dim), every
 // operand split along a head-tail mesh dim is head-tail there alike, and every result is
 // head-tail-shaped on that mesh dim (its dim of the same length and table) or Partial (a
 // sum over it). A rule can only have planned such a call for the natural order if the op
