@@ -30,8 +30,11 @@ ShardTable chunk_table(const DeviceMesh& mesh, const Placements& placements, int
   ShardTable table;
   for (size_t m = 0; m < placements.size(); ++m) {
     if (!placements[m].is_shard(t)) continue;
-    // A head-tail dim has one split and one table (the spec checks the first).
-    if (placements[m].is_head_tail()) return detail::head_tail_windows(size, mesh.size(m)).table();
+    // A head-tail split is the outermost (the spec checks it); its table is fixed.
+    if (placements[m].is_head_tail()) {
+      table = detail::head_tail_windows(size, mesh.size(m)).table();
+      continue;
+    }
     if (table.empty()) {
       table = chunk_sizes(size, mesh.size(m));
       continue;
@@ -111,18 +114,14 @@ DTensorSpec::DTensorSpec(DeviceMesh mesh, Placements placements, std::vector<int
   tables_.resize(nd);
   for (int64_t t = 0; t < nd; ++t) {
     auto dims = mesh_dims_sharding(t);
-    for (auto m : dims) {
-      if (!placements_[m].is_head_tail()) continue;
+    for (size_t i = 0; i < dims.size(); ++i) {
+      if (!placements_[dims[i]].is_head_tail()) continue;
       head_tail_ = true;
-      TORCH_CHECK(dims.size() == 1, "tessera: ", to_string(placements_), " splits tensor dim ", t,
-                  " over mesh dims ", shape_str(dims), " with ", placements_[m].str(),
-                  " among them; a head-tail dim takes one mesh dim only (use Shard(", t,
-                  ") on the others, or shard another dim)");
-      const auto fixed = detail::head_tail_windows(sizes_[t], mesh_.size(m)).table();
-      TORCH_CHECK(tables[t].empty() || tables[t] == fixed, "tessera: ", placements_[m].str(),
-                  " on ", mesh_.str(), " fixes tensor dim ", t, "'s shard sizes to ",
-                  shape_str(fixed), " for length ", sizes_[t], ", but ", shape_str(tables[t]),
-                  " was given; pass no table (or from_local shards of those sizes)");
+      // Outermost, so every member's stored rows are one run that inner Shard(t)s cut.
+      TORCH_CHECK(i == 0, "tessera: ", to_string(placements_), " splits tensor dim ", t,
+                  " over mesh dims ", shape_str(dims), " with ", placements_[dims[i]].str(),
+                  " on mesh dim ", dims[i], "; a head-tail split must be its dim's outermost (",
+                  "the lowest mesh dim that splits it), with Shard(", t, ") on the others");
     }
     if (dims.empty()) {
       TORCH_CHECK(tables[t].empty(), "tessera: a shard table was given for ", "tensor dim ", t,
@@ -147,6 +146,16 @@ DTensorSpec::DTensorSpec(DeviceMesh mesh, Placements placements, std::vector<int
     TORCH_CHECK(total == sizes_[t], "tessera: shard sizes ", shape_str(tab), " along tensor dim ",
                 t, " sum to ", total, " but the global size is ", sizes_[t], " (global shape ",
                 shape_str(sizes_), ", placements ", to_string(placements_), ")");
+    if (placements_[dims[0]].is_head_tail()) {
+      const auto fixed = detail::head_tail_windows(sizes_[t], mesh_.size(dims[0])).table();
+      std::vector<int64_t> levels;
+      for (auto m : dims) levels.push_back(mesh_.size(m));
+      const auto outer = dims.size() == 1 ? tab : detail::marginalize(tab, levels, 1);
+      TORCH_CHECK(outer == fixed, "tessera: ", placements_[dims[0]].str(), " on ", mesh_.str(),
+                  " fixes tensor dim ", t, "'s shard sizes over mesh dim ", dims[0], " to ",
+                  shape_str(fixed), " for length ", sizes_[t], ", but ", shape_str(tab),
+                  " was given; pass no table (or from_local shards of those sizes)");
+    }
     tables_[t] = std::move(tab);
   }
   // The same on every rank (the mesh by its shape, not its address): redistribute's agreement
@@ -226,15 +235,29 @@ std::vector<int64_t> DTensorSpec::local_offsets(const std::vector<int64_t>& coor
 std::vector<std::pair<int64_t, int64_t>> DTensorSpec::local_ranges(
     int64_t t, const std::vector<int64_t>& coord) const {
   const auto dims = mesh_dims_sharding(t);
-  if (dims.size() == 1 && placements_[dims[0]].is_head_tail()) {
-    const auto w = detail::head_tail_windows(sizes_[t], mesh_.size(dims[0]));
-    const int64_t k = coord.at(dims[0]);
-    return {w.head[k], w.tail[k]};
-  }
   if (tables_[t].empty()) return {{0, sizes_[t]}};
   const int64_t idx = detail::table_index(mesh_, dims, coord);
   const int64_t off = std::accumulate(tables_[t].begin(), tables_[t].begin() + idx, int64_t{0});
-  return {{off, off + tables_[t][idx]}};
+  if (!placements_[dims[0]].is_head_tail()) return {{off, off + tables_[t][idx]}};
+  const auto w = detail::head_tail_windows(sizes_[t], mesh_.size(dims[0]));
+  const int64_t k = coord.at(dims[0]);
+  if (dims.size() == 1) return {w.head[k], w.tail[k]};
+  // Inner splits cut the member's stored run (its head chunk, then its tail chunk) at
+  // [from, to): up to one range of each chunk, or one empty range.
+  int64_t inner = 1;
+  for (size_t i = 1; i < dims.size(); ++i) inner *= mesh_.size(dims[i]);
+  const int64_t first =
+      std::accumulate(tables_[t].begin(), tables_[t].begin() + k * inner, int64_t{0});
+  const int64_t from = off - first, to = from + tables_[t][idx];
+  std::vector<std::pair<int64_t, int64_t>> out;
+  int64_t at = 0;  // where the chunk starts in the stored run
+  for (auto [lo, hi] : {w.head[k], w.tail[k]}) {
+    const int64_t a = std::max(from, at), b = std::min(to, at + hi - lo);
+    if (a < b) out.emplace_back(lo + a - at, lo + b - at);
+    at += hi - lo;
+  }
+  if (out.empty()) out.emplace_back(w.head[k].first, w.head[k].first);
+  return out;
 }
 
 DTensorSpec DTensorSpec::natural_spec() const {

@@ -18,7 +18,7 @@ struct Extent {
 };
 Extent intersect(Extent a, Extent b) { return {std::max(a.lo, b.lo), std::min(a.hi, b.hi)}; }
 
-// (Dims the step moves: never a head-tail one, whose ranges are two.)
+// (Natural specs only: a head-tail dim's ranges are two.)
 Extent extent(const DTensorSpec& s, const std::vector<int64_t>& coord, int64_t dim) {
   const auto ranges = s.local_ranges(dim, coord);
   TORCH_INTERNAL_ASSERT(ranges.size() == 1, "a head-tail dim in an all-to-all step");
@@ -48,21 +48,24 @@ at::Tensor local_slice(const at::Tensor& x, const RedistributeStep& st) {
 at::Tensor all_to_all_step(const at::Tensor& x, const RedistributeStep& st) {
   const auto& mesh = st.before->mesh();
   const int64_t d = st.mesh_dim;
-  const int64_t t = st.before->placement(d).dim();
-  const int64_t u = st.after->placement(d).dim();
+  // A head-tail split kept on an outer mesh dim is the same for the whole group: extents in
+  // its members' stored order (the natural spec's) are the ones to intersect.
+  const DTensorSpec before = st.before->natural_spec(), after = st.after->natural_spec();
+  const int64_t t = before.placement(d).dim();
+  const int64_t u = after.placement(d).dim();
   const auto me = mesh.coordinate();
-  const Extent mine_before_u = extent(*st.before, me, u);
+  const Extent mine_before_u = extent(before, me, u);
   const int64_t n = mesh.size(d);
   std::vector<comm::Range> send;
   std::vector<std::vector<int64_t>> recv_shapes;
   auto coord = me;
   for (int64_t j = 0; j < n; ++j) {
     coord[d] = j;
-    const Extent part = intersect(mine_before_u, extent(*st.after, coord, u));
+    const Extent part = intersect(mine_before_u, extent(after, coord, u));
     send.push_back({part.length() > 0 ? part.lo - mine_before_u.lo : 0, part.length()});
     std::vector<int64_t> shape = x.sizes().vec();
     for (int64_t k : {t, u})
-      shape[k] = intersect(extent(*st.before, coord, k), extent(*st.after, me, k)).length();
+      shape[k] = intersect(extent(before, coord, k), extent(after, me, k)).length();
     recv_shapes.push_back(std::move(shape));
   }
   return comm::all_to_all(mesh.group(d), x, u, send, t, recv_shapes);

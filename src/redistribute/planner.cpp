@@ -12,10 +12,11 @@
 // ordered so that each step obeys this.
 //
 // Head-tail dims (NOTE: [Head-tail order] in spec.h) wrap this: a head-tail split that both
-// ends keep is stable (its table is fixed and it is its dim's only split), so the three phases
-// plan in the natural order around it; one that goes away is relayed into the natural order
-// first, and one that appears is relayed into from the natural order last, or cut out of a
-// replicated tensor directly where phase 3 slices it.
+// ends keep is stable (its table is fixed and it is its dim's outermost split), so the three
+// phases plan in the natural order around it, inner splits of its dim included; one that goes
+// away is relayed into the natural order first (splits nested inside it gathered before), and
+// one that appears is relayed into from the natural order last (inner splits cut after), or
+// cut out of a replicated tensor directly where phase 3 slices it.
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
@@ -162,8 +163,44 @@ bool only_split(const DTensorSpec& s, int64_t d) {
   return p.is_shard() && s.mesh_dims_sharding(p.dim()) == std::vector<int64_t>{d};
 }
 
+// `s` with the mesh dims nested inside each head-tail split that `other` lacks made Replicate.
+SpecPtr without_nested_in_moved_head_tail(const SpecPtr& s, const DTensorSpec& other) {
+  Placements p = s->placements();
+  auto tables = s->shard_tables();
+  bool changed = false;
+  for (int64_t d = 0; d < s->mesh().ndim(); ++d) {
+    if (!p[d].is_head_tail() || other.placement(d) == p[d]) continue;
+    const int64_t t = p[d].dim();
+    for (auto m : s->mesh_dims_sharding(t)) {
+      if (m == d) continue;
+      p[m] = Replicate();
+      tables[t].clear();  // the head-tail table, fixed by the length
+      changed = true;
+    }
+  }
+  return changed ? make_spec(*s, std::move(p), std::move(tables)) : s;
+}
+
+std::shared_ptr<RedistributePlan> build_plan(const SpecPtr& from, const SpecPtr& to);
+
+// from -> via -> to.
+std::shared_ptr<RedistributePlan> build_plan_via(const SpecPtr& from, const SpecPtr& via,
+                                                 const SpecPtr& to) {
+  auto plan = build_plan(from, via);
+  const auto rest = build_plan(via, to);  // (held: a range over a temporary's member dangles)
+  for (auto& st : rest->steps) plan->steps.push_back(std::move(st));
+  return plan;
+}
+
 std::shared_ptr<RedistributePlan> build_plan(const SpecPtr& from, const SpecPtr& to) {
   if (!from->has_head_tail() && !to->has_head_tail()) return build_natural_plan(from, to);
+  // A head-tail split that goes away or appears moves whole member runs (a relayout, a
+  // gather, a cut): splits nested inside it are gathered before and cut after, where the
+  // head-tail split stays and the natural planning below handles them.
+  if (auto bare = without_nested_in_moved_head_tail(from, *to); bare != from)
+    return build_plan_via(from, bare, to);
+  if (auto bare = without_nested_in_moved_head_tail(to, *from); bare != to)
+    return build_plan_via(from, bare, to);
   const int64_t nd = from->mesh().ndim();
   auto kept = [&](int64_t d) {
     return from->placement(d).is_head_tail() && from->placement(d) == to->placement(d);

@@ -11,13 +11,16 @@
 // entries of this table.
 //
 // NOTE: [Head-tail order]
-// HeadTailShard(t) on mesh dim m (its only split of t) cuts t into 2n chunks of sizes within
-// one of each other (n = the mesh dim's size) and gives member k chunks a_k and 2n - 1 - a_k,
-// the low one first in its local shard: under a causal mask every member then has the same
-// work. a_k is chosen so that from an even Shard(t) half the rows stay where they are
-// (detail::head_tail_windows). The table is fixed by the length: member k's entry is the two
-// chunks' sum. Rows are not in position order across members, so local_offsets() refuses
-// such a spec; local_ranges() gives each member's two ranges.
+// HeadTailShard(t) on mesh dim m (the outermost split of t) cuts t into 2n chunks of sizes
+// within one of each other (n = the mesh dim's size) and gives member k chunks a_k and
+// 2n - 1 - a_k, the low one first in its local shard: under a causal mask every member then
+// has the same work. a_k is chosen so that from an even Shard(t) half the rows stay where they
+// are (detail::head_tail_windows). The table's outer level is fixed by the length: member k's
+// entry is the two chunks' sum. Shard(t) on inner mesh dims cuts a member's stored run (head
+// chunk, then tail chunk) as it would cut a natural shard (sequence parallelism inside a
+// head-tail context split). Rows are not in position order across members, so local_offsets()
+// refuses such a spec; local_ranges() gives a rank's ranges (two, or one where an inner split
+// takes part of one chunk only).
 #include <functional>
 #include <memory>
 #include <string>
@@ -64,7 +67,7 @@ class DTensorSpec {
   std::vector<int64_t> local_offsets() const { return local_offsets(mesh_.coordinate()); }
 
   // The global [begin, end) ranges of tensor dim t held at `coord`, in local order: one
-  // range, or two on a head-tail dim (NOTE: [Head-tail order]).
+  // range, or up to two on a head-tail dim (NOTE: [Head-tail order]).
   std::vector<std::pair<int64_t, int64_t>> local_ranges(int64_t t,
                                                         const std::vector<int64_t>& coord) const;
   bool has_head_tail() const { return head_tail_; }
