@@ -275,6 +275,9 @@ OpPlan embedding_rule(const OpCall& call) {
     auto rows = at::embedding(weight, (indices - off).masked_fill(~in_range, 0));
     k.finish({rows.masked_fill_(~in_range.unsqueeze(-1), 0)});
   };
+  // The kernel uses the weight's vocabulary offset, no place along the result's dims: the
+  // indices' rows (head-tail ones included) are looked up alike.
+  plan.place_dims.emplace();
   return plan;
 }
 

@@ -120,7 +120,10 @@ OpPlan slice_rule(const OpCall& call) {
                                    call.arg<c10::optional<int64_t>>("end"), step);
   OpPlan plan(call);
   plan.output(sliced_spec(in, d, sel));
-  if (in.mesh_dims_sharding(d).empty()) return plan;
+  // The whole dim (rope_cos[:S] with S its length): every shard whole, the call's own bounds
+  // clamp to it; no place is read, so a head-tail dim keeps its order.
+  const bool whole = sel.start == 0 && sel.step == 1 && sel.len == in.sizes()[d];
+  if (in.mesh_dims_sharding(d).empty() || whole) return plan;
   const auto mine = local_cut(in, d, sel);
   plan.local_kernel = [mine, step](KernelCall& k) {
     k.set("start", mine.start);

@@ -270,6 +270,9 @@ struct Frame {
   };
   c10::SmallVector<Stored, 2> stored;
   bool keeps_order = false;  // the op runs on the stored shards (keeps_head_tail)
+  // With keeps_order: operands replicated along a head-tail mesh dim that the plan cuts
+  // there, and the head-tail cut they take instead (local, as the natural one).
+  c10::SmallVector<std::pair<size_t, SpecPtr>, 2> head_tail_cuts;
 
   const Stored* stored_for(const DTensorImpl* d) const {
     for (const auto& s : stored)
@@ -452,7 +455,16 @@ void decide(Frame& f) {
   ++t_cache.misses;
   f.fresh = std::make_shared<Decision>();
   if (const ops::Rule* rule = ops::find_rule(f.op)) {
-    f.fresh->plan = (*rule)(f.call);
+    try {
+      f.fresh->plan = (*rule)(f.call);
+    } catch (c10::Error& e) {
+      // The rule saw natural stand-ins (NOTE: [Head-tail arguments]): say so.
+      if (!f.stored.empty())
+        e.add_context(
+            "(its head-tail arguments appear as Shard, the position order it plans "
+            "for)");
+      throw;
+    }
   } else if (const auto* out_form = ops::detail::find_out_form_rule(f.op)) {
     // The functional rule sees the inputs only: the out tensors are overwritten.
     const size_t first_out = f.nargs - out_form->outs;
@@ -488,30 +500,67 @@ void decide(Frame& f) {
   f.decision = f.fresh;
 }
 
+// A head-tail split of a mesh dim among a call's operands: its dim's length and table.
+struct HeadTailDim {
+  int64_t mesh_dim, length;
+  ShardTable table;
+};
+
+// A replicated operand that the plan cuts along a head-tail mesh dim as the head-tail
+// operands are (same dim length and table: the rows it meets) has no order of its own:
+// cut head-tail instead, it meets the stored rows (a gradient arriving replicated next to
+// head-tail activations). The spec of that cut, or null.
+SpecPtr head_tail_cut(const DTensorSpec& have, const DTensorSpec& want,
+                      const c10::SmallVector<HeadTailDim, 2>& dims) {
+  if (have.sizes() != want.sizes()) return nullptr;
+  Placements p = want.placements();
+  std::vector<bool> cut_dims(static_cast<size_t>(want.ndim()), false);
+  for (int64_t k = 0; k < want.mesh().ndim(); ++k) {
+    if (have.placement(k) == want.placement(k)) continue;
+    const HeadTailDim* d = nullptr;
+    for (const auto& x : dims)
+      if (x.mesh_dim == k) d = &x;
+    const Placement& w = want.placement(k);
+    if (!d || !have.placement(k).is_replicate() || !w.is_shard() ||
+        want.mesh_dims_sharding(w.dim()).front() != k || want.sizes()[w.dim()] != d->length ||
+        want.shard_table(w.dim()) != d->table)
+      return nullptr;
+    p[k] = Placement::head_tail_shard(w.dim());
+    cut_dims[static_cast<size_t>(w.dim())] = true;
+  }
+  // Nothing else may change (placements compare without their tables).
+  bool any = false;
+  for (int64_t t = 0; t < want.ndim(); ++t) {
+    any = any || cut_dims[static_cast<size_t>(t)];
+    if (!cut_dims[static_cast<size_t>(t)] && have.shard_table(t) != want.shard_table(t))
+      return nullptr;
+  }
+  if (!any) return nullptr;
+  return std::make_shared<DTensorSpec>(want.mesh(), std::move(p), want.sizes(), want.dtype(),
+                                       want.shard_tables());
+}
+
 // Step 3b (head-tail arguments only): whether the op may run on the stored shards and keep
 // the head-tail order (NOTE: [Head-tail arguments]). It may when the plan is the op itself on
-// the shards as they are (nothing moved; no kernel and no local argument but sizes, unless
-// the rule states where its kernel uses the shard's place, OpPlan::place_dims, and that is
-// not along the head-tail dim), every
-// operand split along a head-tail mesh dim is head-tail there alike, and every result is
+// the shards as they are (nothing moved but replicated operands cut locally, head-tail
+// instead; no kernel and no local argument but sizes, unless the rule states where its
+// kernel uses the shard's place, OpPlan::place_dims, and that is not along the head-tail
+// dim), every operand split along a head-tail mesh dim is head-tail there alike, and every
+// result is
 // head-tail-shaped on that mesh dim (its dim of the same length and table) or Partial (a
 // sum over it). A rule can only have planned such a call for the natural order if the op
 // treats the rows of that dim alike, position-free: element-wise ops, products and sums over
 // other dims or over that one with both operands in the same order, views that keep it whole.
 // Ops that read positions (scans, slices of it, triangles, windows, random numbers) need a
 // kernel, a move or a local offset, and so relay their head-tail operands instead.
-bool keeps_head_tail(const Frame& f) {
+bool keeps_head_tail(Frame& f) {
   const ops::OpPlan& plan = f.plan();
   if (f.decision->replicate_all || f.decision->functional || plan.data_dependent_shapes ||
       plan.distributed_kernel || plan.outputs.empty() || (plan.local_kernel && !plan.place_dims))
     return false;
   for (const auto& [i, value] : plan.local_args)
     if (!value.isIntList() && !plan.place_dims) return false;  // (int lists: local sizes)
-  struct Dim {
-    int64_t mesh_dim, length;
-    ShardTable table;
-  };
-  c10::SmallVector<Dim, 2> dims;
+  c10::SmallVector<HeadTailDim, 2> dims;
   for (const auto& s : f.stored) {
     const DTensorSpec& in = dtensor_impl(s.original)->spec();
     for (int64_t k = 0; k < in.mesh().ndim(); ++k) {
@@ -523,9 +572,16 @@ bool keeps_head_tail(const Frame& f) {
       dims.push_back({k, in.sizes()[t], in.shard_table(t)});
     }
   }
-  // Nothing moves, and no natural operand is split along the same mesh dim.
-  auto operand_keeps = [&](const DTensorImpl* impl, const DTensorSpec* want) {
-    if (want && *want != impl->spec()) return false;
+  // Nothing moves (but such cuts), and no natural operand is split along the same mesh dim.
+  f.head_tail_cuts.clear();
+  auto operand_keeps = [&](size_t i, const DTensorImpl* impl, const DTensorSpec* want) {
+    if (want && *want != impl->spec()) {
+      if (f.stored_for(impl)) return false;
+      auto cut = head_tail_cut(impl->spec(), *want, dims);
+      if (!cut) return false;
+      f.head_tail_cuts.emplace_back(i, std::move(cut));
+      return true;
+    }
     if (f.stored_for(impl)) return true;
     for (const auto& d : dims)
       if (impl->spec().placement(d.mesh_dim).is_shard()) return false;
@@ -533,7 +589,7 @@ bool keeps_head_tail(const Frame& f) {
   };
   for (size_t i = 0; i < f.nargs; ++i) {
     if (f.impls[i] &&
-        !operand_keeps(f.impls[i], i < plan.inputs.size() ? plan.inputs[i].get() : nullptr))
+        !operand_keeps(i, f.impls[i], i < plan.inputs.size() ? plan.inputs[i].get() : nullptr))
       return false;
     if (f.holds[i] == Holds::Nothing || f.holds[i] == Holds::Tensor || !f.lists) continue;
     const auto* wants = i < plan.list_inputs.size() ? &plan.list_inputs[i] : nullptr;
@@ -541,7 +597,10 @@ bool keeps_head_tail(const Frame& f) {
     for_each_tensor(f.args[i], f.holds[i], [&](size_t k, const at::Tensor& t) {
       const auto* d = as_dtensor(t);
       const DTensorSpec* want = wants && k < wants->size() ? (*wants)[k].get() : nullptr;
-      keeps = keeps && (!d || operand_keeps(d, want));
+      // (list elements: no cuts, they would need a slot of their own)
+      keeps =
+          keeps &&
+          (!d || ((!want || *want == d->spec() || f.stored_for(d)) && operand_keeps(i, d, want)));
     });
     if (!keeps) return false;
   }
@@ -564,7 +623,7 @@ bool keeps_head_tail(const Frame& f) {
     for (const auto& d : dims) {
       const Placement& o = out->placement(d.mesh_dim);
       if (o.is_partial()) continue;
-      if (!o.is_shard() || out->mesh_dims_sharding(o.dim()).size() != 1 ||
+      if (!o.is_shard() || out->mesh_dims_sharding(o.dim()).front() != d.mesh_dim ||
           (plan.place_dims && std::find(plan.place_dims->begin(), plan.place_dims->end(),
                                         o.dim()) != plan.place_dims->end()) ||
           out->sizes()[o.dim()] != d.length || out->shard_table(o.dim()) != d.table)
@@ -585,8 +644,16 @@ bool is_view_op(const c10::FunctionSchema& schema) {
 }
 
 // A view that cannot keep the order would read relayed rows: a copy that misses later writes
-// to the tensor, and whose own writes are lost. Refused, alike on every rank (specs only).
+// to the tensor, and whose own writes are lost. Refused, alike on every rank (specs only),
+// unless its plan moves the operand: then it is a copy in the natural order too (a reshape
+// that folds the split dim into another, `logits.reshape({-1, vocab})`), taken alike, and
+// writes through it raise there as here (check_written_views).
 void check_head_tail_view(const Frame& f) {
+  const ops::OpPlan& plan = f.plan();
+  for (size_t i = 0; i < f.nargs && i < plan.inputs.size(); ++i)
+    if (f.impls[i] && f.stored_for(f.impls[i]) && plan.inputs[i] &&
+        *plan.inputs[i] != f.impls[i]->spec())
+      return;
   std::string what = "head-tail";
   for (const auto& s : f.stored)
     for (const auto& p : dtensor_impl(s.original)->spec().placements())
@@ -644,7 +711,10 @@ void unwrap(Frame& f) {
           local = redistribute_local(local, dtensor_impl(s->original)->spec_ptr(),
                                      want ? plan.inputs[i] : s->natural);
       } else if (want && want != f.call.specs[i] && *want != *f.call.specs[i]) {
-        local = redistribute_local(local, d->spec_ptr(), plan.inputs[i]);
+        const SpecPtr* cut = nullptr;
+        for (const auto& [k, spec] : f.head_tail_cuts)
+          if (k == i) cut = &spec;
+        local = redistribute_local(local, d->spec_ptr(), cut ? *cut : plan.inputs[i]);
       }
       f.locals[i] = local;
       f.stack->push_back(std::move(local));
@@ -910,7 +980,10 @@ void dtensor_fallback_impl(const c10::OperatorHandle& op, torch::jit::Stack* sta
   decide(f);
   if (!f.stored.empty()) {
     f.keeps_order = keeps_head_tail(f);
-    if (!f.keeps_order) check_head_tail_view(f);
+    if (!f.keeps_order) {
+      f.head_tail_cuts.clear();
+      check_head_tail_view(f);
+    }
   }
   check_written_views(f);
   unwrap(f);
