@@ -102,6 +102,23 @@ inline tessera::ParallelizePlan tensor_parallel_plan(const PlanOptions& o = {}) 
   return plan;
 }
 
+// Context parallelism in the head-tail order (tokens [B, S] stored HeadTailShard(1) over the
+// context-parallel mesh dim, as the load-balanced causal ring holds them): the rotary tables
+// [S, head_dim / 2] laid out as the tokens' positions, so the rotary products run on the
+// stored rows. Plain tables would be read in position order, and every use would put the
+// rows back into it. `tokens` are the tokens' placements on `mesh`; `seq` their length.
+inline void lay_out_rotary_tables(Transformer& model, const tessera::DeviceMesh& mesh,
+                                  const tessera::Placements& tokens, int64_t seq) {
+  using namespace tessera;
+  Placements p;
+  for (const auto& x : tokens)
+    p.push_back(!x.is_shard(1)     ? Replicate()
+                : x.is_head_tail() ? Placement::head_tail_shard(0)
+                                   : Shard(0));
+  for (auto* table : {&model->rope_cos, &model->rope_sin})
+    *table = distribute_tensor(table->narrow(0, 0, seq).contiguous(), mesh, p, std::nullopt);
+}
+
 // torchtitan's plan verbatim (every Colwise/Rowwise output local). With sequence
 // parallelism Tessera rejects it at the first norm (see above); kept for that check.
 inline tessera::ParallelizePlan torchtitan_literal_plan() {

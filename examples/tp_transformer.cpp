@@ -14,11 +14,17 @@
 // scaled_dot_product_attention, whose K/V blocks go round a ring on LibTorch 2.x), with the
 // parameters replicated over "cp" (replicate() sums their gradients). Sequence parallelism
 // composes with it: between the blocks each rank's positions are split again over "tp".
+// With the attention's causal mask, positions split in order give the last rank of "cp"
+// about 2 x cp - 1 times the first one's work; --cp-layout head-tail (the default where the
+// attention is one fused call) stores each rank's positions as a head chunk and a tail
+// chunk (HeadTailShard(1)), where every rank has the same work, from the batch to the loss:
+// the rotary tables are laid out alike, and no op in between puts them back in order.
 //
 //   tessera-run -n 4 ./build/examples/tp_transformer [--steps 40] [--no-sequence-parallel]
 //   tessera-run -n 4 ./build/examples/tp_transformer --dp 2
 //   tessera-run -n 4 ./build/examples/tp_transformer --cp 2     (cp x tp)
 //   tessera-run -n 4 ./build/examples/tp_transformer --cp 2 --dp 2
+//   tessera-run -n 4 ./build/examples/tp_transformer --cp 2 --cp-layout contiguous
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -112,9 +118,16 @@ int run(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   std::string cp_method = "ring";
+  std::string cp_layout = "auto";
+  app.add_option("--cp-layout", cp_layout,
+                 "how --cp stores each sequence: head-tail (every rank the same causal work; "
+                 "needs the fused attention, LibTorch 2.x), contiguous (positions in order), "
+                 "or auto (head-tail where it can)")
+      ->check(CLI::IsMember({"auto", "head-tail", "contiguous"}));
   app.add_option("--cp-method", cp_method,
                  "how the attention brings K/V over with --cp (auto takes the ring once K and V "
-                 "would pass 16 MiB per rank; this model's are far smaller)")
+                 "would pass 16 MiB per rank; this model's are far smaller); a head-tail "
+                 "layout always takes the ring")
       ->capture_default_str()
       ->check(CLI::IsMember({"ring", "allgather", "auto"}));
   CLI11_PARSE(app, argc, argv);
@@ -138,6 +151,14 @@ int run(int argc, char** argv) {
   // One scaled_dot_product_attention call where LibTorch has it: under a sequence split its
   // K/V blocks travel round the ring instead of being gathered.
   c.fused_attention = cp > 1 && LLAMA_HAS_SDPA;
+  if (cp_layout == "head-tail" && !c.fused_attention) {
+    if (rank == 0)
+      std::fprintf(stderr,
+                   "--cp-layout head-tail needs --cp > 1 and LibTorch 2.x (the fused "
+                   "attention)\n");
+    return 2;
+  }
+  const bool head_tail = c.fused_attention && cp_layout != "contiguous";
   set_context_parallel_method(cp_method == "ring"        ? ContextParallelMethod::kRing
                               : cp_method == "allgather" ? ContextParallelMethod::kAllGather
                                                          : ContextParallelMethod::kAuto);
@@ -167,6 +188,11 @@ int run(int argc, char** argv) {
   }
   std::shared_ptr<ReplicatedModule> over_cp;
   if (cp > 1 && dp == 1) over_cp = replicate(model, mesh["cp"]);
+  // Rows over "dp", positions over "cp" (the loss is then the global mean).
+  const Placements split = {dp > 1 ? Shard(0) : Replicate(),
+                            !head_tail ? (cp > 1 ? Shard(1) : Replicate()) : HeadTailShard(1),
+                            Replicate()};
+  if (head_tail) llama::lay_out_rotary_tables(model, mesh, split, seq);
   if (rank == 0) {
     std::printf(
         "%lld-layer transformer, dim %lld, %lld heads, vocab %lld on %d ranks: %lld x %lld x "
@@ -176,8 +202,11 @@ int run(int argc, char** argv) {
         static_cast<long long>(dp), static_cast<long long>(cp), static_cast<long long>(tp),
         no_sp ? "tensor parallel" : "tensor + sequence parallel",
         dp > 1 ? ", fully_shard over dp" : "",
-        cp > 1 ? (c.fused_attention ? ", sequence split over cp, K/V by " + cp_method
-                                    : std::string(", sequence split over cp, K/V gathered"))
+        cp > 1 ? (c.fused_attention
+                      ? std::string(head_tail ? ", sequence split head-tail over cp, K/V by "
+                                                "ring (head-tail storage rings)"
+                                              : ", sequence split over cp, K/V by " + cp_method)
+                      : std::string(", sequence split over cp, K/V gathered"))
                      .c_str()
                : "");
     // The parameters the optimizer steps (with fully_shard: this rank's rows of its shard).
@@ -196,9 +225,7 @@ int run(int argc, char** argv) {
   double loss = 0, training_seconds = 0;
   for (int step = 1; step <= steps; ++step) {
     Batch b = make_batch(batch, seq, c.vocab_size, 1000 + step);
-    if (dp > 1 || cp > 1) {  // rows over "dp", positions over "cp": the loss is the global mean
-      const Placements split = {dp > 1 ? Shard(0) : Replicate(), cp > 1 ? Shard(1) : Replicate(),
-                                Replicate()};
+    if (dp > 1 || cp > 1) {
       b = {distribute_tensor(b.tokens, mesh, split, std::nullopt),
            distribute_tensor(b.targets, mesh, split, std::nullopt)};
     }

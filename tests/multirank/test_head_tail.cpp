@@ -15,11 +15,14 @@ using tessera::test::shard_matches;
 
 namespace {
 
-// Placements of one tensor over a mesh that a spec accepts: a head-tail dim has one split.
+// Placements of one tensor over a mesh that a spec accepts: a head-tail split is its dim's
+// outermost, and its only head-tail one.
 bool valid(const Placements& p) {
   for (size_t a = 0; a < p.size(); ++a)
     for (size_t b = 0; b < p.size(); ++b)
-      if (a != b && p[a].is_head_tail() && p[b].is_shard(p[a].dim())) return false;
+      if (a != b && p[a].is_head_tail() && p[b].is_shard(p[a].dim()) &&
+          (b < a || p[b].is_head_tail()))
+        return false;
   return true;
 }
 
@@ -31,22 +34,52 @@ std::vector<Placements> every(int64_t mesh_ndim, const std::vector<Placement>& c
   return out;
 }
 
-// Random tables for the natural shards (a head-tail dim's table is fixed).
+// Random tables for the natural shards (a head-tail split's level is fixed; splits nested
+// inside it cut each member's run at random).
 std::vector<ShardTable> natural_tables(tessera::test::Rng& rng, const DeviceMesh& mesh,
                                        const Placements& p, const std::vector<int64_t>& sizes) {
   std::vector<ShardTable> tables(sizes.size());
   for (size_t t = 0; t < sizes.size(); ++t) {
-    int64_t parts = 1;
-    bool plain = false, head_tail = false;
+    int64_t parts = 1, members = 0;
+    bool plain = false;
     for (size_t m = 0; m < p.size(); ++m) {
       if (!p[m].is_shard(static_cast<int64_t>(t))) continue;
       parts *= mesh.size(m);
-      (p[m].is_head_tail() ? head_tail : plain) = true;
+      if (p[m].is_head_tail())
+        members = mesh.size(m);
+      else
+        plain = true;
     }
-    if (plain && !head_tail && rng.coin())
+    if (!plain || !rng.coin()) continue;
+    if (members == 0) {
       tables[t] = tessera::test::random_table(rng, sizes[t], parts);
+      continue;
+    }
+    for (auto run : tessera::detail::head_tail_windows(sizes[t], members).table())
+      for (auto s : tessera::test::random_table(rng, run, parts / members)) tables[t].push_back(s);
   }
   return tables;
+}
+
+// The positions a rank holds along t, from the definition: each head-tail member's run is
+// its head chunk's positions then its tail chunk's, and the inner splits cut that run as the
+// table says (entries row-major over the splitting mesh dims, outermost first).
+std::vector<int64_t> positions_held(const DTensorSpec& s, int64_t t,
+                                    const std::vector<int64_t>& coord) {
+  const auto dims = s.mesh_dims_sharding(t);
+  const int64_t n = s.mesh().size(dims[0]);
+  const auto w = tessera::detail::head_tail_windows(s.sizes()[t], n);
+  const int64_t k = coord[dims[0]];
+  std::vector<int64_t> run;
+  for (auto [lo, hi] : {w.head[k], w.tail[k]})
+    for (int64_t i = lo; i < hi; ++i) run.push_back(i);
+  int64_t inner = 0;  // this rank's index among the splits inside member k
+  for (size_t i = 1; i < dims.size(); ++i) inner = inner * s.mesh().size(dims[i]) + coord[dims[i]];
+  const auto& table = s.shard_table(t);
+  const int64_t per_member = static_cast<int64_t>(table.size()) / n;
+  int64_t from = 0;
+  for (int64_t j = 0; j < inner; ++j) from += table[k * per_member + j];
+  return {run.begin() + from, run.begin() + from + table[k * per_member + inner]};
 }
 
 }  // namespace
@@ -108,12 +141,33 @@ TEST(HeadTail, SpecChecks) {
     const std::vector<std::pair<int64_t, int64_t>> mine = {w.head[k], w.tail[k]};
     EXPECT_EQ(s.local_ranges(1, mesh.coordinate()), mine);
     EXPECT_THROW(s.local_offsets(), c10::Error);  // two ranges, on every rank
-    // Nested with another split of the same dim, or a table other than the fixed one.
-    EXPECT_THROW(DTensorSpec(mesh, {HeadTailShard(1), Shard(1)}, {3, 11}, at::kFloat), c10::Error);
+    // Inside another split of the same dim, two head-tail splits of it, or a table other
+    // than the fixed one (at the head-tail level, when nested).
     EXPECT_THROW(DTensorSpec(mesh, {Shard(1), HeadTailShard(1)}, {3, 11}, at::kFloat), c10::Error);
+    EXPECT_THROW(DTensorSpec(mesh, {HeadTailShard(1), HeadTailShard(1)}, {3, 11}, at::kFloat),
+                 c10::Error);
     EXPECT_THROW(
         DTensorSpec(mesh, {HeadTailShard(1), Replicate()}, {3, 11}, at::kFloat, {{}, {6, 5}}),
         c10::Error);
+    EXPECT_THROW(
+        DTensorSpec(mesh, {HeadTailShard(1), Shard(1)}, {3, 11}, at::kFloat, {{}, {3, 3, 2, 3}}),
+        c10::Error);
+    // Nested: Shard(1) inside cuts each member's run (head chunk, then tail chunk); every
+    // table of the inner level, empty pieces included. (11 over 2: runs of 5 and 6.)
+    ASSERT_EQ(s.shard_table(1), (ShardTable{5, 6}));
+    for (const ShardTable& table : std::vector<ShardTable>{
+             {}, {3, 2, 3, 3}, {0, 5, 6, 0}, {5, 0, 1, 5}, {2, 3, 4, 2}, {4, 1, 0, 6}}) {
+      DTensorSpec n(mesh, {HeadTailShard(1), Shard(1)}, {3, 11}, at::kFloat, {{}, table});
+      EXPECT_TRUE(n.has_head_tail());
+      EXPECT_EQ(n.local_sizes()[1],
+                n.shard_table(1)[mesh.coordinate()[0] * 2 + mesh.coordinate()[1]]);
+      std::vector<int64_t> got;
+      for (auto [lo, hi] : n.local_ranges(1, mesh.coordinate()))
+        for (int64_t i = lo; i < hi; ++i) got.push_back(i);
+      EXPECT_EQ(got, positions_held(n, 1, mesh.coordinate())) << shape_str(n.shard_table(1));
+      EXPECT_EQ(n.natural_spec().shard_table(1), n.shard_table(1));
+      EXPECT_THROW(n.local_offsets(), c10::Error);
+    }
     EXPECT_NO_THROW(DTensorSpec(mesh, {HeadTailShard(1), Shard(0)}, {3, 11}, at::kFloat));
   });
 }
@@ -123,7 +177,8 @@ TEST(HeadTail, SpecChecks) {
 // multiple of 2n. The shards equal the full tensor's blocks and the gradient of the layout
 // change equals the identity's.
 TEST(HeadTail, RedistributeIntoAndOutOfEveryLayout) {
-  const std::vector<std::vector<int64_t>> meshes = {{1}, {2}, {3}, {4}, {5}, {2, 2}, {3, 2}};
+  const std::vector<std::vector<int64_t>> meshes = {{1},    {2},    {3},    {4},      {5},
+                                                    {2, 2}, {3, 2}, {2, 3}, {2, 1, 2}};
   for (const auto& shape : meshes) {
     tessera::test::on_mesh(shape, [&](const DeviceMesh& mesh) {
       const std::vector<Placement> from_choices = {Shard(0),  Shard(1),         Replicate(),
@@ -145,8 +200,9 @@ TEST(HeadTail, RedistributeIntoAndOutOfEveryLayout) {
                             [](const Placement& p) { return p.is_head_tail(); }) ||
                 std::any_of(to.begin(), to.end(),
                             [](const Placement& p) { return p.is_head_tail(); });
-            // 2-D meshes: a draw of the pairs (every pair on 1-D ones).
-            if (!head_tail || (mesh.ndim() > 1 && !rng.coin(0.25))) continue;
+            // 2-D and 3-D meshes: a draw of the pairs (every pair on 1-D ones).
+            if (!head_tail || (mesh.ndim() > 1 && !rng.coin(mesh.ndim() == 2 ? 0.25 : 0.02)))
+              continue;
             const std::string ctx = "mesh " + shape_str(mesh.shape()) + " length " +
                                     std::to_string(length) + " " + to_string(from) + " -> " +
                                     to_string(to);
@@ -272,6 +328,18 @@ TEST(HeadTail, OpsEqualOneDevice) {
       one("index along it",
           [](auto& a) { return a[0].index_select(1, at::arange(12, -1, -3, at::kLong)); },
           {{shape, ht}});
+      // A rule's error on head-tail arguments (it saw natural stand-ins) says so, on every
+      // rank.
+      const auto x = distribute_tensor(at::zeros({13, 6}), mesh, {HeadTailShard(0)});
+      const auto w = distribute_tensor(at::zeros({5, 4}), mesh, {Replicate()});
+      try {
+        at::mm(x, w);
+        ADD_FAILURE() << "mm of [13, 6] and [5, 4] ran";
+      } catch (const c10::Error& e) {
+        const std::string msg = e.what_without_backtrace();
+        EXPECT_NE(msg.find("aten::mm"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("head-tail arguments appear as Shard"), std::string::npos) << msg;
+      }
     });
   }
 }
@@ -298,7 +366,20 @@ TEST(HeadTail, ViewsAliasOrRaise) {
     expected.add_(1.0);
     EXPECT_TRUE(spec(x).placement(0).is_head_tail());
     ASSERT_TRUE(full_matches(x, expected));
+    // A reshape that folds the dim into the batch moves it in the natural order too (a copy
+    // there as well): taken alike, values in position order (the loss's flatten).
+    const auto flat = x.reshape({-1, 3});
+    ASSERT_TRUE(full_matches(flat, expected.reshape({-1, 3})));
   });
+  // ... and writes through that copy raise, as they do for a Shard(1) tensor.
+  tessera::test::expect_error_everywhere(
+      3,
+      [](int) {
+        auto mesh = init_device_mesh("cpu", {3});
+        auto x = distribute_tensor(tessera::test::randn({2, 14}, 9), mesh, {HeadTailShard(1)});
+        x.view({-1}).fill_(1.0);
+      },
+      {"base would not see the write"});
   tessera::test::expect_error_everywhere(
       3,
       [](int) {
@@ -459,6 +540,66 @@ TEST(HeadTail, PositionFreeOpsKeepTheOrder) {
       auto scanned = x.cumsum(1);
       EXPECT_FALSE(spec(scanned).has_head_tail());
       ASSERT_TRUE(full_matches(scanned, fx.detach().cumsum(1)));
+      // A replicated operand that the op cuts along the dim is cut head-tail, locally (a
+      // gradient arriving replicated next to head-tail activations): nothing moves.
+      const auto fr = tessera::test::randn({2, 13, 6}, 65, at::kDouble);
+      const auto r = distribute_tensor(fr, mesh, {Replicate()});
+      CommDebugMode cut_comm;
+      const auto mixed = at::addcmul(x.detach(), r, x.detach()) * r;
+      EXPECT_EQ(cut_comm.get_total_counts(), 0);
+      if (world > 1) {  // (on one rank the plan may as well gather x: it costs nothing)
+        EXPECT_TRUE(spec(mixed).placement(0).is_head_tail()) << spec(mixed).str();
+      }
+      ASSERT_TRUE(full_matches(mixed, at::addcmul(fx.detach(), fr, fx.detach()) * fr));
+    });
+  }
+}
+
+// Sequence parallelism inside a head-tail context split: HeadTailShard(1) on the outer mesh
+// dim, Shard(1) on the inner one cutting each member's run (uneven and empty pieces). The
+// inner gather and cut move over the inner dim only (one all-gather; none), position-free
+// ops keep the nested order with no communication, a whole-dim slice keeps it, and values
+// and gradients equal one device. On 2x2, 2x3 and 3x2 meshes.
+TEST(HeadTail, NestedSequenceSplitKeepsTheOrder) {
+  for (const std::vector<int64_t> shape : {std::vector<int64_t>{2, 2}, {2, 3}, {3, 2}}) {
+    tessera::test::on_mesh(shape, [&](const DeviceMesh& mesh) {
+      tessera::test::Rng rng(70 + mesh.size());
+      for (int64_t length : std::vector<int64_t>{0, 5, 13}) {
+        const std::string ctx = "mesh " + shape_str(shape) + " length " + std::to_string(length);
+        const Placements nested = {HeadTailShard(1), Shard(1)},
+                         outer = {HeadTailShard(1), Replicate()};
+        const std::vector<int64_t> sizes = {2, length, 6};
+        auto fx = tessera::test::randn(sizes, 71 + length, at::kDouble).requires_grad_();
+        auto fw = tessera::test::randn({6, 5}, 72, at::kDouble).requires_grad_();
+        const auto tables = natural_tables(rng, mesh, nested, sizes);
+        auto x = make_dtensor_from_full(fx.detach(), mesh, nested, tables).requires_grad_();
+        auto w = distribute_tensor(fw.detach(), mesh, {Replicate(), Replicate()}).requires_grad_();
+        ASSERT_TRUE(shard_matches(x, fx.detach())) << ctx;
+        CommDebugMode comm;
+        auto y = (at::matmul(x, w).relu() * 2 + 1).narrow(1, 0, length);
+        EXPECT_EQ(comm.get_total_counts(), 0) << ctx;
+        EXPECT_EQ(spec(y).placements(), nested) << ctx << ": " << spec(y).str();
+        EXPECT_EQ(spec(y).shard_table(1), spec(x).shard_table(1)) << ctx;
+        // The inner split gathered: one all-gather over the inner dim, no relayout.
+        CommDebugMode gather;
+        auto gathered = redistribute(y, mesh, outer);
+        EXPECT_EQ(gather.get_comm_counts()["all_gather"], 1) << ctx;
+        EXPECT_EQ(gather.get_comm_counts()["send_recv"], 0) << ctx;
+        EXPECT_TRUE(spec(gathered).placement(0).is_head_tail()) << ctx;
+        auto expected = at::matmul(fx, fw).relu() * 2 + 1;
+        ASSERT_TRUE(shard_matches(gathered, expected.detach())) << ctx;
+        // ... and cut again locally.
+        CommDebugMode cut;
+        auto again = redistribute(gathered, mesh, nested);
+        EXPECT_EQ(cut.get_total_counts(), 0) << ctx;
+        ASSERT_TRUE(shard_matches(again, expected.detach())) << ctx;
+        const auto g = tessera::test::randn({2, length, 5}, 73 + length, at::kDouble);
+        expected.backward(g);
+        again.backward(distribute_tensor(g, mesh, nested));
+        ASSERT_TRUE(full_matches(x.grad(), fx.grad())) << ctx;
+        ASSERT_TRUE(full_matches(w.grad(), fw.grad())) << ctx;
+        ASSERT_TRUE(full_matches(again, expected.detach())) << ctx;
+      }
     });
   }
 }
