@@ -270,8 +270,8 @@ struct Frame {
   };
   c10::SmallVector<Stored, 2> stored;
   bool keeps_order = false;  // the op runs on the stored shards (keeps_head_tail)
-  // With keeps_order: operands replicated along a head-tail mesh dim that the plan cuts
-  // there, and the head-tail cut they take instead (local, as the natural one).
+  // With keeps_order: replicated operands that the plan cuts locally, and the cut they take
+  // (head-tail along head-tail mesh dims, as the natural one; head_tail_cut).
   c10::SmallVector<std::pair<size_t, SpecPtr>, 2> head_tail_cuts;
 
   const Stored* stored_for(const DTensorImpl* d) const {
@@ -509,7 +509,9 @@ struct HeadTailDim {
 // A replicated operand that the plan cuts along a head-tail mesh dim as the head-tail
 // operands are (same dim length and table: the rows it meets) has no order of its own:
 // cut head-tail instead, it meets the stored rows (a gradient arriving replicated next to
-// head-tail activations). The spec of that cut, or null.
+// head-tail activations). Cuts along other mesh dims and other tensor dims (a weight
+// expanded over a batch split over "dp") are the plan's own local slices, which the order
+// does not touch. The spec of those cuts, or null.
 SpecPtr head_tail_cut(const DTensorSpec& have, const DTensorSpec& want,
                       const c10::SmallVector<HeadTailDim, 2>& dims) {
   if (have.sizes() != want.sizes()) return nullptr;
@@ -521,8 +523,15 @@ SpecPtr head_tail_cut(const DTensorSpec& have, const DTensorSpec& want,
     for (const auto& x : dims)
       if (x.mesh_dim == k) d = &x;
     const Placement& w = want.placement(k);
-    if (!d || !have.placement(k).is_replicate() || !w.is_shard() ||
-        want.mesh_dims_sharding(w.dim()).front() != k || want.sizes()[w.dim()] != d->length ||
+    if (!have.placement(k).is_replicate() || !w.is_shard()) return nullptr;
+    if (!d) {  // the plan's slice, if no head-tail mesh dim splits that tensor dim
+      for (int64_t m : want.mesh_dims_sharding(w.dim()))
+        for (const auto& x : dims)
+          if (x.mesh_dim == m) return nullptr;
+      cut_dims[static_cast<size_t>(w.dim())] = true;
+      continue;
+    }
+    if (want.mesh_dims_sharding(w.dim()).front() != k || want.sizes()[w.dim()] != d->length ||
         want.shard_table(w.dim()) != d->table)
       return nullptr;
     p[k] = Placement::head_tail_shard(w.dim());
@@ -536,6 +545,8 @@ SpecPtr head_tail_cut(const DTensorSpec& have, const DTensorSpec& want,
       return nullptr;
   }
   if (!any) return nullptr;
+  for (const auto& d : dims)  // a natural split where the stored rows are head-tail: no
+    if (p[d.mesh_dim].is_shard() && !p[d.mesh_dim].is_head_tail()) return nullptr;
   return std::make_shared<DTensorSpec>(want.mesh(), std::move(p), want.sizes(), want.dtype(),
                                        want.shard_tables());
 }

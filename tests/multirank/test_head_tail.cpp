@@ -599,6 +599,19 @@ TEST(HeadTail, NestedSequenceSplitKeepsTheOrder) {
         ASSERT_TRUE(full_matches(x.grad(), fx.grad())) << ctx;
         ASSERT_TRUE(full_matches(w.grad(), fw.grad())) << ctx;
         ASSERT_TRUE(full_matches(again, expected.detach())) << ctx;
+        // The batch split over the other mesh dim instead (uneven, 3 rows): a weight expanded
+        // over the batch is cut along it by the plan, a local slice that the order does not
+        // touch. Nothing moves and the result stays head-tail. (On an empty dim moving costs
+        // nothing, and the plan may as well gather it.)
+        if (length == 0) continue;
+        const auto fb = tessera::test::randn({3, length, 6}, 74 + length, at::kDouble);
+        const auto b = distribute_tensor(fb, mesh, {Shard(0), HeadTailShard(1)});
+        CommDebugMode batch_comm;
+        const auto yb = at::bmm(b, w.detach().unsqueeze(0).expand({3, 6, 5}));
+        EXPECT_EQ(batch_comm.get_total_counts(), 0) << ctx;
+        EXPECT_TRUE(spec(yb).placement(1).is_head_tail()) << ctx << ": " << spec(yb).str();
+        ASSERT_TRUE(full_matches(yb, at::bmm(fb, fw.detach().unsqueeze(0).expand({3, 6, 5}))))
+            << ctx;
       }
     });
   }

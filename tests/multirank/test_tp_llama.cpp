@@ -474,13 +474,12 @@ TEST(TpLlama, ContextParallelMatchesOneDevice) {
               expect_same(ref, per_rank[rank], model, what);
               // No op between the batch and the logits puts the rows in order, and the ring
               // only fetches K/V blocks (per layer and step: one per ring step forward, K/V
-              // and dK/dV backward). (Not yet with the batch split over "dp" beside it: some
-              // op there still relays, correct at the price of the relay; docs/
-              // context_parallel.md, "Not built yet".)
-              if (head_tail && k.names[0] == "cp") {
+              // and dK/dV backward).
+              if (head_tail) {
+                const size_t m = k.names[0] == "cp" ? 0 : 1;
                 const auto logits = model->forward(tokens);
-                EXPECT_TRUE(spec(logits).placement(0).is_head_tail()) << what;
-                const int64_t cp = k.shape[0], layers = c.n_layers;
+                EXPECT_TRUE(spec(logits).placement(static_cast<int64_t>(m)).is_head_tail()) << what;
+                const int64_t cp = k.shape[m], layers = c.n_layers;
                 EXPECT_EQ(per_rank[rank].forward["send_recv"], 2 * layers * (cp - 1)) << what;
                 EXPECT_EQ(per_rank[rank].backward["send_recv"], 4 * layers * (cp - 1)) << what;
               }
