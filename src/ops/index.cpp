@@ -275,8 +275,9 @@ OpPlan embedding_rule(const OpCall& call) {
     auto rows = at::embedding(weight, (indices - off).masked_fill(~in_range, 0));
     k.finish({rows.masked_fill_(~in_range.unsqueeze(-1), 0)});
   };
-  // The kernel uses the weight's vocabulary offset, no place along the result's dims: the
-  // indices' rows (head-tail ones included) are looked up alike.
+  // The kernel uses the weight's vocabulary offset, a dim it sums over (so the fallback
+  // relays a head-tail table), and no place along the result's dims: the indices' rows
+  // (head-tail ones included) are looked up alike.
   plan.place_dims.emplace();
   return plan;
 }
@@ -337,7 +338,8 @@ OpPlan embedding_backward_rule(const OpCall& call) {
     k.set("num_weights", n);
     k.call_op();
   };
-  plan.place_dims = std::vector<int64_t>{0};  // the vocabulary rows this rank holds
+  // The vocabulary rows this rank holds; the positions it sums over are read alike.
+  plan.place_dims = std::vector<int64_t>{0};
   return plan;
 }
 

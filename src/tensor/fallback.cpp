@@ -633,7 +633,15 @@ bool keeps_head_tail(Frame& f) {
     if (!out) continue;
     for (const auto& d : dims) {
       const Placement& o = out->placement(d.mesh_dim);
-      if (o.is_partial()) continue;
+      if (o.is_partial()) {
+        // A kernel that sums over the head-tail dim and states no result dim where it reads
+        // a place may read one along the summed dim, which place_dims (result dims) cannot
+        // say: the vocabulary-parallel embedding's offset into a head-tail table. Relayed.
+        // A kernel that states result dims reads places there only (the embedding's
+        // backward: its vocabulary rows, summing over positions it does not read).
+        if (plan.local_kernel && plan.place_dims->empty()) return false;
+        continue;
+      }
       if (!o.is_shard() || out->mesh_dims_sharding(o.dim()).front() != d.mesh_dim ||
           (plan.place_dims && std::find(plan.place_dims->begin(), plan.place_dims->end(),
                                         o.dim()) != plan.place_dims->end()) ||

@@ -617,6 +617,26 @@ TEST(HeadTail, NestedSequenceSplitKeepsTheOrder) {
   }
 }
 
+// An embedding table stored head-tail along its rows (a positional table laid out like the
+// tokens) under the vocabulary-parallel kernel, which reads its shard's offset: the rows a
+// lookup returns are the indexed ones, as on one device, for head-tail and replicated
+// indices.
+TEST(HeadTail, HeadTailEmbeddingTableLooksUpItsRows) {
+  for (int world : {1, 2, 3}) {
+    tessera::testing::run_ranks(world, [&](int) {
+      auto mesh = init_device_mesh("cpu", {world});
+      const auto table = tessera::test::randn({11, 4}, 66, at::kDouble);
+      const auto fidx = at::arange(10, -1, -1, at::kLong).remainder(11).view({1, 11});
+      const auto w = distribute_tensor(table, mesh, {HeadTailShard(0)});
+      for (const auto& p : {Placements{Replicate()}, Placements{HeadTailShard(1)}}) {
+        const auto idx = distribute_tensor(fidx, mesh, p);
+        ASSERT_TRUE(full_matches(at::embedding(w, idx), at::embedding(table, fidx)))
+            << to_string(p);
+      }
+    });
+  }
+}
+
 // The backward of a slice along another dim (slice_backward) and of an embedding
 // (embedding_dense_backward) use no place along the head-tail dim: the gradients keep the
 // order, and nothing is relayed.
