@@ -228,6 +228,11 @@ void set_nonblocking(int fd) { ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) | O_NON
   // before it crashed would be lost. Tessera makes it line-buffered when loaded (unless the
   // user set this to 0).
   ::setenv("TESSERA_LINE_BUFFERED", "1", /*overwrite=*/0);
+  // Several ranks on one host: one compute thread each unless the user chose (torchrun's
+  // rule). at::set_num_threads does not reach every BLAS: Debian 13's LibTorch calls
+  // OpenBLAS's pthread build, whose own pool of a thread per core per rank made a 2-rank
+  // Llama step 5x slower on 2 cores; OpenBLAS reads OMP_NUM_THREADS.
+  if (opt.nproc > 1) ::setenv("OMP_NUM_THREADS", "1", /*overwrite=*/0);
   if (!opt.ifname.empty()) set("GLOO_SOCKET_IFNAME", opt.ifname);
   if (opt.collective_timeout) {
     std::ostringstream secs;
@@ -653,10 +658,11 @@ int main(int argc, char** argv) {
   app.prefix_command();
   app.footer(
       "Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,\n"
-      "MASTER_PORT and TESSERA_LAUNCHER=1. Everything from the program name on is passed to the\n"
-      "program unparsed. In a multi-node job the launchers meet on --master-port of node 0 and\n"
-      "the ranks' store gets a port node 0 picks; a failed rank, a lost launcher or a silent\n"
-      "host (--heartbeat-timeout) stops every node.\n"
+      "MASTER_PORT and TESSERA_LAUNCHER=1; with N > 1, OMP_NUM_THREADS=1 unless it is set (one\n"
+      "compute thread per rank, OpenBLAS's included). Everything from the program name on is\n"
+      "passed to the program unparsed. In a multi-node job the launchers meet on --master-port\n"
+      "of node 0 and the ranks' store gets a port node 0 picks; a failed rank, a lost launcher\n"
+      "or a silent host (--heartbeat-timeout) stops every node.\n"
       "Exit status: 0 on success, the failed rank's exit code (or 1, also when another node\n"
       "failed), 124 on timeout.");
 

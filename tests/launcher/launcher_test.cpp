@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <set>
 #include <string>
 #include <vector>
@@ -80,6 +81,28 @@ TEST(Launcher, SetsRendezvousVariables) {
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(sorted_lines(r.out), (std::vector<std::string>{"[rank 0] 0 0 2 2 10.1.2.3 12345 1",
                                                            "[rank 1] 1 1 2 2 10.1.2.3 12345 1"}));
+}
+
+// Several ranks on a host get one compute thread each unless the user chose (torchrun's
+// rule); a single rank keeps the machine's default.
+TEST(Launcher, OneComputeThreadPerRankUnlessSet) {
+  const char* was = std::getenv("OMP_NUM_THREADS");
+  const std::string saved = was ? was : "";
+  TempDir dir;
+  ::unsetenv("OMP_NUM_THREADS");
+  const auto two = run_launcher({"-n", "2", "sh", "-c", "echo \"<$OMP_NUM_THREADS>\""}, dir);
+  const auto one = run_launcher({"-n", "1", "sh", "-c", "echo \"<$OMP_NUM_THREADS>\""}, dir);
+  ::setenv("OMP_NUM_THREADS", "3", 1);
+  const auto chosen = run_launcher({"-n", "2", "sh", "-c", "echo \"<$OMP_NUM_THREADS>\""}, dir);
+  if (was)
+    ::setenv("OMP_NUM_THREADS", saved.c_str(), 1);
+  else
+    ::unsetenv("OMP_NUM_THREADS");
+  EXPECT_EQ(sorted_lines(two.out), (std::vector<std::string>{"[rank 0] <1>", "[rank 1] <1>"}))
+      << two.err;
+  EXPECT_EQ(one.out, "[rank 0] <>\n") << one.err;
+  EXPECT_EQ(sorted_lines(chosen.out), (std::vector<std::string>{"[rank 0] <3>", "[rank 1] <3>"}))
+      << chosen.err;
 }
 
 TEST(Launcher, DefaultPortIsSharedAndValid) {
