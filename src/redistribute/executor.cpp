@@ -1,5 +1,6 @@
 // Runs a redistribute plan on the local shard: one primitive per step.
 #include <algorithm>
+#include <optional>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -50,7 +51,12 @@ at::Tensor all_to_all_step(const at::Tensor& x, const RedistributeStep& st) {
   const int64_t d = st.mesh_dim;
   // A head-tail split kept on an outer mesh dim is the same for the whole group: extents in
   // its members' stored order (the natural spec's) are the ones to intersect.
-  const DTensorSpec before = st.before->natural_spec(), after = st.after->natural_spec();
+  // (Copied only then: this step is every S(t) -> S(u) call's.)
+  std::optional<DTensorSpec> natural_before, natural_after;
+  const DTensorSpec& before =
+      st.before->has_head_tail() ? natural_before.emplace(st.before->natural_spec()) : *st.before;
+  const DTensorSpec& after =
+      st.after->has_head_tail() ? natural_after.emplace(st.after->natural_spec()) : *st.after;
   const int64_t t = before.placement(d).dim();
   const int64_t u = after.placement(d).dim();
   const auto me = mesh.coordinate();
