@@ -5,10 +5,13 @@
 // run the op or the plan's kernel, wrap the results and write back aliased arguments.
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -506,14 +509,50 @@ struct HeadTailDim {
   ShardTable table;
 };
 
+// `s` with its splits and sums on mesh dims of one member made Replicate: one member holds
+// the whole dim, so the local data is the same (a "tp" of size 1 in a dp x cp x tp mesh:
+// plans change layouts there freely, no bytes move). Empty where a table would not survive
+// (a split of one member between two real ones of a dim with its own table).
+std::optional<DTensorSpec> without_single_member_dims(const DTensorSpec& s) {
+  const DeviceMesh& mesh = s.mesh();
+  auto single = [&](int64_t k, const Placement& p) {
+    return mesh.size(k) == 1 && !p.is_replicate() && !p.is_head_tail();
+  };
+  for (int64_t t = 0; t < s.ndim(); ++t) {
+    if (s.shard_tables()[t].empty()) continue;
+    bool dropped = false;  // only trailing levels drop out of a table exactly
+    for (int64_t k : s.mesh_dims_sharding(t)) {
+      if (single(k, s.placement(k)))
+        dropped = true;
+      else if (dropped)
+        return std::nullopt;
+    }
+  }
+  return s.replicate_where(single);
+}
+
+// Whether two specs of a tensor put the same data on every rank (they differ only on mesh
+// dims of one member).
+bool same_local_data(const DTensorSpec& a, const DTensorSpec& b) {
+  if (a == b) return true;
+  const auto x = without_single_member_dims(a), y = without_single_member_dims(b);
+  return x && y && *x == *y;
+}
+
 // A replicated operand that the plan cuts along a head-tail mesh dim as the head-tail
 // operands are (same dim length and table: the rows it meets) has no order of its own:
 // cut head-tail instead, it meets the stored rows (a gradient arriving replicated next to
 // head-tail activations). Cuts along other mesh dims and other tensor dims (a weight
 // expanded over a batch split over "dp") are the plan's own local slices, which the order
 // does not touch. The spec of those cuts, or null.
-SpecPtr head_tail_cut(const DTensorSpec& have, const DTensorSpec& want,
+SpecPtr head_tail_cut(const DTensorSpec& have_as_is, const DTensorSpec& want_as_is,
                       const c10::SmallVector<HeadTailDim, 2>& dims) {
+  // (Changes on mesh dims of one member move nothing: left out.)
+  const auto have_or = without_single_member_dims(have_as_is);
+  const auto want_or = without_single_member_dims(want_as_is);
+  if (!have_or || !want_or) return nullptr;
+  const DTensorSpec& have = *have_or;
+  const DTensorSpec& want = *want_or;
   if (have.sizes() != want.sizes()) return nullptr;
   Placements p = want.placements();
   std::vector<bool> cut_dims(static_cast<size_t>(want.ndim()), false);
@@ -586,7 +625,7 @@ bool keeps_head_tail(Frame& f) {
   // Nothing moves (but such cuts), and no natural operand is split along the same mesh dim.
   f.head_tail_cuts.clear();
   auto operand_keeps = [&](size_t i, const DTensorImpl* impl, const DTensorSpec* want) {
-    if (want && *want != impl->spec()) {
+    if (want && *want != impl->spec() && !same_local_data(*want, impl->spec())) {
       if (f.stored_for(impl)) return false;
       auto cut = head_tail_cut(impl->spec(), *want, dims);
       if (!cut) return false;
@@ -650,6 +689,21 @@ bool keeps_head_tail(Frame& f) {
     }
   }
   return true;
+}
+
+// TESSERA_DEBUG_HEAD_TAIL=1: each op that relays its head-tail operands is printed when it
+// first does, so a model that loses the order shows where (its head-tail arguments appear as
+// Shard, the natural stand-ins its rule planned for).
+void report_relay(const Frame& f) {
+  static const bool on = std::getenv("TESSERA_DEBUG_HEAD_TAIL") != nullptr;
+  if (!on) return;
+  static std::mutex mutex;
+  static std::unordered_set<std::string> seen;
+  std::string what = f.call.describe();
+  std::lock_guard<std::mutex> lock(mutex);
+  if (seen.insert(what).second)
+    std::fprintf(stderr, "tessera: %s relays its head-tail operands to the natural order\n",
+                 what.c_str());
 }
 
 // Whether every return of the op is a view of an argument (and nothing is written).
@@ -1002,6 +1056,7 @@ void dtensor_fallback_impl(const c10::OperatorHandle& op, torch::jit::Stack* sta
     if (!f.keeps_order) {
       f.head_tail_cuts.clear();
       check_head_tail_view(f);
+      report_relay(f);
     }
   }
   check_written_views(f);

@@ -555,6 +555,43 @@ TEST(HeadTail, PositionFreeOpsKeepTheOrder) {
   }
 }
 
+// A mesh dim of one member next to the head-tail one ("tp" = 1 in a cp x tp mesh): plans
+// change layouts there freely (a column-wise weight's split, a row-wise product's sum, a
+// nested sequence split), which moves nothing, so the order stays and no rows are relayed.
+TEST(HeadTail, MeshDimsOfOneMemberKeepTheOrder) {
+  for (int world : {1, 2, 3}) {
+    tessera::testing::run_ranks(world, [&](int) {
+      auto mesh = init_device_mesh("cpu", {world, 1}, {"cp", "tp"});
+      auto fx = tessera::test::randn({2, 13, 6}, 80, at::kDouble).requires_grad_();
+      auto fa = tessera::test::randn({6, 5}, 81, at::kDouble).requires_grad_();
+      auto fb = tessera::test::randn({5, 6}, 82, at::kDouble).requires_grad_();
+      auto x = distribute_tensor(fx.detach(), mesh, {HeadTailShard(1), Shard(1)}).requires_grad_();
+      auto a = distribute_tensor(fa.detach(), mesh, {Replicate(), Shard(1)}).requires_grad_();
+      auto b = distribute_tensor(fb.detach(), mesh, {Replicate(), Shard(0)}).requires_grad_();
+      auto block = [](const at::Tensor& x, const at::Tensor& a, const at::Tensor& b) {
+        auto h = at::matmul(at::matmul(x, a).relu(), b);  // column-, then row-wise
+        return h + x;
+      };
+      CommDebugMode comm;
+      auto got = block(x, a, b);
+      EXPECT_EQ(comm.get_comm_counts()["send_recv"], 0) << "world " << world;
+      if (world > 1) {  // (on one rank a plan may as well relay: it costs nothing)
+        EXPECT_TRUE(spec(got).placement(0).is_head_tail()) << spec(got).str();
+      }
+      auto expected = block(fx, fa, fb);
+      ASSERT_TRUE(full_matches(got, expected));
+      const auto g = tessera::test::randn({2, 13, 6}, 83, at::kDouble);
+      expected.backward(g);
+      CommDebugMode backward;
+      got.backward(distribute_tensor(g, mesh, {HeadTailShard(1), Replicate()}));
+      EXPECT_EQ(backward.get_comm_counts()["send_recv"], 0) << "world " << world;
+      ASSERT_TRUE(full_matches(x.grad(), fx.grad()));
+      ASSERT_TRUE(full_matches(a.grad(), fa.grad()));
+      ASSERT_TRUE(full_matches(b.grad(), fb.grad()));
+    });
+  }
+}
+
 // Sequence parallelism inside a head-tail context split: HeadTailShard(1) on the outer mesh
 // dim, Shard(1) on the inner one cutting each member's run (uneven and empty pieces). The
 // inner gather and cut move over the inner dim only (one all-gather; none), position-free

@@ -404,7 +404,9 @@ TEST(TpLlama, ContextParallelMatchesOneDevice) {
       const std::string form = !fused                                   ? "matmul softmax"
                                : method == ContextParallelMethod::kRing ? "sdpa ring"
                                                                         : "sdpa all-gather";
-      enum class Wrap { kReplicate, kFullyShard, kTensorParallel, kSequenceParallel };
+      // kExample: tp_transformer's wrapping (tensor + sequence parallel over "tp", fully_shard
+      // over "dp", nothing over "cp").
+      enum class Wrap { kReplicate, kFullyShard, kTensorParallel, kSequenceParallel, kExample };
       struct Case {
         std::vector<int64_t> shape;
         std::vector<std::string> names;
@@ -428,6 +430,11 @@ TEST(TpLlama, ContextParallelMatchesOneDevice) {
             {{2, 2}, {"dp", "cp"}, {Shard(0), HeadTailShard(1)}, Wrap::kReplicate},
             {{2, 2}, {"cp", "tp"}, {HeadTailShard(1), Replicate()}, Wrap::kTensorParallel},
             {{2, 2}, {"cp", "tp"}, {HeadTailShard(1), Replicate()}, Wrap::kSequenceParallel},
+            // A mesh dim of one member ("tp" = 1): plans change layouts there freely.
+            {{2, 2, 1},
+             {"dp", "cp", "tp"},
+             {Shard(0), HeadTailShard(1), Replicate()},
+             Wrap::kExample},
         };
         cases.insert(cases.end(), head_tail.begin(), head_tail.end());
       }
@@ -440,11 +447,11 @@ TEST(TpLlama, ContextParallelMatchesOneDevice) {
           world *= static_cast<int>(k.shape[d]);
           what += " " + k.names[d] + "=" + std::to_string(k.shape[d]);
         }
-        what += k.wrap == Wrap::kReplicate    ? ", replicate"
-                : k.wrap == Wrap::kFullyShard ? ", fully_shard"
-                : k.wrap == Wrap::kTensorParallel
-                    ? ", tensor parallel + replicate over cp"
-                    : ", tensor + sequence parallel + replicate over cp";
+        what += k.wrap == Wrap::kReplicate        ? ", replicate"
+                : k.wrap == Wrap::kFullyShard     ? ", fully_shard"
+                : k.wrap == Wrap::kTensorParallel ? ", tensor parallel + replicate over cp"
+                : k.wrap == Wrap::kExample ? ", tensor + sequence parallel + fully_shard over dp"
+                                           : ", tensor + sequence parallel + replicate over cp";
         std::vector<Trained> per_rank(world);
         tessera::testing::run_ranks(
             world,
@@ -452,16 +459,22 @@ TEST(TpLlama, ContextParallelMatchesOneDevice) {
               auto mesh = init_device_mesh("cpu", k.shape, k.names);
               auto model = copy_of(ref.initial);
               std::shared_ptr<ReplicatedModule> ddp;
-              const bool tp = k.wrap == Wrap::kTensorParallel || k.wrap == Wrap::kSequenceParallel;
+              const bool tp = k.wrap == Wrap::kTensorParallel ||
+                              k.wrap == Wrap::kSequenceParallel || k.wrap == Wrap::kExample;
               if (tp) {
                 llama::PlanOptions o;
                 // Sequence parallelism: between the blocks the positions are split over "cp"
                 // and, nested inside that, over "tp".
-                o.sequence_parallel = k.wrap == Wrap::kSequenceParallel;
+                o.sequence_parallel = k.wrap != Wrap::kTensorParallel;
                 o.local_output = false;  // activations keep their sequence split
                 o.head_dim = c.head_dim();
                 parallelize_module(model, mesh["tp"], llama::tensor_parallel_plan(o));
-                ddp = replicate(model, mesh["cp"]);
+                if (k.wrap == Wrap::kExample) {
+                  for (const auto& layer : *model->layers) fully_shard(*layer, mesh["dp"]);
+                  fully_shard(*model, mesh["dp"]);
+                } else {
+                  ddp = replicate(model, mesh["cp"]);
+                }
               } else if (k.wrap == Wrap::kFullyShard) {
                 shard_llama(model, mesh);
               } else {
@@ -488,7 +501,7 @@ TEST(TpLlama, ContextParallelMatchesOneDevice) {
                 EXPECT_GT(per_rank[rank].forward["send_recv"], 0) << what;
               }
               // Sequence parallelism ran: the blocks' outputs reduce-scattered over "tp".
-              if (k.wrap == Wrap::kSequenceParallel) {
+              if (k.wrap == Wrap::kSequenceParallel) {  // (kExample's "tp" is one member)
                 EXPECT_GT(per_rank[rank].forward["reduce_scatter"], 0) << what;
               }
             },
