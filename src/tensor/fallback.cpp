@@ -512,7 +512,8 @@ struct HeadTailDim {
 // `s` with its splits and sums on mesh dims of one member made Replicate: one member holds
 // the whole dim, so the local data is the same (a "tp" of size 1 in a dp x cp x tp mesh:
 // plans change layouts there freely, no bytes move). Empty where a table would not survive
-// (a split of one member between two real ones of a dim with its own table).
+// (a split of one member nested outside a real one of a dim with its own table; such
+// operands relay, as before).
 std::optional<DTensorSpec> without_single_member_dims(const DTensorSpec& s) {
   const DeviceMesh& mesh = s.mesh();
   auto single = [&](int64_t k, const Placement& p) {
