@@ -626,7 +626,7 @@ bool keeps_head_tail(Frame& f) {
   // Nothing moves (but such cuts), and no natural operand is split along the same mesh dim.
   f.head_tail_cuts.clear();
   auto operand_keeps = [&](size_t i, const DTensorImpl* impl, const DTensorSpec* want) {
-    if (want && *want != impl->spec() && !same_local_data(*want, impl->spec())) {
+    if (want && !same_local_data(*want, impl->spec())) {  // (equal specs first)
       if (f.stored_for(impl)) return false;
       auto cut = head_tail_cut(impl->spec(), *want, dims);
       if (!cut) return false;
