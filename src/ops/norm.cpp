@@ -86,6 +86,14 @@ OpPlan layer_norm_backward_rule(const OpCall& call) {
 
 // ---- shared by group_norm and batch_norm --------------------------------------------------
 
+// The dtype of the statistics a kernel returns for input x and weight w: float32 for
+// bfloat16 / float16 input with a float32 weight (mixed precision, as LibTorch's kernels),
+// else the input's. The output keeps the input's dtype either way.
+at::ScalarType stats_dtype(const at::Tensor& x, const at::Tensor& w) {
+  const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+  return half && w.defined() && w.scalar_type() == at::kFloat ? at::kFloat : x.scalar_type();
+}
+
 // `s` without Partial and with only the tensor dims `keep` accepts still sharded.
 template <class Keep>
 SpecPtr keep_sharded(const DTensorSpec& s, Keep keep) {
@@ -220,8 +228,8 @@ OpPlan group_norm_rule(const OpCall& call) {
       lvar = at::zeros({n, group}, x.options());
     }
     const auto [global_mean, m2] = combine_moments(mesh, dims, local, lmean, lvar, count);
-    const at::Tensor mean = global_mean.to(x.scalar_type());
-    const at::Tensor rstd = (m2.div(count).clamp_min(0) + eps).rsqrt().to(x.scalar_type());
+    const at::Tensor mean = global_mean.to(stats_dtype(x, w));
+    const at::Tensor rstd = (m2.div(count).clamp_min(0) + eps).rsqrt().to(stats_dtype(x, w));
     // out = x * scale + shift with one scale and shift per (sample, channel): one pass.
     at::Tensor scale = rstd.unsqueeze(-1).expand({n, group, d}).reshape({n, c});
     if (w.defined()) scale = scale * w.view({1, c});
@@ -230,7 +238,8 @@ OpPlan group_norm_rule(const OpCall& call) {
     std::vector<int64_t> per_channel(x.dim(), 1);
     per_channel[0] = n;
     per_channel[1] = c;
-    kc.finish({at::addcmul(shift.view(per_channel), x, scale.view(per_channel)), mean, rstd});
+    kc.finish({at::addcmul(shift.view(per_channel), x, scale.view(per_channel)).to(x.scalar_type()),
+               mean, rstd});
   };
   return plan;
 }
@@ -386,8 +395,8 @@ OpPlan batch_norm_plan(const OpCall& call, bool fixed_training) {
         std::tie(lvar, lmean) =
             at::var_mean(half ? x.to(at::kFloat) : x, reduce, /*unbiased=*/false);
       const auto [global_mean, var_sum] = combine_moments(mesh, dims, local, lmean, lvar, count);
-      mean = global_mean.to(x.scalar_type());
-      invstd = (var_sum / count + eps).rsqrt().to(x.scalar_type());
+      mean = global_mean.to(stats_dtype(x, w));
+      invstd = (var_sum / count + eps).rsqrt().to(stats_dtype(x, w));
       save_mean = mean;
       save_invstd = invstd;
       // As one device: the running variance is unbiased over the global count.
@@ -406,7 +415,8 @@ OpPlan batch_norm_plan(const OpCall& call, bool fixed_training) {
     const at::Tensor alpha = w.defined() ? invstd * w : invstd;
     at::Tensor beta = -mean * alpha;
     if (b.defined()) beta = beta + b;
-    at::Tensor out = x * per_channel_view(alpha, x.dim()) + per_channel_view(beta, x.dim());
+    at::Tensor out = (x * per_channel_view(alpha, x.dim()) + per_channel_view(beta, x.dim()))
+                         .to(x.scalar_type());
     if (reserve)
       kc.finish({out, save_mean, save_invstd, at::empty({0}, x.options().dtype(at::kByte))});
     else

@@ -439,6 +439,13 @@ void admit_and_key(Frame& f) {
 
 // Step 3: the cached decision for this key, or a new one from the op's rule. Without a rule
 // every input must be replicated: every rank then computes the same thing.
+// `want` with `operand`'s dtype (itself where they agree).
+SpecPtr with_dtype_of(const SpecPtr& want, const DTensorSpec& operand) {
+  if (want->dtype() == operand.dtype()) return want;
+  return std::make_shared<DTensorSpec>(want->mesh(), want->placements(), want->sizes(),
+                                       operand.dtype(), want->shard_tables());
+}
+
 void decide(Frame& f) {
   auto same_specs = [&](const KeyedDecision& e) {
     if (e.specs.size() != f.seen.size()) return false;
@@ -496,8 +503,19 @@ void decide(Frame& f) {
     f.decision = f.fresh;
     return;
   }
-  // Share spec objects the inputs already carry: later calls then match by pointer.
+  // An input spec says where an operand's data goes; its dtype stays the operand's. Rules
+  // build some from other operands' specs, and kernels keep statistics in float32 beside
+  // bfloat16 activations (attention's log-sum-exp; norms' mean and rstd on CUDA, or with
+  // float32 weights), so a planned dtype can differ without any cast meant.
   auto& in = f.fresh->plan.inputs;
+  for (size_t i = 0; i < in.size() && i < f.nargs; ++i)
+    if (in[i] && f.impls[i]) in[i] = with_dtype_of(in[i], f.impls[i]->spec());
+  auto& lists = f.fresh->plan.list_inputs;
+  for (size_t i = 0; i < lists.size() && i < f.call.list_specs.size(); ++i)
+    for (size_t k = 0; k < lists[i].size() && k < f.call.list_specs[i].size(); ++k)
+      if (lists[i][k] && f.call.list_specs[i][k])
+        lists[i][k] = with_dtype_of(lists[i][k], *f.call.list_specs[i][k]);
+  // Share spec objects the inputs already carry: later calls then match by pointer.
   for (size_t i = 0; i < in.size() && i < f.nargs; ++i)
     if (in[i] && f.impls[i] && *in[i] == f.impls[i]->spec()) in[i] = f.impls[i]->spec_ptr();
   f.decision = f.fresh;

@@ -245,6 +245,69 @@ TEST(DomainNorm, SpatialShardingCommunicatesOnlyStatistics) {
   });
 }
 
+// bfloat16 activations with float32 weights (norms kept in float32, as mixed-precision
+// training does): the kernels return mean and rstd in float32 (as CUDA's do for any half
+// input), and backward takes them so. layer_norm over a batch split, group_norm and
+// batch_norm over a spatial split (uneven, one shard empty), on 1-3 ranks: forward and every
+// gradient against one device's same call.
+TEST(DomainNorm, FloatStatisticsOfBFloat16Activations) {
+  const auto x = test::randn({4, 6, 5}, 1).to(at::kBFloat16);
+  const auto w6 = test::randn({6}, 2), b6 = test::randn({6}, 3);
+  const auto w5 = test::randn({5}, 4), b5 = test::randn({5}, 5);
+  const auto g = test::randn({4, 6, 5}, 6).to(at::kBFloat16);
+  const test::Tolerance tol{2e-2, 2e-2};
+  enum class Op { LayerNorm, GroupNorm, BatchNorm };
+  for (const Op op : {Op::LayerNorm, Op::GroupNorm, Op::BatchNorm}) {
+    const char* name = op == Op::LayerNorm   ? "layer_norm"
+                       : op == Op::GroupNorm ? "group_norm"
+                                             : "batch_norm";
+    const auto call = [&](const at::Tensor& in, const at::Tensor& w, const at::Tensor& b) {
+      switch (op) {
+        case Op::LayerNorm: return at::layer_norm(in, {5}, w, b);
+        case Op::GroupNorm: return at::group_norm(in, 3, w, b);
+        case Op::BatchNorm: return at::batch_norm(in, w, b, {}, {}, true, 0.1, 1e-5, false);
+      }
+      return at::Tensor();
+    };
+    const bool ln = op == Op::LayerNorm;
+    auto xl = x.detach().requires_grad_();
+    auto wl = (ln ? w5 : w6).detach().requires_grad_(),
+         bl = (ln ? b5 : b6).detach().requires_grad_();
+    at::Tensor expected;
+    try {
+      expected = call(xl, wl, bl);
+    } catch (const c10::Error&) {
+      continue;  // (a LibTorch without the mixed-dtype kernel on CPU: nothing to compare)
+    }
+    expected.backward(g);
+    for (const ShardTable& table : std::vector<ShardTable>{{4}, {3, 1}, {1, 0, 3}}) {
+      const int world = static_cast<int>(table.size());
+      const int64_t dim = ln ? 0 : 2;
+      const ShardTable split = ln ? table
+                                  : (world == 1   ? ShardTable{5}
+                                     : world == 2 ? ShardTable{2, 3}
+                                                  : ShardTable{1, 0, 4});
+      const std::string what = std::string(name) + " on " + std::to_string(world) + " ranks";
+      tessera::testing::run_ranks(world, [&](int) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {world});
+        std::vector<ShardTable> tables(static_cast<size_t>(dim) + 1);
+        tables.back() = split;
+        auto dx = test::make_dtensor_from_full(x, mesh, {Shard(dim)}, tables).requires_grad_();
+        auto dw = distribute_tensor(ln ? w5 : w6, mesh, {Replicate()}).requires_grad_();
+        auto db = distribute_tensor(ln ? b5 : b6, mesh, {Replicate()}).requires_grad_();
+        auto got = call(dx, dw, db);
+        EXPECT_EQ(got.scalar_type(), expected.scalar_type()) << what;
+        EXPECT_TRUE(test::full_matches(got, expected, tol)) << what << ": output";
+        got.backward(test::make_dtensor_from_full(g, mesh, {Shard(dim)}, tables));
+        EXPECT_TRUE(test::full_matches(dx.grad(), xl.grad(), tol)) << what << ": input grad";
+        EXPECT_TRUE(test::full_matches(dw.grad(), wl.grad(), tol)) << what << ": weight grad";
+        EXPECT_TRUE(test::full_matches(db.grad(), bl.grad(), tol)) << what << ": bias grad";
+      });
+    }
+  }
+}
+
 TEST(DomainNorm, TrainingWithShardedRunningStatsIsRejected) {
   const auto x = test::randn({4, 4, 6}, 8, at::kDouble);
   tessera::testing::run_ranks(2, [&](int) {
