@@ -1,9 +1,11 @@
 // Tessera on one CUDA device: what a distributed tensor costs per op next to the plain CUDA
-// tensor, neighbourhood attention's local kernel, and one training step of fully_shard and of
-// tensor parallelism, all on a 1-rank "cuda" mesh (NCCL, a world of one). PyTorch's side of
-// the same cases is bench/peer/gpu_peer.py; bench/gpu_compare.sh runs both and merges them.
+// tensor, neighbourhood attention's local kernel, one training step of fully_shard and of
+// tensor parallelism, and attention's block kernels on distributed tensors, all on a 1-rank
+// "cuda" mesh (NCCL, a world of one). PyTorch's side of the same cases is
+// bench/peer/gpu_peer.py; bench/gpu_compare.sh runs both and merges them.
 //
-//   ./build/bench/bench_gpu [--out tessera_gpu.json] [--format table|json] [--only ops,na2d,steps]
+//   ./build/bench/bench_gpu [--out tessera_gpu.json] [--format table|json]
+//                           [--only ops,na2d,steps,attn]
 //
 // Timing (LibTorch API only: torch::cuda::synchronize, no CUDA events):
 //   * per-op cost: warm-up, then batches of back-to-back calls, each batch closed by a
@@ -12,7 +14,8 @@
 //     1024x1024 matmul measures the kernel.
 //   * na2d and training steps: --warmup untimed calls, then each timed call between two
 //     synchronizes; the median of --iters (fewer when one case passes --case-budget-s).
-// Suites run in the order ops, steps, na2d (PyTorch's side: the same, its compiles last).
+// Suites run in the order ops, steps, na2d, attn (PyTorch's side: the same, its compiles
+// last; attn is Tessera's alone: its rows compare kernels within this run).
 // Without a CUDA device it prints "no CUDA device: skipped" and exits 0.
 #include <algorithm>
 #include <chrono>
@@ -36,6 +39,7 @@
 #include <torch/optim/adam.h>
 #include <torch/version.h>
 
+#include "ops/attention_ring.h"
 #include "tessera/nn/neighborhood_attention.h"
 #include "tessera/tessera.h"
 
@@ -55,6 +59,8 @@ struct Config {
   std::vector<int64_t> na_sizes = {64, 128, 256};
   int64_t na_kernel = 7, na_heads = 4, na_head_dim = 32;
   int64_t mlp_in = 1024, mlp_hidden = 4096, mlp_out = 1024, mlp_batch = 256;
+  std::vector<int64_t> attn_lengths = {1024, 4096};
+  int64_t attn_heads = 16, attn_head_dim = 64;
 };
 
 double seconds_since(Clock::time_point t0) {
@@ -392,6 +398,73 @@ void na2d_cases(const Config& c, Results& out) {
 }
 
 // ---------------------------------------------------------------------------------------
+// Attention on distributed tensors: scaled_dot_product_attention, causal, forward + backward,
+// on the plain CUDA tensors (LibTorch's own choice of fused kernel) and with the heads split
+// on the 1-rank mesh, where the call runs the sharded rule's block kernel (NOTE: [Block
+// kernels] in src/ops/attention_ring.h): the matrix products (the default off the CPU) and
+// LibTorch's memory-efficient pair (TESSERA_ATTENTION_BLOCKS=fused).
+
+void attention_cases(const tessera::DeviceMesh* mesh, const Config& c, Results& out) {
+#if TORCH_VERSION_MAJOR < 2
+  Record r{"attn", "sdpa", "plain", "float32", "ms"};
+  r.error = "LibTorch 1.13 has no scaled_dot_product_attention";
+  out.add(r);
+#else
+  namespace attention = tessera::ops::attention;
+  for (const int64_t L : c.attn_lengths) {
+    for (const auto dtype : {at::kBFloat16, at::kFloat}) {
+      const std::string dname = dtype == at::kFloat ? "float32" : "bfloat16";
+      const std::string name = "sdpa causal L" + std::to_string(L) + " h" +
+                               std::to_string(c.attn_heads) + " d" +
+                               std::to_string(c.attn_head_dim) + " fwd+bwd";
+      at::manual_seed(6);
+      const std::vector<int64_t> shape = {1, c.attn_heads, L, c.attn_head_dim};
+      const auto opts = cuda_f32().dtype(dtype);
+      const at::Tensor q = at::randn(shape, opts), k = at::randn(shape, opts),
+                       v = at::randn(shape, opts), g = at::randn(shape, opts);
+      const auto step = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& d,
+                            const at::Tensor& grad) {
+        const at::Tensor ql = a.detach().requires_grad_(), kl = b.detach().requires_grad_(),
+                         vl = d.detach().requires_grad_();
+        return per_step_ms(
+            [&] {
+              for (const at::Tensor* t : {&ql, &kl, &vl}) t->mutable_grad() = at::Tensor();
+              at::scaled_dot_product_attention(ql, kl, vl, {}, 0.0, true).backward(grad);
+            },
+            c);
+      };
+      out.run(Record("attn", name, "plain", dname, "ms"), [&] { return step(q, k, v, g); });
+      for (const auto& [variant, kernel] :
+           {std::pair{std::string("S(1) products"), attention::BlockKernel::kProducts},
+            std::pair{std::string("S(1) fused"), attention::BlockKernel::kFused}}) {
+        Record r{"attn", name, variant, dname, "ms"};
+        if (!mesh) {
+          r.error = "no 1-rank mesh";
+          out.add(r);
+          continue;
+        }
+        out.run(r, [&] {
+          const auto before = attention::set_block_kernel(kernel);
+          const tessera::Placements heads = {tessera::Shard(1)};
+          const auto lay = [&](const at::Tensor& t) {
+            return tessera::distribute_tensor(t, *mesh, heads);
+          };
+          const int64_t calls = attention::efficient_calls();
+          const double ms = step(lay(q), lay(k), lay(v), lay(g));
+          attention::set_block_kernel(before);
+          // (On CUDA the fused row must have run the fused pair: a fallback would misreport.)
+          TORCH_CHECK(g_device != at::kCUDA || kernel != attention::BlockKernel::kFused ||
+                          attention::efficient_calls() > calls,
+                      "bench_gpu: the memory-efficient pair did not run");
+          return ms;
+        });
+      }
+    }
+  }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
 // One training step (zero_grad, forward, MSE spelled (out - y)^2 mean, backward, Adam) of an
 // MLP in -> hidden -> ReLU -> out: plain, fully_shard (each Linear, then the root), and
 // tensor parallel (Colwise on the first Linear, Rowwise on the second), on the 1-rank mesh.
@@ -453,12 +526,12 @@ void step_cases(const tessera::DeviceMesh* mesh, const Config& c, Results& out) 
 int main(int argc, char** argv) {
   CLI::App app{"Tessera on one CUDA device: per-op cost, na2d, fully_shard and TP steps"};
   Config c;
-  std::string out_file, format = "table", only = "ops,na2d,steps";
+  std::string out_file, format = "table", only = "ops,na2d,steps,attn";
   app.add_option("--out", out_file, "also write the results as JSON to this file");
   app.add_option("--format", format, "stdout: table or json")
       ->check(CLI::IsMember({"table", "json"}))
       ->capture_default_str();
-  app.add_option("--only", only, "suites, comma-separated: ops, na2d, steps")
+  app.add_option("--only", only, "suites, comma-separated: ops, na2d, steps, attn")
       ->capture_default_str();
   app.add_option("--batches", c.batches, "per-op: timed batches (median)")->capture_default_str();
   app.add_option("--batch-ms", c.batch_ms, "per-op: minimum batch length, ms")
@@ -481,6 +554,9 @@ int main(int argc, char** argv) {
   app.add_option("--na-head-dim", c.na_head_dim, "na2d: head dim")->capture_default_str();
   app.add_option("--mlp-hidden", c.mlp_hidden, "steps: MLP hidden width")->capture_default_str();
   app.add_option("--mlp-batch", c.mlp_batch, "steps: batch")->capture_default_str();
+  app.add_option("--attn-lengths", c.attn_lengths, "attn: sequence lengths")->capture_default_str();
+  app.add_option("--attn-heads", c.attn_heads, "attn: heads")->capture_default_str();
+  app.add_option("--attn-head-dim", c.attn_head_dim, "attn: head dim")->capture_default_str();
   std::string device = "cuda";
   app.add_option(
          "--device", device,
@@ -533,6 +609,7 @@ int main(int argc, char** argv) {
   if (suites.count("ops")) per_op_costs(m, c, results);
   if (suites.count("steps")) step_cases(m, c, results);
   if (suites.count("na2d")) na2d_cases(c, results);
+  if (suites.count("attn")) attention_cases(m, c, results);
   cuda_sync();
   results.save();
   if (format == "json")

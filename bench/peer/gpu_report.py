@@ -177,6 +177,28 @@ def main():
                 md.append(f"| {field} | {dtype} | {variant} | {fmt(tv)} | {fmt(fv)} | {fmt(dv)} "
                           f"| {fmt_ratio(r['na2d_over_flex'], bold=True)} | {fmt_ratio(r['dense_over_flex'])} |")
 
+    # -- attention block kernels (Tessera's side only: kernels compared within its run) -----
+    attn = [(suite, case) for suite, case in cases if suite == "attn"]
+    if attn:
+        md += ["", "#### Causal scaled_dot_product_attention on distributed tensors (ms, fwd+bwd)", "",
+               "Heads split on the 1-rank mesh, so the call runs the sharded rule's block kernel: "
+               "matrix products (the default off the CPU) or LibTorch's memory-efficient pair "
+               "(`TESSERA_ATTENTION_BLOCKS=fused`); plain: the same call on the CUDA tensors "
+               "(LibTorch's own kernel choice).", "",
+               "| case | dtype | plain | products | fused | products / plain | fused / plain |",
+               "|---|---|---:|---:|---:|---:|---:|"]
+        for dtype in ("bfloat16", "float32"):
+            for _, case in attn:
+                pl = t.get("attn", case, "plain", dtype)
+                pr = t.get("attn", case, "S(1) products", dtype)
+                fu = t.get("attn", case, "S(1) fused", dtype)
+                r = {"suite": "attn", "case": case, "dtype": dtype,
+                     "products_over_plain": ratio(pr, pl), "fused_over_plain": ratio(fu, pl)}
+                ratios.append(r)
+                md.append(f"| {case} | {dtype} | {fmt(pl)} | {fmt(pr)} | {fmt(fu)} "
+                          f"| {fmt_ratio(r['products_over_plain'])} "
+                          f"| {fmt_ratio(r['fused_over_plain'], bold=True)} |")
+
     checks = p_meta.get("checks", [])
     if checks:
         md += ["", "flex_attention against dense SDPA on the same inputs (the two masks agree), "

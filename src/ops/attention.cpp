@@ -87,7 +87,8 @@ bool groups_split_with(const DTensorSpec& q, int64_t kv_heads) {
   return true;
 }
 
-// q's layout with the last dim's size `last` (the output: Ev) or without it (logsumexp).
+// q's layout with the last dim's size `last` (the output: Ev) or without it (logsumexp, in
+// the kernels' accumulation dtype: float32 for bfloat16 and float16 queries).
 SpecPtr resized(const DTensorSpec& q, int64_t last, bool drop_last) {
   auto sizes = q.sizes();
   auto tables = q.shard_tables();
@@ -97,7 +98,8 @@ SpecPtr resized(const DTensorSpec& q, int64_t last, bool drop_last) {
   } else {
     sizes.back() = last;
   }
-  return std::make_shared<DTensorSpec>(q.mesh(), q.placements(), sizes, q.dtype(), tables);
+  return std::make_shared<DTensorSpec>(q.mesh(), q.placements(), sizes,
+                                       drop_last ? accumulate_type(q.dtype()) : q.dtype(), tables);
 }
 
 bool seq_sharded(const DTensorSpec& q) { return !q.mesh_dims_sharding(kSeq).empty(); }
@@ -502,7 +504,8 @@ void sdpa_entry(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   // A mask with is_causal keeps the composite: LibTorch versions answer it differently (2.6's
   // fused CPU kernel applies both, 2.15 and the math op refuse it).
   const bool mask_and_causal = kc.arg("attn_mask").isTensor() && kc.arg<bool>("is_causal");
-  if (attention::by_products(q) && !mask_and_causal) {  // (kProducts: CPU tests of this route)
+  if (attention::composite_by_math(q) &&
+      !mask_and_causal) {  // (kProducts: CPU tests of this route)
     // LibTorch's own input checks first, as the composite makes them.
     TORCH_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype(),
                 "Expected query, key, and value to have the same dtype, but got query.dtype: ",

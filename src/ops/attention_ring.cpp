@@ -61,33 +61,40 @@ using BackwardFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, double, bool, const c10::optional<at::Tensor>&, c10::optional<double>);
 
-// Grouped-query heads: q.size(1) = groups x k.size(1), query head h served by K/V head
-// h / groups. The exchanges carry the K/V heads only. The products take them as they are;
-// so does the fused CPU pair where LibTorch's takes them (compat.h), else each call repeats
-// them for its block and its dK / dV are summed back per group.
-int64_t groups_of(const at::Tensor& q, const at::Tensor& k) {
-  return k.size(1) == q.size(1) || k.size(1) == 0 ? 1 : q.size(1) / k.size(1);
-}
-
+// Grouped-query heads: the exchanges carry the K/V heads only. The products take them as
+// they are; so does the fused CPU pair where LibTorch's takes them (compat.h), else each call
+// repeats them for its block and its dK / dV are summed back per group.
 int64_t fused_repeats(const at::Tensor& q, const at::Tensor& k) {
   return compat::kFusedCpuAttentionTakesGroups ? 1 : groups_of(q, k);
 }
 
-at::Tensor sum_groups(const at::Tensor& t, int64_t groups) {
-  if (groups == 1) return t;
-  const auto s = t.sizes();
-  return t.reshape({s[0], s[1] / groups, groups, s[2], s[3]}).sum(2);
+std::atomic<int>& block_kernel() {
+  static std::atomic<int> k{
+      static_cast<int>(block_kernel_from(std::getenv("TESSERA_ATTENTION_BLOCKS")))};
+  return k;
 }
 
-std::atomic<int>& block_kernel() {
-  static std::atomic<int> k{static_cast<int>(BlockKernel::kFusedOnCpu)};
-  return k;
+// Which kernel computes a block with these arguments (NOTE: [Block kernels]).
+enum class Route { kCpuPair, kEfficient, kProducts };
+Route route(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
+  const auto chosen = static_cast<BlockKernel>(block_kernel().load(std::memory_order_relaxed));
+  switch (chosen) {
+    case BlockKernel::kProducts: return Route::kProducts;
+    case BlockKernel::kFusedOnCpu: return q.device().is_cpu() ? Route::kCpuPair : Route::kProducts;
+    case BlockKernel::kFused:
+      if (q.device().is_cpu()) return Route::kCpuPair;
+      break;
+    case BlockKernel::kEfficient: break;
+  }
+  return efficient_takes(q, k, v, mask) ? Route::kEfficient : Route::kProducts;
 }
 
 std::tuple<at::Tensor, at::Tensor> fused(const at::Tensor& q, const at::Tensor& k,
                                          const at::Tensor& v, const at::Tensor& mask, bool causal,
                                          c10::optional<double> scale) {
-  if (by_products(q)) return products_forward(q, k, v, mask, causal, scale);
+  const Route way = route(q, k, v, mask);
+  if (way == Route::kProducts) return products_forward(q, k, v, mask, causal, scale);
+  if (way == Route::kEfficient) return efficient_forward(q, k, v, causal, scale);
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("aten::_scaled_dot_product_flash_attention_for_cpu", "")
@@ -101,7 +108,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& mask, bool causal,
     c10::optional<double> scale) {
-  if (by_products(q)) return products_backward(grad_out, q, k, v, out, lse, mask, causal, scale);
+  const Route way = route(q, k, v, mask);
+  if (way == Route::kProducts)
+    return products_backward(grad_out, q, k, v, out, lse, mask, causal, scale);
+  if (way == Route::kEfficient)
+    return efficient_backward(grad_out, q, k, v, out, lse, causal, scale);
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "")
@@ -632,6 +643,16 @@ bool balances(int64_t length, int64_t members) {
   return m != KVMethod::kAuto || length >= kBalanceFromRows * members;
 }
 
+int64_t groups_of(const at::Tensor& q, const at::Tensor& k) {
+  return k.size(1) == q.size(1) || k.size(1) == 0 ? 1 : q.size(1) / k.size(1);
+}
+
+at::Tensor sum_groups(const at::Tensor& t, int64_t groups) {
+  if (groups == 1) return t;
+  const auto s = t.sizes();
+  return t.reshape({s[0], s[1] / groups, groups, s[2], s[3]}).sum(2);
+}
+
 at::Tensor repeat_heads(const at::Tensor& t, int64_t groups) {
   if (groups == 1) return t;
   const auto s = t.sizes();
@@ -654,9 +675,16 @@ bool load_balance_from(const char* value) {
 
 int64_t scores_this_thread() { return scored(); }
 
-bool by_products(const at::Tensor& q) {
+bool composite_by_math(const at::Tensor& q) {
   return !q.device().is_cpu() ||
          block_kernel().load(std::memory_order_relaxed) == static_cast<int>(BlockKernel::kProducts);
+}
+
+BlockKernel block_kernel_from(const char* value) {
+  static const std::vector<BlockKernel> kernels = {BlockKernel::kFusedOnCpu, BlockKernel::kProducts,
+                                                   BlockKernel::kFused, BlockKernel::kEfficient};
+  return kernels[env_choice("TESSERA_ATTENTION_BLOCKS", value,
+                            {"auto", "products", "fused", "efficient"}, 0)];
 }
 
 BlockKernel set_block_kernel(BlockKernel kernel) {

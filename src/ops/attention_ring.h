@@ -83,19 +83,37 @@ struct Args {
 // [B, H, L, E] with each head repeated `groups` times in a row (head h of the result is
 // head h / groups of t), as LibTorch's repeat_interleave over heads; t itself when groups is 1.
 at::Tensor repeat_heads(const at::Tensor& t, int64_t groups);
+// Query heads per K/V head of q [B, H, ...] and k [B, H_kv, ...] (1 where they match or k
+// has none); and dK / dV of repeated heads [B, H_kv x groups, ...] summed back per group.
+int64_t groups_of(const at::Tensor& q, const at::Tensor& k);
+at::Tensor sum_groups(const at::Tensor& t, int64_t groups);
 
 // NOTE: [Block kernels]
-// Every call below computes its blocks with one of two kernels: LibTorch's fused CPU pair, or
-// matrix products (products_forward / products_backward: any device, any dtype) with the fused
+// Every call below computes its blocks with one of three kernels, all with the fused CPU
 // kernel's conventions (log-sum-exp in float32, float64 for double; a row hidden from every
-// key gives out 0 and log-sum-exp 0). CPU tensors take the fused pair; other devices take the
-// products (LibTorch's fused CUDA kernels are not wired in: their signatures and log-sum-exp
-// layouts differ per version). kProducts sends CPU tensors through the products too, so the
-// tests check on CPU the path other devices take. Process-wide; returns the previous.
-enum class BlockKernel { kFusedOnCpu, kProducts };
+// key gives out 0 and log-sum-exp 0):
+//  - LibTorch's fused CPU pair (CPU tensors);
+//  - LibTorch's memory-efficient pair (attention_efficient.cpp), where it takes the block:
+//    float32 / float16 / bfloat16, head dim a multiple of 16 bytes, no mask;
+//  - matrix products (products_forward / products_backward: any device, any dtype, any mask).
+// The choice, process-wide (set_block_kernel returns the previous; TESSERA_ATTENTION_BLOCKS
+// sets the start value):
+//  - kFusedOnCpu (`auto`, the default): the CPU pair on CPU, the products elsewhere;
+//  - kProducts (`products`): the products everywhere (CPU tests of the other devices' route);
+//  - kFused (`fused`): the CPU pair on CPU, the memory-efficient pair elsewhere where it takes
+//    the block, else the products. Not yet the default: that waits on a run of the GPU tier;
+//  - kEfficient (`efficient`): the memory-efficient pair on every device where it takes the
+//    block (CPU tests register a stand-in kernel for it with CUDA's conventions).
+enum class BlockKernel { kFusedOnCpu, kProducts, kFused, kEfficient };
 BlockKernel set_block_kernel(BlockKernel kernel);
-// Whether q's blocks run as the products (q off the CPU, or kProducts).
-bool by_products(const at::Tensor& q);
+// Whether calls that the fused op pair does not take run LibTorch's math path on q's
+// arguments (scaled_dot_product_attention's entry): off the CPU, where the composite's backend
+// choice would pick CUDA kernels that have no sharding rules; and under kProducts, so that CPU
+// tests see that route.
+bool composite_by_math(const at::Tensor& q);
+// The start value read from TESSERA_ATTENTION_BLOCKS (auto, products, fused, efficient; unset:
+// auto). Any other value raises, naming the variable and the choices.
+BlockKernel block_kernel_from(const char* value);
 
 // The products walk a block in tiles of rows and keys holding at most `scores` scores over
 // the batch and heads (default 2^24: 64 MiB in float32), so their memory is bounded as the
@@ -117,6 +135,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> products_backward(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& lse, const at::Tensor& mask, bool causal,
     c10::optional<double> scale);
+
+// One block by the memory-efficient pair (efficient_takes: whether it takes these arguments);
+// log-sum-exp [B, H, rows] in float32. Grouped K/V heads are repeated for the call and dK /
+// dV summed back per group. efficient_calls counts the calls (tests check the route with it).
+bool efficient_takes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& mask);
+std::tuple<at::Tensor, at::Tensor> efficient_forward(const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v, bool causal,
+                                                     c10::optional<double> scale);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> efficient_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, bool causal, c10::optional<double> scale);
+int64_t efficient_calls();
 
 // The fused pair on these local tensors as they are (is_causal top-left on them).
 std::tuple<at::Tensor, at::Tensor> forward(const Args& a);

@@ -2,9 +2,9 @@
 // is split over the mesh, under the ring and the all-gather, causal (balanced) and not, with a
 // mask, with grouped-query heads (3 query heads on 1 K/V head), in float64 and float32; and
 // attention with the heads split and the sequence whole. Forward and every gradient against
-// one device's SDPA on the GPU. Off the CPU each block runs as matrix products (NOTE: [Block
-// kernels] in src/ops/attention_ring.h); the tier pins that kernel so its CPU run checks the
-// same path.
+// one device's SDPA on the GPU. Off the CPU each block runs as matrix products by default
+// (NOTE: [Block kernels] in src/ops/attention_ring.h); the tier pins that kernel so its CPU run
+// checks the same path, and checks LibTorch's memory-efficient pair as the block kernel too.
 #include <torch/version.h>
 
 #include "gpu_helpers.h"
@@ -161,6 +161,82 @@ TEST_P(GpuContextParallel, HeadShardedAttentionMatchesOneDevice) {
         auto again = at::scaled_dot_product_attention(dq, dk, dv, mk, 0.0, causal);
         EXPECT_TRUE(test::full_matches(again, expected.detach(), tol)) << what << ": inference";
       });
+    }
+  }
+}
+
+// LibTorch's memory-efficient pair as the block kernel (BlockKernel::kFused: NOTE: [Block
+// kernels]): sequence split unevenly (one shard empty on 3 ranks; 13 rows, so the pair's
+// log-sum-exp is padded), the ring (causal balanced and not, grouped-query heads) and the
+// all-gather, in float32, bfloat16 and float16, against one device's SDPA on the GPU in the same
+// dtype; the pair must have run. Until this has passed on a GPU the default stays the products.
+TEST_P(GpuContextParallel, FusedBlocksMatchOneDevice) {
+  TESSERA_REQUIRE_GPU_MESH(GetParam());
+  if (!test::has_fused_cpu_attention()) GTEST_SKIP() << "no fused attention in this LibTorch";
+  const GpuMesh& m = GetParam();
+  const int world = m.world();
+  const ShardTable rows = world == 1   ? ShardTable{13}
+                          : world == 2 ? ShardTable{6, 7}
+                                       : ShardTable{5, 0, 8};
+  constexpr bool kHasGqa =
+      TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5);
+  struct Case {
+    ContextParallelMethod method;
+    bool causal, balanced, gqa;
+  };
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const test::Tolerance tol = dtype == at::kFloat      ? test::Tolerance{1e-4, 1e-4}
+                                : dtype == at::kBFloat16 ? test::Tolerance{6e-2, 6e-2}
+                                                         : test::Tolerance{1e-2, 1e-2};
+    const auto dev = gpu_test::cuda();
+    auto q = gpu_test::randn({2, 4, 13, 16}, 81, dev, dtype).requires_grad_();
+    auto k4 = gpu_test::randn({2, 4, 13, 16}, 82, dev, dtype).requires_grad_();
+    auto v4 = gpu_test::randn({2, 4, 13, 16}, 83, dev, dtype).requires_grad_();
+    auto k2 = gpu_test::randn({2, 2, 13, 16}, 84, dev, dtype).requires_grad_();
+    auto v2 = gpu_test::randn({2, 2, 13, 16}, 85, dev, dtype).requires_grad_();
+    for (const Case& c : {Case{ContextParallelMethod::kRing, true, true, false},
+                          Case{ContextParallelMethod::kRing, true, false, false},
+                          Case{ContextParallelMethod::kRing, false, false, false},
+                          Case{ContextParallelMethod::kRing, true, true, true},
+                          Case{ContextParallelMethod::kAllGather, true, false, false},
+                          Case{ContextParallelMethod::kAllGather, false, false, true}}) {
+      if (c.gqa && !kHasGqa) continue;
+      const bool ring = c.method == ContextParallelMethod::kRing;
+      const std::string what = m.name() + ", " + c10::toString(dtype) +
+                               (ring ? ", ring" : ", all-gather") + (c.causal ? ", causal" : "") +
+                               (c.balanced ? ", balanced" : "") + (c.gqa ? ", 4 heads on 2" : "");
+      at::Tensor& key = c.gqa ? k2 : k4;
+      at::Tensor& value = c.gqa ? v2 : v4;
+      for (auto* t : {&q, &key, &value}) t->mutable_grad() = at::Tensor();
+      const auto sdpa = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& d) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+        return at::scaled_dot_product_attention(a, b, d, {}, 0.0, c.causal, c10::nullopt, c.gqa);
+#else
+        return at::scaled_dot_product_attention(a, b, d, {}, 0.0, c.causal);
+#endif
+      };
+      auto expected = sdpa(q, key, value);
+      auto g = gpu_test::randn(expected.sizes(), 86, dev, dtype);
+      expected.backward(g);
+      Pins pins(c.method, c.balanced);
+      attention::set_block_kernel(attention::BlockKernel::kFused);  // (Pins restores it)
+      const int64_t calls = attention::efficient_calls();
+      gpu_test::on_gpu_mesh(m, [&](const DeviceMesh& mesh) {
+        const std::vector<ShardTable> tables = {{}, {}, rows};
+        auto lay = [&](const at::Tensor& t) {
+          return test::make_dtensor_from_full(t.detach(), mesh, {Shard(2)}, tables)
+              .requires_grad_();
+        };
+        auto dq = lay(q), dk = lay(key), dv = lay(value);
+        auto got = sdpa(dq, dk, dv);
+        ASSERT_TRUE(gpu_test::on_mesh_device(got, mesh)) << what;
+        EXPECT_TRUE(test::full_matches(got, expected, tol)) << what << ": output";
+        got.backward(test::make_dtensor_from_full(g, mesh, {Shard(2)}, tables));
+        EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << what << ": dq";
+        EXPECT_TRUE(test::full_matches(dk.grad(), key.grad(), tol)) << what << ": dk";
+        EXPECT_TRUE(test::full_matches(dv.grad(), value.grad(), tol)) << what << ": dv";
+      });
+      EXPECT_GT(attention::efficient_calls(), calls) << what << ": the fused pair did not run";
     }
   }
 }

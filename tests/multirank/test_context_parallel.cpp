@@ -5,8 +5,11 @@
 // cross-attention lengths, and the bytes each exchange moves. LibTorch 2.x only (the fused
 // CPU op).
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <numeric>
 
+#include <torch/library.h>
 #include <torch/version.h>
 
 #include "helpers.h"
@@ -224,6 +227,168 @@ TEST(ContextParallel, MatrixProductBlocksInFloat32) {
       EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << what << ": dk";
       EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << what << ": dv";
     });
+  }
+}
+
+// bfloat16, as mixed-precision training runs attention: the log-sum-exp the fused pair returns
+// (and its backward takes) is float32 beside bfloat16 q / k / v / out. Sequence split (uneven,
+// one shard empty) and heads split, causal and not, under each exchange and block kernel;
+// forward and every gradient against one device's bfloat16 call.
+TEST(ContextParallel, BFloat16MatchesOneDevice) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  const test::Tolerance tol{2e-2, 2e-2};
+  auto q = test::randn({2, 4, 13, 8}, 51).to(at::kBFloat16).requires_grad_();
+  auto k = test::randn({2, 4, 13, 8}, 52).to(at::kBFloat16).requires_grad_();
+  auto v = test::randn({2, 4, 13, 8}, 53).to(at::kBFloat16).requires_grad_();
+  struct Split {
+    int64_t dim;
+    ShardTable table;
+  };
+  each_method([&] {
+    for (const bool causal : {true, false}) {
+      for (const Split& split : {Split{2, {5, 0, 8}}, Split{1, {2, 0, 2}}}) {
+        const std::string what = std::string(split.dim == 2 ? "sequence" : "heads") + " split" +
+                                 (causal ? ", causal" : "");
+        for (auto* t : {&q, &k, &v}) t->mutable_grad() = at::Tensor();
+        auto expected = at::scaled_dot_product_attention(q, k, v, {}, 0.0, causal);
+        auto g = test::randn(expected.sizes(), 54).to(at::kBFloat16);
+        expected.backward(g);
+        tessera::testing::run_ranks(3, [&](int) {
+          at::set_num_threads(1);
+          auto mesh = init_device_mesh("cpu", {3});
+          std::vector<ShardTable> tables(static_cast<size_t>(split.dim) + 1);
+          tables.back() = split.table;
+          const Placements p = {Shard(split.dim)};
+          auto lay = [&](const at::Tensor& t) {
+            return test::make_dtensor_from_full(t.detach(), mesh, p, tables).requires_grad_();
+          };
+          auto dq = lay(q), dk = lay(k), dv = lay(v);
+          auto got = at::scaled_dot_product_attention(dq, dk, dv, {}, 0.0, causal);
+          EXPECT_EQ(got.scalar_type(), at::kBFloat16) << what;
+          EXPECT_TRUE(test::full_matches(got, expected, tol)) << what << ": output";
+          got.backward(test::make_dtensor_from_full(g, mesh, p, tables));
+          EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << what << ": dq";
+          EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << what << ": dk";
+          EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << what << ": dv";
+        });
+      }
+    }
+  });
+}
+
+// A stand-in on CPU for LibTorch's memory-efficient CUDA pair, with that pair's conventions
+// and limits: log-sum-exp padded to a multiple of 32 rows (NaN in the padding, which nothing
+// may read), backward reading it so; no grouped heads, no bias, a head dim of whole 16 bytes,
+// the last dim contiguous. Its blocks are the matrix products'.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_stand_in(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const c10::optional<at::Tensor>& bias, bool compute_lse, double dropout_p, bool causal,
+    c10::optional<double> scale) {
+  TORCH_CHECK(!bias && compute_lse && dropout_p == 0.0, "stand-in: bias, lse or dropout");
+  TORCH_CHECK(q.size(1) == k.size(1) && k.size(1) == v.size(1), "stand-in: grouped heads");
+  for (const auto* t : {&q, &k, &v})
+    TORCH_CHECK(t->size(-1) % 4 == 0 && t->stride(-1) == 1, "stand-in: alignment");
+  auto [out, lse] = attention::products_forward(q, k, v, {}, causal, scale);
+  const int64_t rows = q.size(2), padded = (rows + 31) / 32 * 32;
+  at::Tensor l = at::full({q.size(0), q.size(1), padded}, NAN, lse.options());
+  l.narrow(-1, 0, rows).copy_(lse);
+  const at::Tensor none = at::empty({}, at::dtype(at::kLong));
+  return {out, l, none, none};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_backward_stand_in(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& bias, const at::Tensor& out, const at::Tensor& lse, const at::Tensor&,
+    const at::Tensor&, double dropout_p, std::array<bool, 4> grad_input_mask, bool causal,
+    c10::optional<double> scale) {
+  TORCH_CHECK(!bias.defined() && dropout_p == 0.0 && !grad_input_mask[3], "stand-in: bias");
+  TORCH_CHECK(q.size(1) == k.size(1) && k.size(1) == v.size(1), "stand-in: grouped heads");
+  TORCH_CHECK(
+      lse.scalar_type() == at::kFloat && lse.size(-1) % 32 == 0 && lse.size(-1) >= q.size(2),
+      "stand-in: log-sum-exp not padded to 32 rows: ", lse.sizes());
+  auto [dq, dk, dv] = attention::products_backward(grad_out, q, k, v, out,
+                                                   lse.narrow(-1, 0, q.size(2)), {}, causal, scale);
+  return {dq, dk, dv, at::Tensor()};
+}
+
+TORCH_LIBRARY_IMPL(aten, CPU, m) {
+  m.impl("_scaled_dot_product_efficient_attention", &efficient_stand_in);
+  m.impl("_scaled_dot_product_efficient_attention_backward", &efficient_backward_stand_in);
+}
+
+// The route through LibTorch's memory-efficient pair (the CUDA block kernel, here its CPU
+// stand-in) in float32: ring and all-gather, causal balanced and not, grouped-query heads,
+// uneven and empty shards, against one device; the pair computed the unmasked blocks, and a
+// mask sends the blocks to the products.
+TEST(ContextParallel, EfficientKernelBlocksMatchOneDevice) {
+  if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
+  constexpr bool kHasGqa =
+      TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5);
+  const test::Tolerance tol{2e-5, 2e-5};
+  auto q = test::randn({2, 3, 13, 8}, 41).requires_grad_();
+  auto k3 = test::randn({2, 3, 13, 8}, 42).requires_grad_();
+  auto v3 = test::randn({2, 3, 13, 8}, 43).requires_grad_();
+  auto k1 = test::randn({2, 1, 13, 8}, 44).requires_grad_();
+  auto v1 = test::randn({2, 1, 13, 8}, 45).requires_grad_();
+  const auto mask = test::randn({13, 13}, 46);
+  struct Case {
+    KVMethod method;
+    bool causal, balanced, masked, gqa;
+  };
+  for (const Case& c : {Case{KVMethod::kRing, true, true, false, false},
+                        Case{KVMethod::kRing, true, false, false, false},
+                        Case{KVMethod::kRing, false, false, false, true},
+                        Case{KVMethod::kRing, true, true, false, true},
+                        Case{KVMethod::kAllGather, true, false, false, false},
+                        Case{KVMethod::kAllGather, false, false, false, true},
+                        Case{KVMethod::kRing, false, false, true, false}}) {
+    if (c.gqa && !kHasGqa) continue;
+    for (const ShardTable& rows : std::vector<ShardTable>{{13}, {6, 7}, {5, 0, 8}}) {
+      const int world = static_cast<int>(rows.size());
+      const std::string what = std::string(c.method == KVMethod::kRing ? "ring" : "all-gather") +
+                               (c.causal ? ", causal" : "") + (c.balanced ? ", balanced" : "") +
+                               (c.masked ? ", mask" : "") + (c.gqa ? ", 3 heads on 1" : "") + ", " +
+                               std::to_string(world) + " ranks";
+      at::Tensor& k = c.gqa ? k1 : k3;
+      at::Tensor& v = c.gqa ? v1 : v3;
+      for (auto* t : {&q, &k, &v}) t->mutable_grad() = at::Tensor();
+      const c10::optional<at::Tensor> m = c.masked ? c10::optional<at::Tensor>(mask) : c10::nullopt;
+      const auto sdpa = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& d) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+        return at::scaled_dot_product_attention(a, b, d, m, 0.0, c.causal, c10::nullopt, c.gqa);
+#else
+        return at::scaled_dot_product_attention(a, b, d, m, 0.0, c.causal);
+#endif
+      };
+      auto expected = sdpa(q, k, v);
+      auto g = test::randn(expected.sizes(), 47);
+      expected.backward(g);
+      PinKernel efficient(attention::BlockKernel::kEfficient);
+      PinMethod pin(c.method);
+      PinBalance balance(c.balanced);
+      const int64_t calls_before = attention::efficient_calls();
+      tessera::testing::run_ranks(world, [&](int) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {world});
+        const std::vector<ShardTable> tables = {{}, {}, rows};
+        auto lay = [&](const at::Tensor& t) {
+          return test::make_dtensor_from_full(t.detach(), mesh, {Shard(2)}, tables)
+              .requires_grad_();
+        };
+        auto dq = lay(q), dk = lay(k), dv = lay(v);
+        auto got = sdpa(dq, dk, dv);
+        EXPECT_TRUE(test::full_matches(got, expected, tol)) << what << ": output";
+        got.backward(test::make_dtensor_from_full(g, mesh, {Shard(2)}, tables));
+        EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << what << ": dq";
+        EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << what << ": dk";
+        EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << what << ": dv";
+      });
+      if (c.masked) {
+        EXPECT_EQ(attention::efficient_calls(), calls_before) << what;
+      } else {
+        EXPECT_GT(attention::efficient_calls(), calls_before) << what;
+      }
+    }
   }
 }
 
@@ -921,6 +1086,15 @@ TEST(ContextParallel, EnvironmentSwitches) {
   for (const char* bad : {"no", "2", "On"})
     raises([&] { load_balance_from(bad); }, "TESSERA_CP_LOAD_BALANCE");
   for (const char* bad : {"gather", "Ring"}) raises([&] { method_from(bad); }, "TESSERA_CP_METHOD");
+  using attention::block_kernel_from;
+  using attention::BlockKernel;
+  EXPECT_EQ(block_kernel_from(nullptr), BlockKernel::kFusedOnCpu);
+  EXPECT_EQ(block_kernel_from("auto"), BlockKernel::kFusedOnCpu);
+  EXPECT_EQ(block_kernel_from("products"), BlockKernel::kProducts);
+  EXPECT_EQ(block_kernel_from("fused"), BlockKernel::kFused);
+  EXPECT_EQ(block_kernel_from("efficient"), BlockKernel::kEfficient);
+  for (const char* bad : {"flash", "Fused"})
+    raises([&] { block_kernel_from(bad); }, "TESSERA_ATTENTION_BLOCKS");
 }
 
 // The head-tail dealing of a causal ring: under kAuto from 2,048 rows per rank, where it pays;
