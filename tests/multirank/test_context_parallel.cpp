@@ -14,6 +14,7 @@
 
 #include "helpers.h"
 #include "ops/attention_ring.h"
+#include "support/attention.h"
 
 #if TORCH_VERSION_MAJOR >= 2  // LibTorch 1.13 has no scaled_dot_product_attention
 
@@ -181,52 +182,65 @@ TEST(ContextParallel, BatchAndSequenceOnATwoByTwoMesh) {
                       std::string("2x2, batch 2+0, sequence 3+4, ") + (causal ? "causal" : "full"));
 }
 
-// The matrix-product blocks (the kernels of non-CPU devices) in float32, as CUDA jobs run:
-// the ring, causal balanced and not, masked all-gathers, tiles from one score to the whole
-// block, against one device's fused float32 kernel.
+// A float32 case as CUDA jobs run: q [2, 3, 13, 8], K/V with 3 heads or (gqa) 1, the
+// sequence split as `rows` over a 1-D mesh, under the caller's block kernel: forward and every
+// gradient against one device's float32 call.
+struct Float32Case {
+  KVMethod method;
+  bool causal, balanced, masked, gqa = false;
+  std::string str() const {
+    return std::string(method == KVMethod::kRing ? "ring" : "all-gather") +
+           (causal ? ", causal" : "") + (balanced ? ", balanced" : "") + (masked ? ", mask" : "") +
+           (gqa ? ", 3 heads on 1" : "");
+  }
+};
+
+void expect_float32_split_matches(const Float32Case& c, const ShardTable& rows,
+                                  const std::string& what) {
+  const test::Tolerance tol{2e-5, 2e-5};
+  const int world = static_cast<int>(rows.size());
+  const int64_t kv_heads = c.gqa ? 1 : 3;
+  auto q = test::randn({2, 3, 13, 8}, 31).requires_grad_();
+  auto k = test::randn({2, kv_heads, 13, 8}, 32).requires_grad_();
+  auto v = test::randn({2, kv_heads, 13, 8}, 33).requires_grad_();
+  const c10::optional<at::Tensor> m =
+      c.masked ? c10::optional<at::Tensor>(test::randn({13, 13}, 34)) : c10::nullopt;
+  auto expected = test::sdpa(q, k, v, m, c.causal, c.gqa);
+  auto g = test::randn(expected.sizes(), 35);
+  expected.backward(g);
+  PinMethod pin(c.method);
+  PinBalance balance(c.balanced);
+  tessera::testing::run_ranks(world, [&](int) {
+    at::set_num_threads(1);
+    auto mesh = init_device_mesh("cpu", {world});
+    const std::vector<ShardTable> tables = {{}, {}, rows};
+    auto lay = [&](const at::Tensor& t) {
+      return test::make_dtensor_from_full(t.detach(), mesh, {Shard(2)}, tables).requires_grad_();
+    };
+    auto dq = lay(q), dk = lay(k), dv = lay(v);
+    auto got = test::sdpa(dq, dk, dv, m, c.causal, c.gqa);
+    EXPECT_TRUE(test::full_matches(got, expected, tol)) << what << ": output";
+    got.backward(test::make_dtensor_from_full(g, mesh, {Shard(2)}, tables));
+    EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << what << ": dq";
+    EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << what << ": dk";
+    EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << what << ": dv";
+  });
+}
+
+// The matrix-product blocks (the kernels of non-CPU devices) in float32: the ring, causal
+// balanced and not, masked all-gathers, tiles from one score to the whole block, on 3 ranks
+// (one shard empty).
 TEST(ContextParallel, MatrixProductBlocksInFloat32) {
   if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
-  const test::Tolerance tol{2e-5, 2e-5};
-  auto q = test::randn({2, 3, 13, 8}, 31).requires_grad_();
-  auto k = test::randn({2, 3, 13, 8}, 32).requires_grad_();
-  auto v = test::randn({2, 3, 13, 8}, 33).requires_grad_();
-  const auto mask = test::randn({13, 13}, 34);
-  struct Case {
-    KVMethod method;
-    bool causal, balanced, masked;
-  };
   // Tiles of scores over batch and heads (6 here): from one score to the whole block.
-  for (const auto& [c, tile] : {std::pair{Case{KVMethod::kRing, true, true, false}, 40},
-                                std::pair{Case{KVMethod::kRing, true, false, false}, 1 << 24},
-                                std::pair{Case{KVMethod::kRing, false, false, true}, 100},
-                                std::pair{Case{KVMethod::kAllGather, false, false, true}, 1},
-                                std::pair{Case{KVMethod::kAllGather, true, false, false}, 50}}) {
-    const std::string what = std::string(c.method == KVMethod::kRing ? "ring" : "all-gather") +
-                             (c.causal ? ", causal" : "") + (c.balanced ? ", balanced" : "") +
-                             (c.masked ? ", mask" : "") + ", tiles of " + std::to_string(tile);
+  for (const auto& [c, tile] :
+       {std::pair{Float32Case{KVMethod::kRing, true, true, false}, 40},
+        std::pair{Float32Case{KVMethod::kRing, true, false, false}, 1 << 24},
+        std::pair{Float32Case{KVMethod::kRing, false, false, true}, 100},
+        std::pair{Float32Case{KVMethod::kAllGather, false, false, true}, 1},
+        std::pair{Float32Case{KVMethod::kAllGather, true, false, false}, 50}}) {
     PinKernel products(attention::BlockKernel::kProducts, tile);
-    for (auto* t : {&q, &k, &v}) t->mutable_grad() = at::Tensor();
-    const c10::optional<at::Tensor> m = c.masked ? c10::optional<at::Tensor>(mask) : c10::nullopt;
-    auto expected = at::scaled_dot_product_attention(q, k, v, m, 0.0, c.causal);
-    auto g = test::randn(expected.sizes(), 35);
-    expected.backward(g);
-    PinMethod pin(c.method);
-    PinBalance balance(c.balanced);
-    tessera::testing::run_ranks(3, [&](int) {
-      at::set_num_threads(1);
-      auto mesh = init_device_mesh("cpu", {3});
-      const std::vector<ShardTable> tables = {{}, {}, {5, 0, 8}};
-      auto lay = [&](const at::Tensor& t) {
-        return test::make_dtensor_from_full(t.detach(), mesh, {Shard(2)}, tables).requires_grad_();
-      };
-      auto dq = lay(q), dk = lay(k), dv = lay(v);
-      auto got = at::scaled_dot_product_attention(dq, dk, dv, m, 0.0, c.causal);
-      EXPECT_TRUE(test::full_matches(got, expected, tol)) << what << ": output";
-      got.backward(test::make_dtensor_from_full(g, mesh, {Shard(2)}, tables));
-      EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << what << ": dq";
-      EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << what << ": dk";
-      EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << what << ": dv";
-    });
+    expect_float32_split_matches(c, {5, 0, 8}, c.str() + ", tiles of " + std::to_string(tile));
   }
 }
 
@@ -318,71 +332,23 @@ TORCH_LIBRARY_IMPL(aten, CPU, m) {
 
 // The route through LibTorch's memory-efficient pair (the CUDA block kernel, here its CPU
 // stand-in) in float32: ring and all-gather, causal balanced and not, grouped-query heads,
-// uneven and empty shards, against one device; the pair computed the unmasked blocks, and a
-// mask sends the blocks to the products.
+// on 1-3 ranks (uneven, one shard empty), against one device; the pair computed the
+// unmasked blocks, and a mask sends the blocks to the products.
 TEST(ContextParallel, EfficientKernelBlocksMatchOneDevice) {
   if (!has_fused_cpu_attention()) GTEST_SKIP() << "no fused CPU attention in this LibTorch";
-  constexpr bool kHasGqa =
-      TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5);
-  const test::Tolerance tol{2e-5, 2e-5};
-  auto q = test::randn({2, 3, 13, 8}, 41).requires_grad_();
-  auto k3 = test::randn({2, 3, 13, 8}, 42).requires_grad_();
-  auto v3 = test::randn({2, 3, 13, 8}, 43).requires_grad_();
-  auto k1 = test::randn({2, 1, 13, 8}, 44).requires_grad_();
-  auto v1 = test::randn({2, 1, 13, 8}, 45).requires_grad_();
-  const auto mask = test::randn({13, 13}, 46);
-  struct Case {
-    KVMethod method;
-    bool causal, balanced, masked, gqa;
-  };
-  for (const Case& c : {Case{KVMethod::kRing, true, true, false, false},
-                        Case{KVMethod::kRing, true, false, false, false},
-                        Case{KVMethod::kRing, false, false, false, true},
-                        Case{KVMethod::kRing, true, true, false, true},
-                        Case{KVMethod::kAllGather, true, false, false, false},
-                        Case{KVMethod::kAllGather, false, false, false, true},
-                        Case{KVMethod::kRing, false, false, true, false}}) {
-    if (c.gqa && !kHasGqa) continue;
+  for (const Float32Case& c : {Float32Case{KVMethod::kRing, true, true, false},
+                               Float32Case{KVMethod::kRing, true, false, false},
+                               Float32Case{KVMethod::kRing, false, false, false, true},
+                               Float32Case{KVMethod::kRing, true, true, false, true},
+                               Float32Case{KVMethod::kAllGather, true, false, false},
+                               Float32Case{KVMethod::kAllGather, false, false, false, true},
+                               Float32Case{KVMethod::kRing, false, false, true}}) {
+    if (c.gqa && !test::kSdpaTakesGqa) continue;
     for (const ShardTable& rows : std::vector<ShardTable>{{13}, {6, 7}, {5, 0, 8}}) {
-      const int world = static_cast<int>(rows.size());
-      const std::string what = std::string(c.method == KVMethod::kRing ? "ring" : "all-gather") +
-                               (c.causal ? ", causal" : "") + (c.balanced ? ", balanced" : "") +
-                               (c.masked ? ", mask" : "") + (c.gqa ? ", 3 heads on 1" : "") + ", " +
-                               std::to_string(world) + " ranks";
-      at::Tensor& k = c.gqa ? k1 : k3;
-      at::Tensor& v = c.gqa ? v1 : v3;
-      for (auto* t : {&q, &k, &v}) t->mutable_grad() = at::Tensor();
-      const c10::optional<at::Tensor> m = c.masked ? c10::optional<at::Tensor>(mask) : c10::nullopt;
-      const auto sdpa = [&](const at::Tensor& a, const at::Tensor& b, const at::Tensor& d) {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
-        return at::scaled_dot_product_attention(a, b, d, m, 0.0, c.causal, c10::nullopt, c.gqa);
-#else
-        return at::scaled_dot_product_attention(a, b, d, m, 0.0, c.causal);
-#endif
-      };
-      auto expected = sdpa(q, k, v);
-      auto g = test::randn(expected.sizes(), 47);
-      expected.backward(g);
+      const std::string what = c.str() + ", " + std::to_string(rows.size()) + " ranks";
       PinKernel efficient(attention::BlockKernel::kEfficient);
-      PinMethod pin(c.method);
-      PinBalance balance(c.balanced);
       const int64_t calls_before = attention::efficient_calls();
-      tessera::testing::run_ranks(world, [&](int) {
-        at::set_num_threads(1);
-        auto mesh = init_device_mesh("cpu", {world});
-        const std::vector<ShardTable> tables = {{}, {}, rows};
-        auto lay = [&](const at::Tensor& t) {
-          return test::make_dtensor_from_full(t.detach(), mesh, {Shard(2)}, tables)
-              .requires_grad_();
-        };
-        auto dq = lay(q), dk = lay(k), dv = lay(v);
-        auto got = sdpa(dq, dk, dv);
-        EXPECT_TRUE(test::full_matches(got, expected, tol)) << what << ": output";
-        got.backward(test::make_dtensor_from_full(g, mesh, {Shard(2)}, tables));
-        EXPECT_TRUE(test::full_matches(dq.grad(), q.grad(), tol)) << what << ": dq";
-        EXPECT_TRUE(test::full_matches(dk.grad(), k.grad(), tol)) << what << ": dk";
-        EXPECT_TRUE(test::full_matches(dv.grad(), v.grad(), tol)) << what << ": dv";
-      });
+      expect_float32_split_matches(c, rows, what);
       if (c.masked) {
         EXPECT_EQ(attention::efficient_calls(), calls_before) << what;
       } else {
@@ -742,12 +708,7 @@ void expect_ring_bytes(int64_t q_heads, int64_t kv_heads) {
         at::Tensor out;
         {
           CommDebugMode comm;
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
-          out = at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, causal, c10::nullopt,
-                                                 /*enable_gqa=*/q_heads != kv_heads);
-#else
-          out = at::scaled_dot_product_attention(q, k, v, c10::nullopt, 0.0, causal);
-#endif
+          out = test::sdpa(q, k, v, c10::nullopt, causal, /*gqa=*/q_heads != kv_heads);
           EXPECT_EQ(comm.total_bytes_received(), 2 * blocks * row_bytes)
               << desc << ": forward " << comm.to_json();
         }
