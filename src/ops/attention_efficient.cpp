@@ -6,8 +6,12 @@
 //    tiles of 32), so forward cuts it to the rows and backward pads the global one again;
 //  - it takes no fewer K/V heads than query heads: grouped heads are repeated per block and
 //    their dK / dV summed back per group;
+//  - its backward reads the output as stored [B, L, H, E] (the forward's own layout), so the
+//    global output is handed over so;
 //  - its schema has grown arguments across versions: arguments are matched by name, and one
 //    it does not know raises.
+// ROCm builds run another backward (AOTriton) that reads the log-sum-exp unpadded: this route
+// is for CUDA builds.
 #include <algorithm>
 #include <atomic>
 #include <initializer_list>
@@ -44,24 +48,47 @@ const c10::optional<c10::OperatorHandle>& backward_op() {
 
 using Named = std::initializer_list<std::pair<const char*, c10::IValue>>;
 
-// Calls `op` with `args` by name, defaults for the rest; returns its results.
+// Calls `op` with `args` by name, defaults for the rest; returns its results. An argument
+// of the schema without a value here and without a default, or a value given (not None) for
+// a name the schema lacks, raises: a LibTorch whose schema has changed.
 torch::jit::Stack call_by_name(const c10::OperatorHandle& op, Named args) {
+  const auto& schema = op.schema();
+  const char* fix = "; TESSERA_ATTENTION_BLOCKS=products runs the blocks as matrix products";
+  for (const auto& [name, value] : args)
+    TORCH_CHECK(value.isNone() || schema.argumentIndexWithName(name).has_value(),
+                "tessera: attention: ", schema.name(), " has no argument '", name,
+                "' in this LibTorch version", fix);
   torch::jit::Stack s;
-  for (const auto& a : op.schema().arguments()) {
+  for (const auto& a : schema.arguments()) {
     const auto it =
         std::find_if(args.begin(), args.end(), [&](const auto& n) { return a.name() == n.first; });
     if (it != args.end()) {
       s.push_back(it->second);
     } else {
-      TORCH_CHECK(a.default_value().has_value(), "tessera: attention: ", op.schema().name(),
+      TORCH_CHECK(a.default_value().has_value(), "tessera: attention: ", schema.name(),
                   " has an argument '", a.name(),
-                  "' the block kernel does not know in this LibTorch version; "
-                  "TESSERA_ATTENTION_BLOCKS=products runs the blocks as matrix products");
+                  "' the block kernel does not know in this LibTorch version", fix);
       s.push_back(*a.default_value());
     }
   }
   op.callBoxed(&s);
   return s;
+}
+
+// Whether the pair has a kernel for t's device (CUDA builds; on CPU only a test's stand-in).
+bool has_kernel_for(const at::Tensor& t) {
+  const auto key = t.is_cuda()  ? c10::DispatchKey::CUDA
+                   : t.is_cpu() ? c10::DispatchKey::CPU
+                                : c10::DispatchKey::Undefined;
+  return key != c10::DispatchKey::Undefined && forward_op()->hasKernelForDispatchKey(key) &&
+         backward_op()->hasKernelForDispatchKey(key);
+}
+
+// [B, H, L, E] `t` stored as [B, L, H, E], as the forward kernel returns its output: the
+// backward reads the output's rows at a stride of H x E whatever strides it is given.
+at::Tensor heads_inner(const at::Tensor& t) {
+  const at::Tensor blhe = t.transpose(1, 2);
+  return (blhe.is_contiguous() ? blhe : blhe.contiguous()).transpose(1, 2);
 }
 
 // The kernel's alignment of the head dim, strides and offsets, in elements (16 bytes for
@@ -84,7 +111,7 @@ c10::IValue scale_value(c10::optional<double> scale) {
 
 bool efficient_takes(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& mask) {
-  if (!forward_op() || !backward_op() || mask.defined()) return false;
+  if (!forward_op() || !backward_op() || mask.defined() || !has_kernel_for(q)) return false;
   const auto dt = q.scalar_type();
   if (dt != at::kFloat && dt != at::kHalf && dt != at::kBFloat16) return false;
   if (k.scalar_type() != dt || v.scalar_type() != dt || q.dim() != 4 || k.dim() != 4 ||
@@ -130,7 +157,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> efficient_backward(
                                     {"key", aligned(repeat_heads(k, g))},
                                     {"value", aligned(repeat_heads(v, g))},
                                     {"attn_bias", at::Tensor()},
-                                    {"out", aligned(out.contiguous())},
+                                    {"out", heads_inner(out)},
                                     {"logsumexp", padded},
                                     {"philox_seed", no_rng},
                                     {"philox_offset", no_rng},

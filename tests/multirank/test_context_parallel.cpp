@@ -292,8 +292,9 @@ TEST(ContextParallel, BFloat16MatchesOneDevice) {
 
 // A stand-in on CPU for LibTorch's memory-efficient CUDA pair, with that pair's conventions
 // and limits: log-sum-exp padded to a multiple of 32 rows (NaN in the padding, which nothing
-// may read), backward reading it so; no grouped heads, no bias, a head dim of whole 16 bytes,
-// the last dim contiguous. Its blocks are the matrix products'.
+// may read), backward reading it so; the output stored [B, L, H, E] and taken back so; no
+// grouped heads, no bias, a head dim of whole 16 bytes, the last dim contiguous. Its blocks
+// are the matrix products'.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_stand_in(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& bias, bool compute_lse, double dropout_p, bool causal,
@@ -307,7 +308,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_stand_in(
   at::Tensor l = at::full({q.size(0), q.size(1), padded}, NAN, lse.options());
   l.narrow(-1, 0, rows).copy_(lse);
   const at::Tensor none = at::empty({}, at::dtype(at::kLong));
-  return {out, l, none, none};
+  return {out.transpose(1, 2).contiguous().transpose(1, 2), l, none, none};  // ([B, L, H, E])
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_backward_stand_in(
@@ -317,6 +318,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_backward_st
     c10::optional<double> scale) {
   TORCH_CHECK(!bias.defined() && dropout_p == 0.0 && !grad_input_mask[3], "stand-in: bias");
   TORCH_CHECK(q.size(1) == k.size(1) && k.size(1) == v.size(1), "stand-in: grouped heads");
+  TORCH_CHECK(out.transpose(1, 2).is_contiguous(), "stand-in: out not stored [B, L, H, E]");
   TORCH_CHECK(
       lse.scalar_type() == at::kFloat && lse.size(-1) % 32 == 0 && lse.size(-1) >= q.size(2),
       "stand-in: log-sum-exp not padded to 32 rows: ", lse.sizes());
