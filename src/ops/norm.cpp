@@ -86,12 +86,31 @@ OpPlan layer_norm_backward_rule(const OpCall& call) {
 
 // ---- shared by group_norm and batch_norm --------------------------------------------------
 
-// The dtype of the statistics a kernel returns for input x and weight w: float32 for
-// bfloat16 / float16 input with a float32 weight (mixed precision, as LibTorch's kernels),
-// else the input's. The output keeps the input's dtype either way.
-at::ScalarType stats_dtype(const at::Tensor& x, const at::Tensor& w) {
-  const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
-  return half && w.defined() && w.scalar_type() == at::kFloat ? at::kFloat : x.scalar_type();
+bool is_half(const at::Tensor& x) {
+  return x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
+}
+
+// The dtype the kernels compute in: float32 for bfloat16 / float16 input, else the input's.
+at::ScalarType compute_dtype(const at::Tensor& x) {
+  return is_half(x) ? at::kFloat : x.scalar_type();
+}
+
+// The dtype of the statistics a kernel returns for input x: float32 for bfloat16 / float16
+// input beside a float32 parameter (weight, bias, running statistics: mixed precision), or on
+// CUDA where `on_cuda_always` (batch_norm), as LibTorch's kernels; else the input's. The
+// output keeps the input's dtype either way.
+at::ScalarType stats_dtype(const at::Tensor& x, std::initializer_list<at::Tensor> params,
+                           bool on_cuda_always = false) {
+  if (!is_half(x)) return x.scalar_type();
+  bool mixed = on_cuda_always && x.is_cuda();
+  for (const at::Tensor& p : params)
+    mixed = mixed || (p.defined() && p.scalar_type() == at::kFloat);
+  return mixed ? at::kFloat : x.scalar_type();
+}
+
+// A parameter gradient in its parameter's dtype (the input's where there is no parameter).
+at::Tensor as_param(const at::Tensor& grad, const at::Tensor& param, const at::Tensor& x) {
+  return grad.defined() ? grad.to(param.defined() ? param.scalar_type() : x.scalar_type()) : grad;
 }
 
 // `s` without Partial and with only the tensor dims `keep` accepts still sharded.
@@ -141,9 +160,10 @@ std::pair<at::Tensor, at::Tensor> combine_moments(const DeviceMesh& mesh,
                                                   const std::vector<int64_t>& dims, int64_t local,
                                                   const at::Tensor& lmean, const at::Tensor& lvar,
                                                   double count) {
-  at::Tensor moments = at::stack({at::full_like(lmean, static_cast<double>(local)), lmean, lvar});
-  if (moments.scalar_type() == at::kHalf || moments.scalar_type() == at::kBFloat16)
-    moments = moments.to(at::kFloat);
+  const auto acc = compute_dtype(lmean);  // (the count too: bfloat16 rounds it past 256)
+  at::Tensor moments =
+      at::stack({at::full(lmean.sizes(), static_cast<double>(local), lmean.options().dtype(acc)),
+                 lmean.to(acc), lvar.to(acc)});
   int64_t shards = 1;
   for (auto d : dims) {
     const std::vector<int64_t> one_each(mesh.size(d), 1);
@@ -220,16 +240,16 @@ OpPlan group_norm_rule(const OpCall& call) {
       // var_mean; with eps 0 its rstd is exactly 1/sqrt(variance) (inf for a constant group,
       // which gives variance 0 back).
       at::Tensor lrstd;
-      std::tie(std::ignore, lmean, lrstd) =
-          at::native_group_norm(x, {}, {}, n, c, spatial_numel(x.sizes()), group, /*eps=*/0.0);
+      std::tie(std::ignore, lmean, lrstd) = at::native_group_norm(
+          x.to(compute_dtype(x)), {}, {}, n, c, spatial_numel(x.sizes()), group, /*eps=*/0.0);
       lvar = lrstd.pow(-2);
     } else {
-      lmean = at::zeros({n, group}, x.options());
-      lvar = at::zeros({n, group}, x.options());
+      lmean = at::zeros({n, group}, x.options().dtype(compute_dtype(x)));
+      lvar = at::zeros_like(lmean);
     }
     const auto [global_mean, m2] = combine_moments(mesh, dims, local, lmean, lvar, count);
-    const at::Tensor mean = global_mean.to(stats_dtype(x, w));
-    const at::Tensor rstd = (m2.div(count).clamp_min(0) + eps).rsqrt().to(stats_dtype(x, w));
+    const at::Tensor mean = global_mean.to(stats_dtype(x, {w, b}));
+    const at::Tensor rstd = (m2.div(count).clamp_min(0) + eps).rsqrt().to(stats_dtype(x, {w, b}));
     // out = x * scale + shift with one scale and shift per (sample, channel): one pass.
     at::Tensor scale = rstd.unsqueeze(-1).expand({n, group, d}).reshape({n, c});
     if (w.defined()) scale = scale * w.view({1, c});
@@ -272,9 +292,12 @@ OpPlan group_norm_backward_rule(const OpCall& call) {
   const bool need_weight = mask[1], need_bias = mask[2];
   plan.distributed_kernel = [dims = l.spatial_mesh_dims, count = l.count, group, need_input,
                              need_weight, need_bias](KernelCall& kc, const DeviceMesh& mesh) {
-    const at::Tensor dy = kc.tensor("grad_out"), x = kc.tensor("input");
-    const at::Tensor mean = kc.tensor("mean"), rstd = kc.tensor("rstd");
-    const at::Tensor w = tensor_or_undefined(kc.arg("weight"));
+    // (In float32 for half input; results in the input's and the weight's dtypes.)
+    const at::Tensor x_in = kc.tensor("input"), w_in = tensor_or_undefined(kc.arg("weight"));
+    const auto acc = compute_dtype(x_in);
+    const at::Tensor dy = kc.tensor("grad_out").to(acc), x = x_in.to(acc);
+    const at::Tensor mean = kc.tensor("mean").to(acc), rstd = kc.tensor("rstd").to(acc);
+    const at::Tensor w = w_in.defined() ? w_in.to(acc) : w_in;
     const int64_t n = x.size(0), c = x.size(1), d = c / group, hw = spatial_numel(x.sizes());
     const at::Tensor dy3 = dy.reshape({n, c, hw}), x3 = x.reshape({n, c, hw});
     at::Tensor ds = (dy3 * x3).sum(-1), db = dy3.sum(-1);  // [n, C] over local space
@@ -304,7 +327,8 @@ OpPlan group_norm_backward_rule(const OpCall& call) {
                .sum(0)
                .reshape({c});
     if (need_bias) gb = db.sum(0);
-    kc.finish({gx, gw, gb});
+    kc.finish({gx.defined() ? gx.to(x_in.scalar_type()) : gx, as_param(gw, w_in, x_in),
+               as_param(gb, w_in, x_in)});
   };
   return plan;
 }
@@ -395,8 +419,9 @@ OpPlan batch_norm_plan(const OpCall& call, bool fixed_training) {
         std::tie(lvar, lmean) =
             at::var_mean(half ? x.to(at::kFloat) : x, reduce, /*unbiased=*/false);
       const auto [global_mean, var_sum] = combine_moments(mesh, dims, local, lmean, lvar, count);
-      mean = global_mean.to(stats_dtype(x, w));
-      invstd = (var_sum / count + eps).rsqrt().to(stats_dtype(x, w));
+      const auto stats = stats_dtype(x, {w, b, rm, rv}, /*on_cuda_always=*/true);
+      mean = global_mean.to(stats);
+      invstd = (var_sum / count + eps).rsqrt().to(stats);
       save_mean = mean;
       save_invstd = invstd;
       // As one device: the running variance is unbiased over the global count.
@@ -465,16 +490,19 @@ OpPlan batch_norm_backward_rule(const OpCall& call) {
   plan.distributed_kernel = [dims = l.reduce_mesh_dims, count = l.count, train, reduced, need_input,
                              need_weight, need_bias,
                              invstd_arg](KernelCall& kc, const DeviceMesh& mesh) {
-    const at::Tensor dy = kc.tensor("grad_out"), x = kc.tensor("input");
-    const at::Tensor w = tensor_or_undefined(kc.arg("weight"));
+    // (In float32 for half input; results in the input's and the weight's dtypes.)
+    const at::Tensor x_in = kc.tensor("input"), w_in = tensor_or_undefined(kc.arg("weight"));
+    const auto acc = compute_dtype(x_in);
+    const at::Tensor dy = kc.tensor("grad_out").to(acc), x = x_in.to(acc);
+    const at::Tensor w = w_in.defined() ? w_in.to(acc) : w_in;
     const double eps = kc.arg<double>("eps");
     at::Tensor mean, invstd;
     if (train) {
-      mean = kc.tensor("save_mean");
-      invstd = kc.tensor(invstd_arg);
+      mean = kc.tensor("save_mean").to(acc);
+      invstd = kc.tensor(invstd_arg).to(acc);
     } else {
-      mean = kc.tensor("running_mean").to(x.scalar_type());
-      invstd = (kc.tensor("running_var").to(x.scalar_type()) + eps).sqrt().reciprocal();
+      mean = kc.tensor("running_mean").to(acc);
+      invstd = (kc.tensor("running_var").to(acc) + eps).sqrt().reciprocal();
     }
     std::vector<int64_t> reduce{0};
     for (int64_t t = 2; t < x.dim(); ++t) reduce.push_back(t);
@@ -498,7 +526,8 @@ OpPlan batch_norm_backward_rule(const OpCall& call) {
     }
     if (need_weight) gw = dot * invstd;
     if (need_bias) gb = sum_dy;
-    kc.finish({gx, gw, gb});
+    kc.finish({gx.defined() ? gx.to(x_in.scalar_type()) : gx, as_param(gw, w_in, x_in),
+               as_param(gb, w_in, x_in)});
   };
   return plan;
 }

@@ -8,6 +8,11 @@
 // communication a spatially sharded norm costs, and the error for sharded running stats.
 // A failure of the randomized test prints the command that replays its case.
 
+#include <array>
+#include <cstdio>
+#include <string>
+#include <tuple>
+
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -257,6 +262,7 @@ TEST(DomainNorm, FloatStatisticsOfBFloat16Activations) {
   const auto g = test::randn({4, 6, 5}, 6).to(at::kBFloat16);
   const test::Tolerance tol{2e-2, 2e-2};
   enum class Op { LayerNorm, GroupNorm, BatchNorm };
+  std::string skipped;
   for (const Op op : {Op::LayerNorm, Op::GroupNorm, Op::BatchNorm}) {
     const char* name = op == Op::LayerNorm   ? "layer_norm"
                        : op == Op::GroupNorm ? "group_norm"
@@ -277,7 +283,8 @@ TEST(DomainNorm, FloatStatisticsOfBFloat16Activations) {
     try {
       expected = call(xl, wl, bl);
     } catch (const c10::Error&) {
-      continue;  // (a LibTorch without the mixed-dtype kernel on CPU: nothing to compare)
+      skipped += std::string(" ") + name;  // (no mixed-dtype kernel on CPU: nothing to compare)
+      continue;
     }
     expected.backward(g);
     for (const ShardTable& table : std::vector<ShardTable>{{4}, {3, 1}, {1, 0, 3}}) {
@@ -306,6 +313,84 @@ TEST(DomainNorm, FloatStatisticsOfBFloat16Activations) {
       });
     }
   }
+  if (skipped.size() == std::string(" layer_norm group_norm batch_norm").size())
+    GTEST_SKIP() << "no mixed-dtype norm kernels on CPU in this LibTorch";
+  if (!skipped.empty())
+    std::printf("(not compared, no mixed-dtype CPU kernel:%s)\n", skipped.c_str());
+}
+
+// The norms' own ops called directly on bfloat16 input, with bfloat16 or float32 weights:
+// every result (output, statistics, and the backward's three gradients) in one device's
+// dtype, the output and gradients at one device's values; group_norm and batch_norm over a
+// spatial split on 2 ranks (their distributed kernels), layer_norm over a batch split.
+TEST(DomainNorm, NormOpsGiveOneDevicesDtypes) {
+  const auto x = test::randn({4, 6, 5}, 11).to(at::kBFloat16);
+  const auto g = test::randn({4, 6, 5}, 12).to(at::kBFloat16);
+  const test::Tolerance tol{2e-2, 2e-2};
+  using Three = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+  const std::array<bool, 3> all = {true, true, true};
+  int compared = 0;
+  for (const at::ScalarType param_dtype : {at::kBFloat16, at::kFloat}) {
+    for (const char* name : {"layer_norm", "group_norm", "batch_norm"}) {
+      const std::string op = name;
+      const int64_t c = op == "layer_norm" ? 5 : 6;
+      const auto w = test::randn({c}, 13).to(param_dtype), b = test::randn({c}, 14).to(param_dtype);
+      const auto forward = [&](const at::Tensor& in, const at::Tensor& wt,
+                               const at::Tensor& bs) -> Three {
+        if (op == "layer_norm") return at::native_layer_norm(in, {5}, wt, bs, 1e-5);
+        if (op == "group_norm") return at::native_group_norm(in, wt, bs, 4, 6, 5, 3, 1e-5);
+        return at::native_batch_norm(in, wt, bs, {}, {}, true, 0.1, 1e-5);
+      };
+      const auto backward = [&](const at::Tensor& dy, const at::Tensor& in, const at::Tensor& wt,
+                                const at::Tensor& bs, const Three& f) -> Three {
+        if (op == "layer_norm")
+          return at::native_layer_norm_backward(dy, in, {5}, std::get<1>(f), std::get<2>(f), wt, bs,
+                                                all);
+        if (op == "group_norm")
+          return at::native_group_norm_backward(dy, in, std::get<1>(f), std::get<2>(f), wt, 4, 6, 5,
+                                                3, all);
+        return at::native_batch_norm_backward(dy, in, wt, {}, {}, std::get<1>(f), std::get<2>(f),
+                                              true, 1e-5, all);
+      };
+      Three one_f, one_b;
+      try {
+        one_f = forward(x, w, b);
+        one_b = backward(g, x, w, b, one_f);
+      } catch (const c10::Error&) {
+        continue;  // (no mixed-dtype kernel on CPU in this LibTorch)
+      }
+      ++compared;
+      const std::string what = op + " with " + c10::toString(param_dtype) + " parameters";
+      const int64_t dim = op == "layer_norm" ? 0 : 2;
+      const ShardTable split = op == "layer_norm" ? ShardTable{3, 1} : ShardTable{2, 3};
+      tessera::testing::run_ranks(2, [&](int) {
+        at::set_num_threads(1);
+        auto mesh = init_device_mesh("cpu", {2});
+        std::vector<ShardTable> tables(static_cast<size_t>(dim) + 1);
+        tables.back() = split;
+        const auto dx = test::make_dtensor_from_full(x, mesh, {Shard(dim)}, tables);
+        const auto dg = test::make_dtensor_from_full(g, mesh, {Shard(dim)}, tables);
+        const auto dw = distribute_tensor(w, mesh, {Replicate()});
+        const auto db = distribute_tensor(b, mesh, {Replicate()});
+        const Three f = forward(dx, dw, db);
+        const Three bw = backward(dg, dx, dw, db, f);
+        const std::array<at::Tensor, 3> got_f = {std::get<0>(f), std::get<1>(f), std::get<2>(f)};
+        const std::array<at::Tensor, 3> want_f = {std::get<0>(one_f), std::get<1>(one_f),
+                                                  std::get<2>(one_f)};
+        const std::array<at::Tensor, 3> got_b = {std::get<0>(bw), std::get<1>(bw), std::get<2>(bw)};
+        const std::array<at::Tensor, 3> want_b = {std::get<0>(one_b), std::get<1>(one_b),
+                                                  std::get<2>(one_b)};
+        for (size_t r = 0; r < 3; ++r) {
+          EXPECT_EQ(got_f[r].scalar_type(), want_f[r].scalar_type())
+              << what << ": forward result " << r;
+          EXPECT_EQ(got_b[r].scalar_type(), want_b[r].scalar_type()) << what << ": gradient " << r;
+          EXPECT_TRUE(test::full_matches(got_b[r], want_b[r], tol)) << what << ": gradient " << r;
+        }
+        EXPECT_TRUE(test::full_matches(got_f[0], want_f[0], tol)) << what << ": output";
+      });
+    }
+  }
+  if (compared == 0) GTEST_SKIP() << "no bfloat16 norm kernels on CPU in this LibTorch";
 }
 
 TEST(DomainNorm, TrainingWithShardedRunningStatsIsRejected) {
