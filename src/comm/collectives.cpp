@@ -183,6 +183,12 @@ bool try_flat(const Group& pg, FlatOp op, Run&& run) {
   return true;
 }
 
+// Gloo (LibTorch 1.13's) reduces no bfloat16 in all_reduce: such buffers are reduced in
+// float32 and rounded once, as one device accumulates a bfloat16 sum in float32.
+bool reduces_as_float(const Group& pg, const at::Tensor& x) {
+  return x.scalar_type() == at::kBFloat16 && pg->getBackendName() == "gloo";
+}
+
 // Gloo reduces these dtypes in _reduce_scatter_base; others take the all-to-all path.
 bool flat_reducible(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kInt || t == at::kLong;
@@ -269,16 +275,17 @@ at::Tensor all_reduce_wire(const Group& pg, const at::Tensor& x, PartialOp op) {
   const int64_t ring = 2 * (n - 1) * b / n;
   record({CollectiveKind::AllReduce, ring, ring, n});
   if (n == 1 || x.numel() == 0) return x;
-  std::vector<at::Tensor> buf{x.contiguous().clone()};
+  const bool as_float = reduces_as_float(pg, x);
+  std::vector<at::Tensor> buf{as_float ? x.to(at::kFloat) : x.contiguous().clone()};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
   detail::wait(pg->allreduce(buf, opts), "all_reduce");
   if (op == PartialOp::Avg) {
     if (at::isIntegralType(buf[0].scalar_type(), /*includeBool=*/true))
       return buf[0].div(n, "floor");
-    return buf[0].div_(n);
+    buf[0].div_(n);
   }
-  return buf[0];
+  return as_float ? buf[0].to(x.scalar_type()) : buf[0];
 }
 
 // Where a transport reads: device memory for NCCL, host memory for Gloo.
@@ -332,6 +339,7 @@ PendingAllReduce all_reduce_start(const Group& pg, at::Tensor buffer, PartialOp 
   // What the transport writes: the buffer itself, or its host copy (cuda:gloo).
   at::Tensor wire = to_wire(pg, buffer, "all_reduce_start");
   if (n == 1 || wire.numel() == 0) return PendingAllReduce::ready(buffer);
+  if (reduces_as_float(pg, wire)) wire = wire.to(at::kFloat);
   std::vector<at::Tensor> buf{wire};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);

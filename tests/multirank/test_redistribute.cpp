@@ -192,6 +192,39 @@ INSTANTIATE_TEST_SUITE_P(
       return s + "_" + c10::toString(std::get<1>(info.param));
     });
 
+// Half-precision sums (Partial(sum / avg / max) to Replicate and to Shard(0)) on 1-3 ranks:
+// Gloo has no bfloat16 all_reduce in LibTorch 1.13, so such buffers reduce in float32 and
+// round once, as one device sums them; float16 reduces as it is. Against the ranks' pieces
+// summed in float32 on one device, within one rounding.
+TEST(RedistributePlan, HalfPrecisionSumsMatchOneDevice) {
+  for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    for (const PartialOp op : {PartialOp::Sum, PartialOp::Avg, PartialOp::Max}) {
+      for (const int world : {1, 2, 3}) {
+        std::vector<at::Tensor> pieces;
+        for (int r = 0; r < world; ++r) pieces.push_back(test::randn({5, 3}, 40 + r).to(dtype));
+        at::Tensor expected = pieces[0].to(at::kFloat);
+        for (int r = 1; r < world; ++r)
+          expected = op == PartialOp::Max ? at::maximum(expected, pieces[r].to(at::kFloat))
+                                          : expected + pieces[r].to(at::kFloat);
+        if (op == PartialOp::Avg) expected = expected / world;
+        expected = expected.to(dtype);
+        const std::string what = std::string(c10::toString(dtype)) + ", " + Partial(op).str() +
+                                 ", " + std::to_string(world) + " ranks";
+        tessera::testing::run_ranks(world, [&](int rank) {
+          auto mesh = init_device_mesh("cpu", {world});
+          const auto x = from_local(pieces[static_cast<size_t>(rank)], mesh, {Partial(op)});
+          const test::Tolerance tol{1e-2, 1e-2};
+          auto whole = redistribute(x, mesh, {Replicate()});
+          EXPECT_EQ(whole.scalar_type(), dtype) << what;
+          EXPECT_TRUE(test::full_matches(whole, expected, tol)) << what << ": to Replicate";
+          EXPECT_TRUE(test::full_matches(redistribute(x, mesh, {Shard(0)}), expected, tol))
+              << what << ": to Shard(0)";
+        });
+      }
+    }
+  }
+}
+
 // comm::all_gather of uneven shards equals their concatenation, on every path it takes
 // (comm/collectives.cpp): near-even shards padded and compacted in the gathered buffer (dim
 // 0, or a dim after size-1 ones), padded and concatenated (padding over 1/8, or a dim after
