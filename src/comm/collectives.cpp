@@ -276,7 +276,8 @@ at::Tensor all_reduce_wire(const Group& pg, const at::Tensor& x, PartialOp op) {
   record({CollectiveKind::AllReduce, ring, ring, n});
   if (n == 1 || x.numel() == 0) return x;
   const bool as_float = reduces_as_float(pg, x);
-  std::vector<at::Tensor> buf{as_float ? x.to(at::kFloat) : x.contiguous().clone()};
+  // (Row-major on every rank: the sum is elementwise over the buffers' memory.)
+  std::vector<at::Tensor> buf{as_float ? x.contiguous().to(at::kFloat) : x.contiguous().clone()};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
   detail::wait(pg->allreduce(buf, opts), "all_reduce");

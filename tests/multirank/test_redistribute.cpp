@@ -194,8 +194,9 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Half-precision sums (Partial(sum / avg / max) to Replicate and to Shard(0)) on 1-3 ranks:
 // Gloo has no bfloat16 all_reduce in LibTorch 1.13, so such buffers reduce in float32 and
-// round once, as one device sums them; float16 reduces as it is. Against the ranks' pieces
-// summed in float32 on one device, within one rounding.
+// round once, as one device sums them; float16 reduces as it is. Pieces stored row-major on
+// some ranks and column-major on others. Against the ranks' pieces summed in float32 on one
+// device, within one rounding.
 TEST(RedistributePlan, HalfPrecisionSumsMatchOneDevice) {
   for (const at::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
     for (const PartialOp op : {PartialOp::Sum, PartialOp::Avg, PartialOp::Max}) {
@@ -212,7 +213,10 @@ TEST(RedistributePlan, HalfPrecisionSumsMatchOneDevice) {
                                  ", " + std::to_string(world) + " ranks";
         tessera::testing::run_ranks(world, [&](int rank) {
           auto mesh = init_device_mesh("cpu", {world});
-          const auto x = from_local(pieces[static_cast<size_t>(rank)], mesh, {Partial(op)});
+          // Odd ranks hold theirs column-major (same values, other strides).
+          const at::Tensor& piece = pieces[static_cast<size_t>(rank)];
+          const auto x =
+              from_local(rank % 2 ? piece.t().contiguous().t() : piece, mesh, {Partial(op)});
           const test::Tolerance tol{1e-2, 1e-2};
           auto whole = redistribute(x, mesh, {Replicate()});
           EXPECT_EQ(whole.scalar_type(), dtype) << what;
