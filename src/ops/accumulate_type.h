@@ -1,7 +1,7 @@
 #pragma once
-// The dtype attention kernels (the context-parallel blocks and neighbourhood attention's
-// local kernels) accumulate in: float64 for double, else float32, as LibTorch's fused
-// kernels keep their softmax statistics and log-sum-exp.
+// The dtype attention and norm kernels (the context-parallel blocks, neighbourhood attention's
+// local kernels, the norms' distributed kernels) accumulate in: float64 for double, else
+// float32, as LibTorch's fused kernels keep their softmax statistics and log-sum-exp.
 #include <c10/core/ScalarType.h>
 
 namespace tessera::ops {

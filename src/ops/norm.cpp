@@ -31,6 +31,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/accumulate.h>
 
+#include "ops/accumulate_type.h"
 #include "tessera/comm/collectives.h"
 #include "tessera/tensor/rule.h"
 
@@ -90,10 +91,8 @@ bool is_half(const at::Tensor& x) {
   return x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
 }
 
-// The dtype the kernels compute in: float32 for bfloat16 / float16 input, else the input's.
-at::ScalarType compute_dtype(const at::Tensor& x) {
-  return is_half(x) ? at::kFloat : x.scalar_type();
-}
+// The dtype the kernels compute in (float32 for half input): accumulate_type.
+at::ScalarType compute_dtype(const at::Tensor& x) { return accumulate_type(x.scalar_type()); }
 
 // The dtype of the statistics a kernel returns for input x: float32 for bfloat16 / float16
 // input beside a float32 parameter (weight, bias, running statistics: mixed precision), or on
@@ -411,13 +410,10 @@ OpPlan batch_norm_plan(const OpCall& call, bool fixed_training) {
     if (training) {
       // Local moments per channel, then one all-gather per mesh dim (combine_moments).
       const int64_t channels = x.size(1), local = channels ? x.numel() / channels : 0;
-      const bool half = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
-      at::Tensor lmean =
-          at::zeros({channels}, x.options().dtype(half ? at::kFloat : x.scalar_type()));
+      at::Tensor lmean = at::zeros({channels}, x.options().dtype(compute_dtype(x)));
       at::Tensor lvar = at::zeros_like(lmean);
       if (local > 0)
-        std::tie(lvar, lmean) =
-            at::var_mean(half ? x.to(at::kFloat) : x, reduce, /*unbiased=*/false);
+        std::tie(lvar, lmean) = at::var_mean(x.to(compute_dtype(x)), reduce, /*unbiased=*/false);
       const auto [global_mean, var_sum] = combine_moments(mesh, dims, local, lmean, lvar, count);
       const auto stats = stats_dtype(x, {w, b, rm, rv}, /*on_cuda_always=*/true);
       mean = global_mean.to(stats);

@@ -508,16 +508,17 @@ void decide(Frame& f) {
   // bfloat16 activations (attention's log-sum-exp; norms' mean and rstd on CUDA, or with
   // float32 weights), so a planned dtype can differ without any cast meant.
   auto& in = f.fresh->plan.inputs;
-  for (size_t i = 0; i < in.size() && i < f.nargs; ++i)
-    if (in[i] && f.impls[i]) in[i] = with_dtype_of(in[i], f.impls[i]->spec());
+  // Spec objects the inputs already carry are shared: later calls then match by pointer.
+  for (size_t i = 0; i < in.size() && i < f.nargs; ++i) {
+    if (!in[i] || !f.impls[i]) continue;
+    in[i] = with_dtype_of(in[i], f.impls[i]->spec());
+    if (*in[i] == f.impls[i]->spec()) in[i] = f.impls[i]->spec_ptr();
+  }
   auto& lists = f.fresh->plan.list_inputs;
   for (size_t i = 0; i < lists.size() && i < f.call.list_specs.size(); ++i)
     for (size_t k = 0; k < lists[i].size() && k < f.call.list_specs[i].size(); ++k)
       if (lists[i][k] && f.call.list_specs[i][k])
         lists[i][k] = with_dtype_of(lists[i][k], *f.call.list_specs[i][k]);
-  // Share spec objects the inputs already carry: later calls then match by pointer.
-  for (size_t i = 0; i < in.size() && i < f.nargs; ++i)
-    if (in[i] && f.impls[i] && *in[i] == f.impls[i]->spec()) in[i] = f.impls[i]->spec_ptr();
   f.decision = f.fresh;
 }
 
